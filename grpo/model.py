@@ -1,0 +1,356 @@
+"""One decoder-only Transformer for the Qwen2/Qwen2.5, Qwen3 and Llama families.
+
+The three families differ in three switches, read from a Hugging Face config.json:
+  - Qwen2/2.5: bias on the q/k/v projections;
+  - Qwen3: RMSNorm on each head of q and k before rotary, explicit head_dim;
+  - Llama (SmolLM2, Llama 3): optional llama3 rope scaling, often tied embeddings.
+Parameter names equal transformers' (minus the "model." prefix), so a checkpoint loads by
+name and `save_pretrained` writes a folder that transformers loads back.
+
+forward() returns logits; given `labels` it returns per-token log-probs of the labels
+instead, computed from the final hidden states by the fused LM-head kernel, so the
+(tokens x vocab) logits never exist. Inside forward is where FSDP has the LM-head weight
+unsharded. The attention takes an optional KV-cache object: the sampler (grpo/sampler.py)
+runs these very blocks, so there is one set of weights and one attention.
+"""
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+try:  # optional: flash-attn's varlen kernel for packed training batches on CUDA
+    from flash_attn import flash_attn_varlen_func
+except ImportError:
+    flash_attn_varlen_func = None
+
+SUPPORTED = ("llama", "qwen2", "qwen3")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    vocab_size: int
+    dim: int                    # H: hidden size
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int             # grouped-query attention: n_heads % n_kv_heads == 0
+    head_dim: int               # D
+    ffn_dim: int
+    norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None   # llama3 only; None = plain rotary
+    qkv_bias: bool              # Qwen2/2.5
+    qk_norm: bool               # Qwen3
+    tie_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelArgs":
+        """Read a transformers config.json; anything we would silently get wrong is an error."""
+        mt = cfg.get("model_type")
+        if mt not in SUPPORTED:
+            raise ValueError(f"unsupported model_type {mt!r}: grpo supports {SUPPORTED}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}: only silu (SwiGLU)")
+        if cfg.get("mlp_bias"):
+            raise ValueError("unsupported config field mlp_bias=True")
+        if cfg.get("use_sliding_window") or (mt == "llama" and cfg.get("sliding_window")):
+            raise ValueError("unsupported config field use_sliding_window=True (sliding-window attention)")
+        if cfg.get("pretraining_tp", 1) != 1:
+            raise ValueError(f"unsupported config field pretraining_tp={cfg['pretraining_tp']}")
+        # transformers >= 5 writes rope_parameters; older configs write rope_theta + rope_scaling
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"unsupported rope type {rope_type!r}: grpo supports 'default' and 'llama3'")
+        n_heads = cfg["num_attention_heads"]
+        n_kv = cfg.get("num_key_value_heads") or n_heads
+        if n_heads % n_kv:
+            raise ValueError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+        if head_dim % 2:
+            raise ValueError(f"unsupported head_dim={head_dim}: rotary embeddings need an even head_dim")
+        return cls(
+            model_type=mt, vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
+            n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+            ffn_dim=cfg["intermediate_size"], norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            rope_scaling=rope if rope_type == "llama3" else None,
+            qkv_bias=(mt == "qwen2") or bool(cfg.get("attention_bias", False)),
+            qk_norm=(mt == "qwen3"), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+
+# ----------------------------------------------------------------------------- rotary
+
+def rope_inv_freq(args: ModelArgs, device=None) -> Tensor:  # (D/2,) fp32
+    inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, args.head_dim, 2, device=device, dtype=torch.float32) / args.head_dim)
+    s = args.rope_scaling
+    if s:  # llama3: long wavelengths divided by `factor`, short kept, a smooth ramp between (Llama 3.1 report)
+        lo_wl = s["original_max_position_embeddings"] / s["low_freq_factor"]
+        hi_wl = s["original_max_position_embeddings"] / s["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+        mixed = (1 - smooth) * inv_freq / s["factor"] + smooth * inv_freq
+        inv_freq = torch.where(wavelen > lo_wl, inv_freq / s["factor"], torch.where(wavelen < hi_wl, inv_freq, mixed))
+    return inv_freq
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x (B, nh, T, D); cos, sin (B, 1, T, D/2); the "rotate half" layout of HF checkpoints
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+def doc_mask(position_ids: Tensor) -> Tensor:  # (B, T) -> (B, 1, T, T) bool, True = may attend
+    """Causal mask for packed rows: a new document starts wherever the positions do not count on
+    by one (e.g. restart at 0), and no token attends across documents."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    doc = starts.cumsum(-1)  # (B, T) document index of every token
+    T = position_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
+    return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
+
+
+# ----------------------------------------------------------------------------- blocks
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # normalize in fp32 (as the reference implementations do), scale in the input dtype
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.layer_idx, self.n_heads, self.n_kv_heads, self.head_dim = layer_idx, args.n_heads, args.n_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        if args.qk_norm:  # Qwen3: RMSNorm over each head's D channels, before rotary
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache=None, varlen=None) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if varlen is not None and cache is None:  # flash-attn on packed rows, CUDA only
+            y = flash_attention(q, k, v, varlen)
+        else:
+            if cache is not None:
+                # the sampler's hook: it stores this step's k, v and hands back what to attend
+                # over, (B, nkv, S, D) with a bool mask (B, 1, T, S); mask None = ours (prefill)
+                k, v, cache_mask = cache.update(self.layer_idx, k, v)
+                mask = cache_mask if cache_mask is not None else mask
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                               enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, varlen: tuple) -> Tensor:
+    """flash-attn's varlen kernel over packed documents: no (T x T) mask, no padding work."""
+    cu_seqlens, max_len = varlen
+    B, nh, T, D = q.shape
+    flat = lambda t: t.transpose(1, 2).reshape(B * T, t.shape[1], D)  # (B*T, nh, D)
+    y = flash_attn_varlen_func(flat(q), flat(k), flat(v), cu_seqlens, cu_seqlens, max_len, max_len, causal=True)
+    return y.view(B, T, nh, D).transpose(1, 2)
+
+
+class MLP(nn.Module):  # SwiGLU
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(args.ffn_dim, args.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args, layer_idx)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache=None, varlen=None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, varlen)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ----------------------------------------------------------------------------- model
+
+class Transformer(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        self.config = dict(config)  # the HF config.json, written back by save_pretrained
+        self.args = args = ModelArgs.from_hf(config)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(args, self.embed_tokens.weight.device), persistent=False)
+        self.generation_config: dict = {}
+        self.source_path: str | None = None  # tokenizer files are copied from here on save
+        self.activation_checkpointing = False
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, *, labels: Tensor | None = None,
+                temperature: float = 1.0, cache=None, output_index: Tensor | None = None,
+                return_entropy: bool = False):
+        """input_ids (B, T) -> logits (B, T, V), or (B, K, V) at `output_index` (B, K).
+
+        With `labels` (B, T), the token to score at each position (already shifted; -100 = ignore):
+        returns log-probs (B, T) fp32 under softmax(logits / temperature), and the entropy too
+        if `return_entropy`. Packed rows: positions that do not count on by one start a new
+        document, which attends only to itself. `cache`: the sampler's KV-cache object."""
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+            mask = None  # plain causal
+        else:
+            mask = doc_mask(position_ids)  # a cache over history replaces it with its own
+        freqs = position_ids[:, None, :, None].float() * self.inv_freq  # (B, 1, T, D/2) fp32
+        cos, sin = freqs.cos(), freqs.sin()
+        varlen = self._varlen(position_ids) if (flash_attn_varlen_func and input_ids.is_cuda and cache is None) else None
+        x = self.embed_tokens(input_ids)  # (B, T, H)
+        for block in self.layers:
+            if self.activation_checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, None, varlen, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, mask, cache, varlen)
+        h = self.norm(x)  # (B, T, H)
+        if labels is not None:
+            from grpo.kernels import linear_logprobs  # Triton on CUDA, chunked torch elsewhere
+            return linear_logprobs(h, self.lm_head.weight, labels, temperature=temperature, return_entropy=return_entropy)
+        if output_index is not None:
+            h = h.gather(1, output_index[..., None].expand(-1, -1, h.shape[-1]))  # (B, K, H)
+        return self.lm_head(h)
+
+    @staticmethod
+    def _varlen(position_ids: Tensor):
+        """cu_seqlens for flash-attn from packed position ids (document starts = position breaks)."""
+        flat = position_ids.reshape(-1)
+        starts = torch.ones_like(flat, dtype=torch.bool)
+        starts[1:] = flat[1:] != flat[:-1] + 1
+        starts[:: position_ids.shape[1]] = True  # every row starts a document
+        idx = starts.nonzero().flatten()
+        cu = torch.cat([idx, idx.new_tensor([flat.numel()])]).to(torch.int32)
+        return cu, int((cu[1:] - cu[:-1]).max())  # host sync: once per forward
+
+    # ------------------------------------------------------------------------- load / save
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "Transformer":
+        """Load a HF checkpoint folder (config.json + model.safetensors, or shards + index).
+        The model is built on the meta device, so no random weights are ever allocated."""
+        from safetensors import safe_open
+        path = Path(path)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path}/config.json not found: not a Hugging Face checkpoint folder")
+        config = json.loads((path / "config.json").read_text())
+        with torch.device("meta"):
+            model = cls(config)
+        expected = {k: v for k, v in model.state_dict().items() if not (k == "lm_head.weight" and model.args.tie_embeddings)}
+        state = {}
+        for file in _weight_files(path):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    name = key.removeprefix("model.")
+                    if name not in expected:
+                        if name == "lm_head.weight" and model.args.tie_embeddings or "rotary_emb" in name:
+                            continue  # a tied copy, or a buffer we recompute
+                        raise ValueError(f"{file.name}: unexpected weight {key!r} for a {model.args.model_type} model")
+                    t = f.get_tensor(key)
+                    if tuple(t.shape) != tuple(expected[name].shape):
+                        raise ValueError(f"{file.name}: weight {key!r} has shape {tuple(t.shape)}, "
+                                         f"the config implies {tuple(expected[name].shape)}")
+                    state[name] = t.to(device=device, dtype=dtype)
+        missing = sorted(set(expected) - set(state))
+        if missing:
+            raise ValueError(f"{path}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        model.load_state_dict(state, strict=False, assign=True)
+        if model.args.tie_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.inv_freq = rope_inv_freq(model.args, device)
+        if (path / "generation_config.json").exists():
+            model.generation_config = json.loads((path / "generation_config.json").read_text())
+        model.source_path = str(path)
+        return model
+
+    def eos_token_ids(self) -> list[int]:
+        """Every EOS id of generation_config (falling back to config.json): the default stops."""
+        eos = self.generation_config.get("eos_token_id", self.config.get("eos_token_id"))
+        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    def save_pretrained(self, path: str, state_dict: dict | None = None, max_shard_bytes: int = 4 << 30):
+        """Write config.json, safetensors (sharded above `max_shard_bytes`), generation_config and the
+        tokenizer files of the folder we came from, so that transformers loads the result.
+        `state_dict`: a full (unsharded) state dict, as gathered under FSDP; default ours."""
+        from safetensors.torch import save_file
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = state_dict if state_dict is not None else self.state_dict()
+        state = {"model." + k if k != "lm_head.weight" else k: v.detach().contiguous() for k, v in state.items()
+                 if not (k == "lm_head.weight" and self.args.tie_embeddings) and k != "inv_freq"}
+        shards, size = [{}], 0
+        for k, v in state.items():
+            nbytes = v.numel() * v.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][k], size = v, size + nbytes
+        if len(shards) == 1:
+            save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+            for name, shard in zip(names, shards):
+                save_file(shard, str(path / name), metadata={"format": "pt"})
+            index = {"metadata": {}, "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
+            (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        dtype = next(iter(state.values())).dtype
+        config = {**self.config, "torch_dtype": str(dtype).removeprefix("torch.")}
+        (path / "config.json").write_text(json.dumps(config, indent=2))
+        if self.generation_config:
+            (path / "generation_config.json").write_text(json.dumps(self.generation_config, indent=2))
+        if self.source_path and Path(self.source_path).resolve() != path.resolve():
+            for name in TOKENIZER_FILES:
+                if (Path(self.source_path) / name).exists():
+                    shutil.copy(Path(self.source_path) / name, path / name)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        absent = [f.name for f in files if not f.exists()]
+        if absent:
+            raise FileNotFoundError(f"{path}: shards named in the index are missing: {absent}")
+        return files
+    if (path / "model.safetensors").exists():
+        return [path / "model.safetensors"]
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
