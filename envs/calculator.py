@@ -1,0 +1,350 @@
+"""Calculator tool environment (the reference run: shared/seeds/calculator_agent_qwen25.md).
+
+The model writes a <calculator> block holding recursive YAML, stops on </calculator>,
+gets <output>value</output> back as the next user message, and ends with a last line
+`Answer: <number>`. Everything the model writes is hostile input to run_tool: it is
+parsed without constructing Python objects, bounded in size, depth and magnitude,
+evaluated exactly with Fraction, and every failure comes back as an observation.
+
+Rewards (weights in DEFAULT_WEIGHTS): `correct` (the final answer matches), `tool_use`
+(at least one tool call and none failed), `format` (the final turn ends on an Answer
+line), and an optional `judge` from an OpenAI-compatible LLM endpoint, off by default.
+"""
+
+import json
+import re
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from decimal import Decimal, localcontext
+from fractions import Fraction
+
+import yaml
+
+from grpo.envs.calculator_data import (  # noqa: F401  (public API of this env)
+    evaluate, generate_questions, load_questions, parse_expression, split_of, to_infix,
+)
+
+SYSTEM_PROMPT = """You are a careful assistant with a calculator. Do not work out arithmetic in your head: use the calculator.
+
+To use it, write a <calculator> block holding YAML with an `operation` (add, subtract, multiply or divide) and a list of `operands`. An operand is a number or another block of `operation` and `operands`, nested as deep as you need. Every operation takes two or more operands; subtract and divide work left to right (a - b - c, a / b / c). The calculator replies with <output>value</output>.
+
+For example, asked "What is 12.5 times the sum of 3 and 4?", you write:
+<calculator>
+operation: multiply
+operands:
+  - 12.5
+  - operation: add
+    operands:
+      - 3
+      - 4
+</calculator>
+The calculator replies:
+<output>87.5</output>
+Then you answer the user. The last line of your answer must be "Answer: " followed by the number alone, like this:
+Answer: 87.5"""
+
+DEFAULT_WEIGHTS = {"correct": 1.0, "tool_use": 0.2, "format": 0.1, "judge": 0.0}
+
+# limits on one tool call: each error is found in microseconds, long before any of them
+# could cost memory or time (the tests time hostile inputs)
+MAX_CHARS = 2000  # YAML text, checked before parsing
+MAX_NODES = 200  # numbers + operations, counted while walking, so aliases count every time
+MAX_DEPTH = 16
+MAX_DIGITS = 40  # digits in one number literal
+MAX_EXPONENT = 100  # |e| in a literal such as 1.5e20; checked before the number is built
+MAX_ABS = 10**100  # any literal or intermediate result
+SIG_DIGITS = 10  # non-integer results are rounded to this many significant digits
+
+_BLOCK = re.compile(r"<calculator>(.*?)</calculator>", re.DOTALL)
+_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(?:[eE]([-+]?\d+))?")
+
+
+class ToolError(ValueError):
+    """A message for the model: what was wrong with its tool call."""
+
+
+# ----------------------------------------------------------------------------
+# the tool
+
+
+def _number(text: str) -> Fraction:
+    s = text.strip().replace("_", "")
+    if re.fullmatch(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?", s):
+        s = s.replace(",", "")  # 1,234.5
+    m = _LITERAL.fullmatch(s)
+    if not m:
+        raise ToolError(f"not a number: {text[:40]!r}")
+    if sum(c.isdigit() for c in m.group(1)) > MAX_DIGITS:
+        raise ToolError(f"number has more than {MAX_DIGITS} digits")
+    if m.group(2) and abs(int(m.group(2)[:6])) > MAX_EXPONENT:  # before 10**e is ever built
+        raise ToolError("number too large")
+    return _bounded(Fraction(s))
+
+
+def _bounded(x: Fraction) -> Fraction:
+    if abs(x) > MAX_ABS:
+        raise ToolError("number too large")
+    return x
+
+
+def _eval_node(node, depth: int, count: list) -> Fraction:
+    """Evaluate a yaml.compose node graph. The count is shared by the whole walk: an
+    alias reached twice is counted twice, so a 'billion laughs' stops at MAX_NODES."""
+    count[0] += 1
+    if count[0] > MAX_NODES:
+        raise ToolError(f"expression too big (more than {MAX_NODES} numbers and operations)")
+    if depth > MAX_DEPTH:
+        raise ToolError(f"expression nested deeper than {MAX_DEPTH} levels")
+    if not node.tag.startswith("tag:yaml.org,2002:") or "python" in node.tag:
+        raise ToolError(f"unsupported YAML tag {node.tag[:60]}")  # e.g. !!python/object
+    if isinstance(node, yaml.ScalarNode):
+        return _number(node.value)
+    if not isinstance(node, yaml.MappingNode):
+        raise ToolError("expected a number or a mapping with 'operation' and 'operands'")
+    fields = {}
+    for key, value in node.value:
+        if not isinstance(key, yaml.ScalarNode) or key.value not in ("operation", "operands"):
+            raise ToolError(f"unexpected key {str(getattr(key, 'value', key))[:40]!r}")
+        fields[key.value] = value
+    if set(fields) != {"operation", "operands"}:
+        raise ToolError("each operation needs both 'operation' and 'operands'")
+    op_node, operands = fields["operation"], fields["operands"]
+    op = op_node.value.strip().lower() if isinstance(op_node, yaml.ScalarNode) else None
+    if op not in ("add", "subtract", "multiply", "divide"):
+        raise ToolError(f"unknown operation {str(op)[:40]!r} (use add, subtract, multiply or divide)")
+    if not isinstance(operands, yaml.SequenceNode):
+        raise ToolError(f"'operands' of {op} must be a list")
+    if len(operands.value) < 2:
+        raise ToolError(f"{op} needs at least 2 operands, got {len(operands.value)}")
+    values = [_eval_node(child, depth + 1, count) for child in operands.value]
+    result = values[0]
+    for v in values[1:]:  # left to right: a - b - c, a / b / c
+        if op == "add":
+            result += v
+        elif op == "subtract":
+            result -= v
+        elif op == "multiply":
+            result *= v
+        elif v == 0:
+            raise ToolError("division by zero")
+        else:
+            result /= v
+        result = _bounded(result)
+    return result
+
+
+def format_number(x: Fraction) -> str:
+    """Integers exactly; anything else to SIG_DIGITS significant digits, plain notation
+    unless very large or small (then 1.234e-9)."""
+    if x.denominator == 1:
+        return str(x.numerator)
+    with localcontext() as ctx:
+        ctx.prec = SIG_DIGITS
+        d = (Decimal(x.numerator) / Decimal(x.denominator)).normalize()
+    return format(d, "f") if -7 <= d.adjusted() < 16 else format(d, "e").replace("e+", "e")
+
+
+def _flow_depth(text: str) -> int:
+    depth = deepest = 0
+    for c in text:
+        depth += (c in "[{") - (c in "]}")
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def calculate(yaml_text: str) -> Fraction:
+    """The exact value of one tool call's YAML; ToolError says what is wrong."""
+    text = yaml_text.strip()
+    text = re.sub(r"^```\w*\n|\n?```$", "", text)  # tolerate a markdown fence in the block
+    if len(text) > MAX_CHARS:
+        raise ToolError(f"tool call too long ({len(text)} characters, at most {MAX_CHARS})")
+    if _flow_depth(text) > 2 * MAX_DEPTH + 2:  # PyYAML recurses per bracket, slowly: refuse first
+        raise ToolError(f"expression nested deeper than {MAX_DEPTH} levels")
+    try:
+        # compose, not load: the node graph only, no Python objects and no tags run;
+        # numbers are read from their text, so 0.1 is exactly 1/10
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        raise ToolError(f"invalid YAML ({getattr(e, 'problem', None) or type(e).__name__})") from None
+    if root is None:
+        raise ToolError("empty calculator block")
+    return _eval_node(root, 0, [0])
+
+
+def run_tool(text: str) -> str:
+    """The observation for a turn ending in a tool call: <output>value</output> or
+    <output>Error: reason</output>. Never raises."""
+    try:
+        blocks = _BLOCK.findall(text)
+        if not blocks:
+            raise ToolError("no <calculator>...</calculator> block found")
+        value = format_number(calculate(blocks[-1]))
+    except ToolError as e:
+        value = f"Error: {e}"
+    except RecursionError:  # hostile nesting inside the YAML parser itself
+        value = "Error: expression nested too deeply"
+    except MemoryError:
+        value = "Error: expression too big"
+    except Exception as e:  # a bug of ours must not end the rollout either
+        value = f"Error: could not evaluate ({type(e).__name__})"
+    return f"<output>{value}</output>"
+
+
+# ----------------------------------------------------------------------------
+# supervised warm-start data
+
+
+def _yaml_lines(tree) -> list[str]:
+    op, *operands = tree
+    lines = [f"operation: {op}", "operands:"]
+    for operand in operands:
+        if isinstance(operand, str):
+            lines.append(f"  - {operand}")
+        else:
+            sub = _yaml_lines(operand)
+            lines += ["  - " + sub[0]] + ["    " + line for line in sub[1:]]
+    return lines
+
+
+def gold_call(example: dict) -> str:
+    """The <calculator> block for the example's expression."""
+    tree = parse_expression(example["expression"])
+    body = tree if isinstance(tree, str) else "\n".join(_yaml_lines(tree))
+    return f"<calculator>\n{body}\n</calculator>"
+
+
+def gold_messages(example: dict) -> list[dict]:
+    """The ideal episode after the prompt: tool call, observation, final answer."""
+    call = gold_call(example)
+    observation = run_tool(call)
+    value = observation.removeprefix("<output>").removesuffix("</output>")
+    return [
+        {"role": "assistant", "content": call},
+        {"role": CalculatorEnv.observation_role, "content": observation},
+        {"role": "assistant", "content": f"The calculator gives {value}.\nAnswer: {value}"},
+    ]
+
+
+# ----------------------------------------------------------------------------
+# rewards
+
+
+_NUMBER = re.compile(r"-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\$?\.\d+")
+_ANSWER_LINE = re.compile(r"answer\s*[:=]\s*(.*)", re.IGNORECASE)
+# the format reward's last line: "Answer: 1,234.5", markdown bold and a final period allowed
+_FORMAT_LINE = re.compile(rf"\**answer\**\s*:\s*\**\s*(?:{_NUMBER.pattern})\s*\**\.?", re.IGNORECASE)
+
+
+def parse_number(text: str) -> float | None:
+    """The first number in text: '1,234.5', '$1,234.50', '-3.2e4', '−7' are understood."""
+    text = text.replace("\u2212", "-").replace("*", "")
+    m = _NUMBER.search(text)
+    if not m:
+        return None
+    try:
+        return float(m.group().replace(",", "").replace("$", ""))
+    except (OverflowError, ValueError):
+        return None
+
+
+def final_answer(trajectory) -> float | None:
+    """The number on the last 'Answer:' line of the last turn, else its last number.
+    A last turn that is still a tool call (cut off by length or turns) has no answer."""
+    last = trajectory.turns[-1] if trajectory.turns else ""
+    if "<calculator>" in last:
+        return None
+    answers = _ANSWER_LINE.findall(last)
+    if answers:
+        return parse_number(answers[-1])
+    numbers = _NUMBER.findall(last.replace("\u2212", "-"))
+    return parse_number(numbers[-1]) if numbers else None
+
+
+def is_close(pred: float | None, target: float, rel_tol: float = 1e-6, abs_tol: float = 1e-6) -> bool:
+    """rel 1e-6: copying the tool's 10 digits, or rounding to 7, passes; estimating does not."""
+    return pred is not None and abs(pred - target) <= max(rel_tol * abs(target), abs_tol)
+
+
+# ----------------------------------------------------------------------------
+# optional LLM judge (any OpenAI-compatible chat-completions server)
+
+JUDGE_PROMPT = """You grade an assistant that answers arithmetic questions with a calculator tool.
+
+Question: {question}
+Correct answer: {answer}
+
+The assistant's full reply, tool calls and tool outputs included:
+{completion}
+
+Score from 0 to 10: 10 if it used the calculator sensibly and stated the correct answer clearly on a final "Answer:" line, lower for wrong numbers, a misread question, needless or broken tool calls, or a confusing final reply. Reply with the score only."""
+
+
+def judge_score(question: str, answer, completion: str, base_url: str, model: str,
+                api_key: str | None = None, timeout: float = 30.0) -> float:
+    """One judge request: its 0-10 score as 0.0-1.0; any failure scores 0.0 (never raises)."""
+    body = {"model": model, "messages": [{"role": "user", "content": JUDGE_PROMPT.format(
+        question=question, answer=answer, completion=completion)}], "temperature": 0.0}
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    try:
+        request = urllib.request.Request(base_url.rstrip("/") + "/chat/completions",
+                                         data=json.dumps(body).encode(), headers=headers)
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            content = json.loads(response.read())["choices"][0]["message"]["content"]
+        score = parse_number(content)
+        return min(max(score / 10.0, 0.0), 1.0) if score is not None else 0.0
+    except Exception:  # timeout, HTTP error, bad JSON, missing fields
+        return 0.0
+
+
+def judge_scores(items: list[tuple], base_url: str, model: str, api_key: str | None = None,
+                 timeout: float = 30.0, max_workers: int = 16) -> list[float]:
+    """judge_score for many (question, answer, completion) items at once, in threads."""
+    with ThreadPoolExecutor(max_workers=max_workers) as pool:
+        return list(pool.map(lambda it: judge_score(*it, base_url, model, api_key, timeout), items))
+
+
+# ----------------------------------------------------------------------------
+# the environment
+
+
+class CalculatorEnv:
+    stop_strings = ["</calculator>"]
+    max_turns = 4  # tool calls plus the final answer; one nested call is enough
+    observation_role = "user"  # SmolLM2 and Qwen2.5 templates: tool output as a user message
+
+    def __init__(self, rel_tol: float = 1e-6, judge_base_url: str | None = None,
+                 judge_model: str | None = None, judge_api_key: str | None = None,
+                 judge_timeout: float = 30.0):
+        self.rel_tol = rel_tol
+        self.judge_base_url, self.judge_model = judge_base_url, judge_model
+        self.judge_api_key, self.judge_timeout = judge_api_key, judge_timeout
+
+    def prompt(self, example: dict) -> list[dict]:
+        return [{"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": example["question"]}]
+
+    def step(self, text: str) -> str | None:
+        # a complete block means a tool call; anything else is the final answer
+        return run_tool(text) if _BLOCK.search(text) else None
+
+    def gold_messages(self, example: dict) -> list[dict]:
+        return gold_messages(example)  # the supervised warm-start's turns
+
+    def reward(self, example: dict, trajectory) -> dict[str, float]:
+        pred = final_answer(trajectory)
+        calls = [o for o in trajectory.observations if o.startswith("<output>")]
+        last = trajectory.turns[-1] if trajectory.turns else ""
+        lines = [line for line in last.strip().splitlines() if line.strip()]
+        rewards = {
+            "correct": float(is_close(pred, float(example["answer"]), self.rel_tol)),
+            "tool_use": float(bool(calls) and not any(o.startswith("<output>Error") for o in calls)),
+            "format": float(bool(lines) and "<calculator>" not in last and
+                            _FORMAT_LINE.fullmatch(lines[-1].strip()) is not None),
+        }
+        if self.judge_base_url:
+            rewards["judge"] = judge_score(example["question"], example["answer"], trajectory.text,
+                                           self.judge_base_url, self.judge_model, self.judge_api_key,
+                                           self.judge_timeout)
+        return rewards

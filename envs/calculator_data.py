@@ -1,0 +1,300 @@
+"""Calculator questions: a seeded generator, an infix parser, and a CSV/JSONL loader.
+
+An expression tree is either a number literal (a str such as "17.5", kept as written so
+that it renders exactly) or a tuple (op, left, right) with op in OPS. Every operation
+is binary here; the tool itself also accepts longer operand lists.
+
+Generated questions copy the shape of the reference run's data (shared/seeds/
+calculator_agent_qwen25.md): the four operations, 1 to 6 of them nested (mostly 2 to 5),
+numbers a person cannot multiply in their head, and many phrasings of the question.
+"""
+
+import csv
+import hashlib
+import json
+import random
+import re
+from fractions import Fraction
+from pathlib import Path
+
+OPS = ("add", "subtract", "multiply", "divide")
+SYMBOL = {"add": "+", "subtract": "-", "multiply": "*", "divide": "/"}
+PRECEDENCE = {"add": 1, "subtract": 1, "multiply": 2, "divide": 2}
+# how many operations a question has: most 2 to 5, as in real nested questions; the
+# one-operation kind is kept rare (a warm-start on it alone learns no nesting, DESIGN.md)
+OPS_WEIGHTS = {1: 0.08, 2: 0.20, 3: 0.26, 4: 0.22, 5: 0.16, 6: 0.08}
+EVAL_FRACTION = 0.25  # share of all expressions that the hash routes to the eval split
+MAX_ANSWER = 10**13  # answers larger than this, or nonzero and below 1e-3, are redrawn
+
+# ----------------------------------------------------------------------------
+# exact evaluation and infix text
+
+
+def evaluate(tree) -> Fraction:
+    """Exact value of a tree; ZeroDivisionError on a zero divisor."""
+    if isinstance(tree, str):
+        return Fraction(tree)
+    op, left, right = tree
+    a, b = evaluate(left), evaluate(right)
+    if op == "add":
+        return a + b
+    if op == "subtract":
+        return a - b
+    if op == "multiply":
+        return a * b
+    return a / b  # Fraction raises ZeroDivisionError
+
+
+def to_infix(tree) -> str:
+    """Plain infix with the fewest parentheses (Python's eval gives the same value)."""
+    if isinstance(tree, str):
+        return tree
+    op, left, right = tree
+    l, r = to_infix(left), to_infix(right)
+    if not isinstance(left, str) and PRECEDENCE[left[0]] < PRECEDENCE[op]:
+        l = f"({l})"
+    # a right child of equal precedence needs parentheses under - and /: a - (b + c)
+    if not isinstance(right, str) and (PRECEDENCE[right[0]] < PRECEDENCE[op] or
+                                       (PRECEDENCE[right[0]] == PRECEDENCE[op] and op in ("subtract", "divide"))):
+        r = f"({r})"
+    return f"{l} {SYMBOL[op]} {r}"
+
+
+_TOKEN = re.compile(r"\s*(?:(\d+(?:\.\d*)?|\.\d+)|(.))")
+
+
+def parse_expression(text: str):
+    """Infix text (+ - * / x × ÷, parentheses, unary minus) -> tree, by recursive descent."""
+    tokens = []
+    for number, char in _TOKEN.findall(text.replace(",", "")):
+        if char.isspace():
+            continue
+        tokens.append(number or {"x": "*", "×": "*", "÷": "/"}.get(char, char))
+    pos = 0
+
+    def peek():
+        return tokens[pos] if pos < len(tokens) else None
+
+    def take():
+        nonlocal pos
+        pos += 1
+        return tokens[pos - 1]
+
+    def binary(parse_operand, symbols):  # left-associative chain: a - b - c = (a - b) - c
+        tree = parse_operand()
+        while peek() is not None and peek() in symbols:
+            op = {"+": "add", "-": "subtract", "*": "multiply", "/": "divide"}[take()]
+            tree = (op, tree, parse_operand())
+        return tree
+
+    def atom():
+        token = take() if peek() is not None else None
+        if token == "(":
+            tree = binary(term, ("+", "-"))
+            if peek() != ")":
+                raise ValueError(f"missing ')' in {text!r}")
+            take()
+            return tree
+        if token == "-":  # unary minus: fold into a literal, else write 0 - x
+            inner = atom()
+            if isinstance(inner, str):
+                return inner[1:] if inner.startswith("-") else "-" + inner
+            return ("subtract", "0", inner)
+        if token is None or not (token[0].isdigit() or token[0] == "."):
+            raise ValueError(f"unexpected {token!r} in expression {text!r}")
+        return token
+
+    def term():
+        return binary(atom, ("*", "/"))
+
+    tree = binary(term, ("+", "-"))
+    if peek() is not None:
+        raise ValueError(f"unexpected {peek()!r} in expression {text!r}")
+    return tree
+
+
+# ----------------------------------------------------------------------------
+# random trees and their questions
+
+
+def _number(rng: random.Random) -> str:
+    """A number that is tedious by hand: 2 to 5 digits, sometimes with decimals."""
+    kind = rng.random()
+    if kind < 0.70:
+        return str(rng.randint(12, 99999) if rng.random() < 0.5 else rng.randint(101, 9999))
+    if kind < 0.90:
+        return f"{rng.randint(1, 9999)}.{rng.randint(1, 99):02d}".rstrip("0")
+    return f"{rng.randint(1, 999)}.{rng.randint(1, 9)}"
+
+
+def _tree(rng: random.Random, n_ops: int):
+    if n_ops == 0:
+        return _number(rng)
+    left_ops = rng.randint(0, n_ops - 1)  # the other n_ops - 1 - left_ops go right
+    return (rng.choice(OPS), _tree(rng, left_ops), _tree(rng, n_ops - 1 - left_ops))
+
+
+def count_ops(tree) -> int:
+    return 0 if isinstance(tree, str) else 1 + count_ops(tree[1]) + count_ops(tree[2])
+
+
+# Noun phrases that open with "the ... of" delimit their start; a comma after a nested
+# first operand closes it ("the sum of 987 times 654, and 321"). The infix forms
+# ("987 times 654") only join two plain numbers, and only in a slot that a comma or the
+# end of the sentence closes, so that no precedence has to be guessed.
+_PREFIX = {
+    "add": ["the sum of {a} and {b}", "the total of {a} and {b}"],
+    "subtract": ["the difference between {a} and {b}"],
+    "multiply": ["the product of {a} and {b}"],
+    "divide": ["the quotient of {a} and {b}", "the ratio of {a} to {b}"],
+}
+_INFIX = {
+    "add": ["{a} plus {b}"],
+    "subtract": ["{a} minus {b}", "{b} subtracted from {a}"],
+    "multiply": ["{a} times {b}", "{a} multiplied by {b}"],
+    "divide": ["{a} divided by {b}"],
+}
+_VERB = {  # imperative forms for the top operation
+    "add": ["add {a} to {b}", "add {a} and {b}"],
+    "subtract": ["subtract {b} from {a}", "take {b} away from {a}"],
+    "multiply": ["multiply {a} by {b}", "multiply {a} and {b}"],
+    "divide": ["divide {a} by {b}", "divide {a} into {b} equal parts"],
+}
+_STEP = {"add": "add {b}", "subtract": "subtract {b}", "multiply": "multiply by {b}", "divide": "divide by {b}"}
+_ASK = ["What is {p}?", "What's {p}?", "Calculate {p}.", "Compute {p}.", "Find {p}.",
+        "How much is {p}?", "Can you work out {p}?", "Please evaluate {p}.", "I need {p}.",
+        "Tell me {p}.", "Determine {p}.", "What number is {p}?"]
+_ASK_VERB = ["What do you get when you {v}?", "If you {v}, what do you get?",
+             "What is the result if you {v}?", "Please {v}.", "{V}. What's the answer?"]
+_ASK_CHAIN = ["Start with {base}. {Steps}. What is the result?",
+              "Take {base}, {steps}. What do you end up with?",
+              "Begin with {base}, {steps}, and tell me the result."]
+_ASK_INFIX = ["Evaluate {e}.", "What is {e}?", "Calculate {e} for me.", "{e} = ?",
+              "Work out the value of {e}."]
+
+
+def _fill(rng: random.Random, template: str, left, right) -> str:
+    a_first = template.index("{a}") < template.index("{b}")
+    first, last = (left, right) if a_first else (right, left)
+    p_first = _phrase(rng, first, infix_ok=True) + ("" if isinstance(first, str) else ",")
+    p_last = _phrase(rng, last, infix_ok=False)
+    a, b = (p_first, p_last) if a_first else (p_last, p_first)
+    return template.format(a=a, b=b)
+
+
+def _phrase(rng: random.Random, tree, infix_ok: bool) -> str:
+    if isinstance(tree, str):
+        return tree
+    op, left, right = tree
+    if infix_ok and isinstance(left, str) and isinstance(right, str) and rng.random() < 0.5:
+        return rng.choice(_INFIX[op]).format(a=left, b=right)
+    return _fill(rng, rng.choice(_PREFIX[op]), left, right)
+
+
+def _chainable(tree) -> bool:
+    """A left spine of 2+ operations whose right operands have at most one operation each:
+    then no operand phrase holds a comma, and commas can separate the steps."""
+    if isinstance(tree[1], str):
+        return False
+    while not isinstance(tree, str):
+        if count_ops(tree[2]) > 1:
+            return False
+        tree = tree[1]
+    return True
+
+
+def _chain(rng: random.Random, tree) -> str:
+    """'Start with A times B. Subtract C, then divide by D.' for a left-leaning tree."""
+    spine = []
+    while not isinstance(tree[1], str):
+        spine.append(tree)
+        tree = tree[1]
+    steps = [_STEP[op].format(b=_phrase(rng, right, infix_ok=False)) for op, _, right in reversed(spine)]
+    steps = ", ".join(steps[:-1]) + (", then " if len(steps) > 1 else "") + steps[-1]
+    base = _phrase(rng, tree, infix_ok=True)
+    return rng.choice(_ASK_CHAIN).format(base=base, steps=steps, Steps=steps[0].upper() + steps[1:])
+
+
+def _question(rng: random.Random, tree) -> str:
+    if isinstance(tree, str):
+        return f"What is {tree}?"
+    style = rng.random()
+    if style < 0.15:
+        return rng.choice(_ASK_INFIX).format(e=to_infix(tree))
+    if style < 0.45 and _chainable(tree):
+        return _chain(rng, tree)
+    if style < 0.65:
+        v = _fill(rng, rng.choice(_VERB[tree[0]]), tree[1], tree[2])
+        return rng.choice(_ASK_VERB).format(v=v, V=v[0].upper() + v[1:])
+    q = rng.choice(_ASK).format(p=_phrase(rng, tree, infix_ok=True))
+    return q[0].upper() + q[1:]
+
+
+def split_of(expression: str) -> str:
+    """'train' or 'eval', a pure function of the expression: the splits cannot overlap."""
+    h = int.from_bytes(hashlib.sha256(expression.encode()).digest()[:8], "big")
+    return "eval" if h < EVAL_FRACTION * 2**64 else "train"
+
+
+def generate_questions(n: int, seed: int = 0, split: str = "train") -> list[dict]:
+    """n distinct questions {question, expression, answer, ops}, deterministic in (n, seed, split)."""
+    assert split in ("train", "eval"), f"{split=}"
+    rng = random.Random(f"calculator-{split}-{seed}")  # str seeds hash the same in every process
+    sizes, weights = list(OPS_WEIGHTS), list(OPS_WEIGHTS.values())
+    out, seen = [], set()
+    while len(out) < n:
+        tree = _tree(rng, rng.choices(sizes, weights)[0])
+        expression = to_infix(tree)
+        if expression in seen or split_of(expression) != split:
+            continue
+        try:
+            value = evaluate(tree)
+        except ZeroDivisionError:
+            continue
+        if abs(value) > MAX_ANSWER or (value and abs(value) < Fraction(1, 1000)):
+            continue
+        seen.add(expression)
+        out.append({"question": _question(rng, tree), "expression": expression,
+                    "answer": float(value), "ops": count_ops(tree)})
+    return out
+
+
+# ----------------------------------------------------------------------------
+# a user's own questions
+
+
+def load_questions(path) -> list[dict]:
+    """Rows of a CSV or JSONL with `question` (or `prompt`), optional `expression`, and
+    `answer` (computed from `expression` when absent). ValueError names the bad line."""
+    path = Path(path)
+    if path.suffix.lower() == ".csv":
+        with open(path, newline="") as f:
+            rows = [(i + 2, row) for i, row in enumerate(csv.DictReader(f, skipinitialspace=True))]
+    else:
+        rows = []
+        for i, line in enumerate(open(path), start=1):
+            if line.strip():
+                try:
+                    rows.append((i, json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+    out = []
+    for line, row in rows:
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{line}: expected an object with a 'question' field")
+        question = row.get("question") or row.get("prompt")
+        if not question:
+            raise ValueError(f"{path}:{line}: missing column 'question' (or 'prompt')")
+        expression = (row.get("expression") or "").strip() or None
+        answer = row.get("answer")
+        if answer in (None, "") and not expression:
+            raise ValueError(f"{path}:{line}: missing column 'answer' (and no 'expression' to compute it)")
+        try:
+            if answer in (None, ""):
+                answer = float(evaluate(parse_expression(expression)))
+            else:
+                answer = float(str(answer).replace(",", "").replace("$", "").strip())
+        except (ValueError, ZeroDivisionError) as e:
+            raise ValueError(f"{path}:{line}: bad answer or expression: {e}") from None
+        out.append({**row, "question": question.strip(), "expression": expression, "answer": answer})
+    return out
