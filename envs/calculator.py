@@ -332,6 +332,9 @@ class CalculatorEnv:
     def gold_messages(self, example: dict) -> list[dict]:
         return gold_messages(example)  # the supervised warm-start's turns
 
+    def extract(self, trajectory) -> float | None:  # for eval records
+        return final_answer(trajectory)
+
     def reward(self, example: dict, trajectory) -> dict[str, float]:
         pred = final_answer(trajectory)
         calls = [o for o in trajectory.observations if o.startswith("<output>")]

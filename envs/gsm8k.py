@@ -49,17 +49,18 @@ def _normalize(token: str) -> str | None:
     return format(float(token), ".5g")
 
 
-def score(completion: str, target: str) -> float:
-    """1.0 if the last number in the completion equals the target at 5 significant
-    figures: strip `$ , £ € * _` and periods not followed by a digit, split on
-    whitespace, scan tokens from the end, compare the first one that is a number."""
+def extract(completion: str) -> str | None:
+    """The number the scorer reads: strip `$ , £ € * _` and periods not followed by a
+    digit, split on whitespace, scan tokens from the end, take the first that is a number."""
     words = _PERIOD.sub("", _STRIP.sub("", completion.strip().casefold())).split()
+    return next((w for w in reversed(words) if _normalize(w) is not None), None)
+
+
+def score(completion: str, target: str) -> float:
+    """1.0 if the extracted number equals the target at 5 significant figures."""
+    got = extract(completion)
     want = _normalize(_PERIOD.sub("", _STRIP.sub("", str(target).strip())))
-    for word in reversed(words):
-        got = _normalize(word)
-        if got is not None:
-            return float(got == want)
-    return 0.0
+    return float(got is not None and _normalize(got) == want)
 
 
 _ANSWER_LINE = re.compile(r"answer:\s*[-+]?[$£€]?[\d,]*\.?\d+\.?", re.IGNORECASE)
@@ -108,6 +109,9 @@ class GSM8KEnv:
 
     def prompt(self, example: dict) -> list[dict]:
         return self.system + [{"role": "user", "content": MATH_PROMPT_TEMPLATE.format(prompt=example["question"])}]
+
+    def extract(self, trajectory) -> str | None:  # the answer the scorer reads, for eval records
+        return extract(trajectory.text)
 
     def reward(self, example: dict, trajectory) -> dict[str, float]:
         return {"correct": score(trajectory.text, example["answer"]), "format": format_reward(trajectory.text)}

@@ -91,6 +91,9 @@ class MathEnv:
     def prompt(self, example: dict) -> list[dict]:
         return [{"role": "user", "content": example["question"] + PROMPT_SUFFIX}]
 
+    def extract(self, trajectory) -> str | None:  # for eval records
+        return last_boxed(trajectory.text)
+
     def reward(self, example: dict, trajectory) -> dict[str, float]:
         boxed = last_boxed(trajectory.text)
         return {"correct": float(boxed is not None and is_equiv(boxed, str(example["answer"])))}

@@ -1,0 +1,129 @@
+"""Accuracy of a model on an env's questions: mean@k and pass@k with 95% intervals.
+
+    python -m grpo.eval --model PATH --task gsm8k [--data FILE] [--n K] [--shots S] [--limit N]
+tasks: gsm8k, math500, aime24, aime25, calculator. `--data` takes JSONL or CSV with a
+`question` (or `prompt`) column and an `answer` column. Per-sample records (prompt,
+completion, extracted answer, score) go to a JSONL file.
+"""
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from grpo.rollout import rollout, sampling_params, score
+
+
+def mean_ci95(values: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% normal interval (per-question values)."""
+    n = len(values)
+    if n == 0:
+        return 0.0, 0.0
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
+    return mean, 1.96 * math.sqrt(var / n)
+
+
+def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
+    """Mean per-question gain and its paired 95% half-width: the same questions, scored twice."""
+    assert len(before) == len(after), "paired comparison needs the same questions"
+    return mean_ci95([a - b for a, b in zip(after, before)])
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, env, examples: list[dict], n: int = 1, temperature: float = 0.0, max_tokens: int = 512,
+             max_turns: int = 1, sampler=None, chat_kwargs: dict | None = None, seed: int = 1234, gen_batch: int = 64) -> dict:
+    """Run the env on `examples` with n samples each (temperature 0 = greedy). The score is the
+    env's `correct` reward term. Returns mean (mean@n), pass (pass@n), ci95 and per-sample records."""
+    from grpo.sampler import Sampler
+    sampler = sampler or Sampler(model, tokenizer, max_batch=gen_batch)
+    params = sampling_params(env, tokenizer, n, temperature, max_tokens, seed, max_turns=max_turns)
+    trajs = score(env, rollout(sampler, tokenizer, env, list(examples), params, chat_kwargs=chat_kwargs))
+    records, per_question, passed = [], [], []
+    for q, ex in enumerate(examples):
+        group = trajs[q * n:(q + 1) * n]
+        correct = [t.rewards.get("correct", 0.0) for t in group]
+        per_question.append(sum(correct) / n)
+        passed.append(float(max(correct) > 0))
+        for t, c in zip(group, correct):
+            records.append({"question": ex.get("question", ex.get("prompt", "")), "answer": str(ex.get("answer")),
+                            "completion": t.text, "extracted": env.extract(t) if hasattr(env, "extract") else None,
+                            "correct": c, "rewards": t.rewards, "finish_reason": t.finish_reason, "turns": t.num_turns})
+    mean, ci = mean_ci95(per_question)
+    pass_k, pass_ci = mean_ci95(passed)
+    return {"mean": mean, "ci95": ci, "pass": pass_k, "pass_ci95": pass_ci, "n": n, "questions": len(examples),
+            "records": records}
+
+
+# ----------------------------------------------------------------------------- command line
+
+def load_task(task: str, data: str | None, shots: int):
+    """(env, examples) for a task name; `data` overrides the task's default file."""
+    shared = Path(__file__).resolve().parents[2] / "shared" / "data"
+    if task == "gsm8k":
+        from grpo.envs import gsm8k
+        fewshot = gsm8k.fewshot_examples(gsm8k.load(_need(shared / "gsm8k" / "train.jsonl")), shots) if shots else []
+        examples = _load_generic(data) if data else gsm8k.load(_need(shared / "gsm8k" / "test.jsonl"))
+        return gsm8k.GSM8KEnv(fewshot=fewshot), examples
+    if task in ("math500", "aime24", "aime25"):
+        from grpo.envs import math as math_env
+        default = {"math500": shared / "math500" / "test.jsonl", "aime24": shared / "aime" / "aime24.jsonl",
+                   "aime25": shared / "aime" / "aime25.jsonl"}[task]
+        examples = _load_generic(data) if data else math_env.load(_need(default), task)
+        return math_env.MathEnv(), examples
+    if task == "calculator":
+        from grpo.envs import calculator
+        examples = calculator.load_questions(data) if data else calculator.generate_questions(200, seed=0, split="eval")
+        return calculator.CalculatorEnv(), examples
+    raise SystemExit(f"unknown task {task!r}: gsm8k, math500, aime24, aime25, calculator")
+
+
+def _need(path: Path) -> Path:
+    if not Path(path).exists():
+        raise SystemExit(f"{path} not found: pass --data FILE (JSONL or CSV with question and answer columns)")
+    return Path(path)
+
+
+def _load_generic(path) -> list[dict]:
+    from grpo.envs.calculator import load_questions  # reads question/prompt + answer from JSONL or CSV
+    return load_questions(_need(path))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m grpo.eval", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="HF checkpoint folder")
+    p.add_argument("--task", required=True, choices=["gsm8k", "math500", "aime24", "aime25", "calculator"])
+    p.add_argument("--data", help="JSONL or CSV with question (or prompt) and answer columns")
+    p.add_argument("--n", type=int, default=1, help="samples per question (mean@n, pass@n)")
+    p.add_argument("--shots", type=int, default=0, help="few-shot examples (gsm8k)")
+    p.add_argument("--limit", type=int, default=0, help="first N questions only")
+    p.add_argument("--temperature", type=float, default=None, help="default: 0 (greedy) for n=1, else 1.0")
+    p.add_argument("--max_tokens", type=int, default=1024)
+    p.add_argument("--max_turns", type=int, default=4)
+    p.add_argument("--enable_thinking", type=int, default=1, help="chat template switch (Qwen3: 0 = non-thinking)")
+    p.add_argument("--out", default=None, help="per-sample JSONL (default: eval_<task>.jsonl)")
+    args = p.parse_args(argv)
+    from transformers import AutoTokenizer
+    from grpo.model import Transformer
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = Transformer.from_pretrained(args.model, dtype=dtype, device=device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    env, examples = load_task(args.task, args.data, args.shots)
+    examples = examples[:args.limit] if args.limit else examples
+    temperature = args.temperature if args.temperature is not None else (0.0 if args.n == 1 else 1.0)
+    r = evaluate(model, tokenizer, env, examples, n=args.n, temperature=temperature, max_tokens=args.max_tokens,
+                 max_turns=args.max_turns, chat_kwargs={"enable_thinking": bool(args.enable_thinking)})
+    out = args.out or f"eval_{args.task}.jsonl"
+    with open(out, "w") as f:
+        f.writelines(json.dumps(rec) + "\n" for rec in r["records"])
+    print(f"| task | questions | n | mean@{args.n} | 95% CI | pass@{args.n} |")
+    print(f"| {args.task} | {r['questions']} | {args.n} | {r['mean']:.4f} | ± {r['ci95']:.4f} | {r['pass']:.4f} |")
+    print(f"per-sample records: {out}")
+    return r
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,144 @@
+"""Prompts + env + sampler -> trajectories: the exact token ids that were sampled or injected.
+
+Multi-turn: when a row stops on the env's tool-call stop string, the sampler calls `tool`,
+which decodes that turn, asks `env.step(text)` for the observation, and returns the exact
+token ids the chat template adds after the assistant turn (the end of the turn, the
+observation message, the next assistant header). Nothing already in the row is
+re-tokenized: the template is rendered with and without the new message and the earlier
+text must be a prefix of the later (checked), so the suffix is exactly what the template adds.
+"""
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from grpo.sampler import Sampler, SamplingParams
+
+
+@dataclass
+class Trajectory:
+    example: dict
+    prompt_index: int             # index of the prompt in the global batch (for grouping)
+    prompt_ids: list[int]
+    completion_ids: list[int]     # sampled and injected, up to and including the stop token
+    loss_mask: list[int]          # 1 on sampled tokens, 0 on injected ones
+    sampler_logprobs: list[float]
+    finish_reason: str            # stop | length | turns
+    num_turns: int
+    text: str = ""                # the whole decoded completion, observations included
+    turns: list[str] = field(default_factory=list)         # the assistant turns' texts
+    observations: list[str] = field(default_factory=list)  # the env's answers
+    rewards: dict = field(default_factory=dict)            # named terms from env.reward
+    reward: float = 0.0           # their weighted sum
+
+
+def render_prompt(tokenizer, messages: list[dict], **chat_kwargs) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **chat_kwargs)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def continuation_ids(tokenizer, messages: list[dict], turn_text: str, observation: str, role: str,
+                     **chat_kwargs) -> list[int]:
+    """Token ids the chat template adds after an assistant turn that ended in `turn_text`:
+    the end of that turn, the observation message of `role`, and the next assistant header."""
+    before = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **chat_kwargs)
+    history = messages + [{"role": "assistant", "content": turn_text}, {"role": role, "content": observation}]
+    after = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False, **chat_kwargs)
+    prefix = before + turn_text
+    if not after.startswith(prefix):
+        raise ValueError("the chat template rewrites earlier turns (e.g. strips them), so observation tokens cannot "
+                         f"be appended in place; rendered text diverges after {_common_prefix(prefix, after)} chars")
+    return tokenizer.encode(after[len(prefix):], add_special_tokens=False)
+
+
+def _common_prefix(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+class _ToolState:
+    """Per-row episode state behind the sampler's tool callback: the conversation so far."""
+    def __init__(self, tokenizer, env, messages: list[dict], chat_kwargs: dict):
+        self.tokenizer, self.env, self.messages, self.chat_kwargs = tokenizer, env, list(messages), chat_kwargs
+        self.turns, self.observations, self.consumed = [], [], 0  # consumed: completion tokens already in turns
+
+    def __call__(self, completion_ids: list[int]) -> list[int] | None:
+        turn_text = self.tokenizer.decode(completion_ids[self.consumed:], skip_special_tokens=False)
+        self.turns.append(turn_text)
+        observation = self.env.step(turn_text)
+        if observation is None:
+            return None
+        ids = continuation_ids(self.tokenizer, self.messages, turn_text, observation, self.env.observation_role,
+                               **self.chat_kwargs)
+        self.messages += [{"role": "assistant", "content": turn_text},
+                          {"role": self.env.observation_role, "content": observation}]
+        self.observations.append(observation)
+        self.consumed = len(completion_ids) + len(ids)
+        return ids
+
+
+def sampling_params(env, tokenizer, G: int, temperature: float, max_tokens: int, seed: int,
+                    top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, max_turns: int = 1) -> SamplingParams:
+    tool_stops = list(getattr(env, "stop_strings", []))
+    return SamplingParams(n=G, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                          max_tokens=max_tokens, seed=seed, tool_stop_strings=tool_stops,
+                          max_turns=max(max_turns, getattr(env, "max_turns", 1)) if tool_stops else 1)
+
+
+def rollout(sampler: Sampler, tokenizer, env, examples: list[dict], params: SamplingParams,
+            prompt_offset: int = 0, chat_kwargs: dict | None = None) -> list[Trajectory]:
+    """len(examples) * params.n trajectories, in prompt order (G consecutive per prompt).
+    `prompt_offset` is the global index of examples[0]: it seeds the sampler, so a prompt's
+    samples do not depend on the rank or the batch it lands in."""
+    chat_kwargs = chat_kwargs or {}
+    messages = [env.prompt(ex) for ex in examples]
+    prompts = [render_prompt(tokenizer, m, **chat_kwargs) for m in messages]
+    G = params.n
+    states = [_ToolState(tokenizer, env, messages[i // G], chat_kwargs) for i in range(len(examples) * G)]
+    tool = (lambda index, ids: states[index](ids)) if params.tool_stop_strings else None
+    completions = sampler.generate(prompts, params, tool=tool,
+                                   prompt_ids=list(range(prompt_offset, prompt_offset + len(prompts))))
+    trajectories = []
+    for i, (c, st) in enumerate(zip(completions, states)):
+        last = tokenizer.decode(c.token_ids[st.consumed:], skip_special_tokens=True)
+        turns = st.turns if len(st.turns) > len(st.observations) else st.turns + [last]  # the final answer turn
+        trajectories.append(Trajectory(
+            example=examples[i // G], prompt_index=prompt_offset + i // G, prompt_ids=prompts[i // G],
+            completion_ids=list(c.token_ids), loss_mask=list(c.loss_mask), sampler_logprobs=list(c.logprobs),
+            finish_reason=c.finish_reason, num_turns=c.num_turns,
+            text=tokenizer.decode(c.token_ids, skip_special_tokens=True), turns=turns, observations=st.observations))
+    return trajectories
+
+
+def score(env, trajectories: list[Trajectory], weights: dict[str, float] | None = None, workers: int = 16):
+    """env.reward for every trajectory, concurrently (a term may wait on an HTTP judge), then the
+    weighted sum. Terms missing from `weights` weigh 1."""
+    weights = weights or {}
+    with ThreadPoolExecutor(workers) as pool:
+        terms = list(pool.map(lambda t: env.reward(t.example, t), trajectories))
+    for t, r in zip(trajectories, terms):
+        t.rewards = {k: float(v) for k, v in r.items()}
+        t.reward = sum(weights.get(k, 1.0) * v for k, v in t.rewards.items())
+    return trajectories
+
+
+def gold_trajectory(tokenizer, env, example: dict, eos_id: int, chat_kwargs: dict | None = None) -> Trajectory:
+    """A demonstration rendered in the very layout a rollout produces: sampled-looking assistant
+    turns (mask 1), template-made observation tokens between them (mask 0), the final EOS.
+    Used by the supervised warm-start; env.gold_messages(example) gives the turns."""
+    chat_kwargs = chat_kwargs or {}
+    messages = env.prompt(example)
+    prompt = render_prompt(tokenizer, messages, **chat_kwargs)
+    gold = env.gold_messages(example)  # [assistant, observation, assistant, ...]
+    ids, mask = [], []
+    for i in range(0, len(gold), 2):
+        turn = tokenizer.encode(gold[i]["content"], add_special_tokens=False)
+        ids += turn
+        mask += [1] * len(turn)
+        if i + 1 < len(gold):
+            obs = continuation_ids(tokenizer, messages, gold[i]["content"], gold[i + 1]["content"], gold[i + 1]["role"], **chat_kwargs)
+            messages = messages + gold[i:i + 2]
+            ids += obs
+            mask += [0] * len(obs)
+    ids.append(eos_id)
+    mask.append(1)
+    return Trajectory(example=example, prompt_index=-1, prompt_ids=prompt, completion_ids=ids, loss_mask=mask,
+                      sampler_logprobs=[0.0] * len(ids), finish_reason="stop", num_turns=(len(gold) + 1) // 2,
+                      text=tokenizer.decode(ids, skip_special_tokens=True))

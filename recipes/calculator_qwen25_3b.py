@@ -1,0 +1,62 @@
+"""Qwen2.5-3B-Instruct learns a multi-turn calculator tool (shared/seeds/calculator_agent_qwen25.md).
+
+    torchrun --nproc_per_node=8 recipes/calculator_qwen25_3b.py --model_path=/models/Qwen2.5-3B-Instruct
+    torchrun --nproc_per_node=4 recipes/calculator_qwen25_3b.py --model_path=... --prompts_per_step=4   # 4x A100 80GB
+
+Reference: accuracy 27% -> 89% on held-out calculator questions, one epoch over ~1,500
+questions, about 3 h on 8x RTX 6000 Ada or 4x A100 (with vLLM on separate GPUs; here the
+same GPUs sample and train). Hyperparameters as the reference: G = 8 samples per question at
+temperature 0.9, 8 generations per GPU per step (so prompts_per_step = GPUs), lr 1e-6,
+mu = 2, grad-norm clip 0.1, bf16 compute, prompt 1024 / completion 500 tokens. Reward:
+code verification of the final answer (+ tool use and format terms); the LLM judge of the
+reference is optional (--judge_base_url=http://host/v1 --judge_model=NAME, OpenAI-compatible).
+Batch sizes per GPU come from grpo.config.pick_profile (RTX 6000 Ada, A100, H100/H200, B200).
+"""
+from dataclasses import dataclass
+
+from grpo.config import Config, parse_args
+from grpo.envs.calculator import DEFAULT_WEIGHTS, CalculatorEnv, generate_questions, load_questions
+from grpo.trainer import train
+
+
+@dataclass
+class CalculatorQwen(Config):
+    model_path: str = "Qwen/Qwen2.5-3B-Instruct"   # a local HF folder: no hub download at run time
+    output_dir: str = "runs/calculator_qwen25_3b"
+    train_questions: int = 1500       # one epoch: num_steps = train_questions / prompts_per_step
+    eval_questions: int = 200
+    train_data: str = ""              # optional CSV/JSONL of your own questions instead of generated ones
+    judge_base_url: str = ""          # optional LLM judge (OpenAI-compatible /chat/completions)
+    judge_model: str = ""
+    judge_weight: float = 0.5
+    prompts_per_step: int = 8         # 8 GPUs x 8 generations / G = 8
+    group_size: int = 8
+    num_steps: int = 0                # 0 = one epoch
+    temperature: float = 0.9
+    lr: float = 1e-6
+    num_iterations: int = 2           # mu
+    max_grad_norm: float = 0.1
+    max_prompt_len: int = 1024
+    max_completion_len: int = 500
+    max_turns: int = 4
+    loss_type: str = "grpo"
+    beta: float = 0.0
+    eval_limit: int = 200
+    eval_every: int = 50
+    save_every: int = 25
+    dtype: str = "auto"               # bf16 compute on GPU, fp32 master weights
+
+
+def main(cls=CalculatorQwen):
+    cfg = parse_args(cls)
+    questions = load_questions(cfg.train_data) if cfg.train_data else generate_questions(cfg.train_questions, cfg.seed, "train")
+    eval_qs = generate_questions(cfg.eval_questions, cfg.seed + 1, "eval")
+    if cfg.num_steps == 0:
+        cfg.num_steps = max(1, len(questions) // cfg.prompts_per_step)
+    env = CalculatorEnv(judge_base_url=cfg.judge_base_url or None, judge_model=cfg.judge_model or None)
+    weights = {**DEFAULT_WEIGHTS, "judge": cfg.judge_weight if cfg.judge_base_url else 0.0}
+    train(cfg, env, questions, eval_qs, reward_weights=weights)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Qwen3-0.6B (thinking off) on GSM8K, optimized against the benchmark's own scorer
+(shared/seeds/gsm8k_qwen3_06b_grpo.md).
+
+    torchrun --nproc_per_node=1 recipes/gsm8k_qwen3_06b.py --model_path=/models/Qwen3-0.6B --train_data=gsm8k/train.jsonl
+    python -m grpo.eval --model runs/gsm8k_qwen3_06b/export --task gsm8k --shots 10 --enable_thinking 0
+
+Reference: 10-shot greedy GSM8K test 47.5% -> 70.9% in 251 steps (about $8 on one L4, then
+one L40S). Settings as the card: inspect's MATH_PROMPT_TEMPLATE ("ANSWER: $ANSWER" last
+line); reward = inspect's numeric match (5 significant figures) + 0.2 for ending on an
+ANSWER line; DAPO loss, beta = 0, rewards scaled within groups, truncated completions
+masked, 16 prompts x 16 samples, lr 2e-6 -> 3e-6, temperature 1.0 -> 1.15, max 768 tokens.
+Deviation: the reference ran three stages (lr 2e-6 / temp 1.0, then higher); one schedule
+covers them here (lr 3e-6 with warmup, temperature 1.1). Profiles: L4 24 GB, L40S 48 GB,
+A100, H100/H200 (grpo.config.pick_profile).
+"""
+from dataclasses import dataclass
+
+from grpo.config import Config, parse_args
+from grpo.envs import gsm8k
+from grpo.trainer import train
+
+
+@dataclass
+class GSM8KQwen3(Config):
+    model_path: str = "Qwen/Qwen3-0.6B"   # a local HF folder
+    output_dir: str = "runs/gsm8k_qwen3_06b"
+    train_data: str = "../shared/data/gsm8k/train.jsonl"
+    eval_data: str = "../shared/data/gsm8k/test.jsonl"
+    eval_shots: int = 10              # eval protocol: 10-shot greedy (training prompts are zero-shot)
+    enable_thinking: bool = False     # Qwen3 non-thinking mode, in training and eval alike
+    num_steps: int = 250
+    prompts_per_step: int = 16
+    group_size: int = 16
+    temperature: float = 1.1
+    lr: float = 3e-6
+    warmup_steps: int = 10
+    loss_type: str = "dapo"
+    scale_rewards: str = "group"
+    beta: float = 0.0
+    epsilon_high: float = 0.28        # DAPO clip-higher
+    mask_truncated_completions: bool = True
+    max_prompt_len: int = 512
+    max_completion_len: int = 768
+    eval_limit: int = 1319
+    eval_every: int = 50
+    save_every: int = 25
+
+
+def main(cls=GSM8KQwen3):
+    cfg = parse_args(cls)
+    train_set, test_set = gsm8k.load(cfg.train_data), gsm8k.load(cfg.eval_data)
+    # eval with the harness's 10-shot system prompt, train zero-shot: two envs, one scorer
+    shots = gsm8k.fewshot_examples(train_set, cfg.eval_shots) if cfg.eval_shots else []
+    train(cfg, gsm8k.GSM8KEnv(), train_set, test_set, reward_weights=gsm8k.DEFAULT_WEIGHTS, eval_env=gsm8k.GSM8KEnv(fewshot=shots))
+
+
+if __name__ == "__main__":
+    main()
