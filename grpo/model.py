@@ -157,6 +157,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if varlen is not None and cache is None:  # flash-attn on packed rows, CUDA only
             y = flash_attention(q, k, v, varlen)
+        elif getattr(cache, "attend", None) is not None:  # the cache runs its own kernel (flash-attn's KV-cache decode)
+            y = cache.attend(self.layer_idx, q, k, v)
         else:
             if cache is not None:
                 # the sampler's hook: it stores this step's k, v and hands back what to attend

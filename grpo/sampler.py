@@ -1,0 +1,386 @@
+"""The rollout engine: a batched KV-cache sampler over the model's own blocks.
+
+    Sampler(model, tokenizer).generate(prompts, SamplingParams(n=8, max_tokens=500), tool)
+
+One loop (`generate`) over four moves, each a short function:
+  1. admit   waiting requests take free cache slots: fresh prompts are prefilled packed in
+             one row (no padding), once per prompt, then forked into the slots of its n samples;
+  2. resume  rows whose tool call returned get the observation appended to their cache;
+  3. decode  a window of steps over all slots on device (`decode_step`: stop and length
+             checks on device too), then one host sync to read the tokens back;
+  4. finish  stops, stop strings, tool calls (run in a thread pool, so the other rows keep
+             decoding) and length; a finished row frees its slot for the next request
+             (continuous batching).
+Randomness is per request (grpo/sampling.py), so results do not depend on the batch.
+On CUDA a decode window is one CUDA graph, and flash-attn's KV-cache kernel is used when
+importable; on CPU the window is a single eager step over the occupied slots.
+"""
+import concurrent.futures as cf
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from grpo.kv_cache import KVCache
+from grpo.sampling import request_key, sample, uniform
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1                      # G: completions per prompt
+    temperature: float = 1.0        # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                  # 0 = off
+    min_p: float = 0.0
+    max_tokens: int = 256           # completion tokens, sampled + injected
+    stop_token_ids: list[int] | None = None  # None = every EOS id of the model's generation_config
+    stop_strings: list[str] = field(default_factory=list)
+    tool_stop_token_ids: list[int] = field(default_factory=list)  # end a turn with a tool call
+    tool_stop_strings: list[str] = field(default_factory=list)
+    max_turns: int = 8              # assistant turns; one more tool call ends the row with "turns"
+    seed: int | None = None         # None = drawn from torch's global generator
+
+    def __post_init__(self):
+        checks = [(self.n >= 1, "n >= 1"), (self.temperature >= 0, "temperature >= 0"), (0 < self.top_p <= 1, "0 < top_p <= 1"),
+                  (self.top_k >= 0, "top_k >= 0"), (0 <= self.min_p < 1, "0 <= min_p < 1"),
+                  (self.max_tokens >= 1, "max_tokens >= 1"), (self.max_turns >= 1, "max_turns >= 1")]
+        for ok, what in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams needs {what}: got {self}")
+
+
+@dataclass
+class Completion:
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int] = field(default_factory=list)  # after the prompt: sampled and injected
+    loss_mask: list[int] = field(default_factory=list)  # 1 on sampled tokens, 0 on injected ones
+    logprobs: list[float] = field(default_factory=list)  # log softmax(logits / T), 0 on injected
+    finish_reason: str = ""         # "stop" | "length" | "turns" | "error" (bad request or tool failure)
+    num_turns: int = 1
+    error: str | None = None
+
+
+class _Seq(Completion):  # a request in flight: a Completion plus where it lives
+    def __init__(self, index: int, i: int, j: int, prompt: list[int], key: int, limit: int):
+        super().__init__(i, j)
+        self.index, self.prompt, self.key, self.limit = index, prompt, key, limit
+        self.slot, self.turn_start, self.in_tool = -1, 0, False
+
+
+class _State:
+    """Per-slot decode state on device: the next token to feed (at `pos`, not yet cached),
+    tokens so far (the RNG counter), the row's token limit, and whether it is decoding."""
+    def __init__(self, slots: int, window: int, device):
+        z = lambda dtype=torch.int64: torch.zeros(slots, dtype=dtype, device=device)
+        self.tok, self.pos, self.ntok, self.limit, self.key, self.active = z(), z(), z(), z(), z(), z(torch.bool)
+        self.out_tok = torch.zeros(slots, window, dtype=torch.int64, device=device)  # (slots, window)
+        self.out_lp = torch.zeros(slots, window, device=device)
+        self.out_ok = torch.zeros(slots, window, dtype=torch.bool, device=device)
+
+
+def decode_step(model, cache: KVCache, st: _State, is_stop: Tensor, p: SamplingParams, hi: int, span: int, j: int):
+    """One token for slots [0, hi): feed each row's last token, sample the next, record it in
+    window column j, and retire rows that hit a stop id or their limit. No host sync."""
+    active, pos = st.active[:hi], st.pos[:hi]
+    cache.rows(slice(0, hi), pos, 1, span)
+    logits = model(st.tok[:hi, None], pos[:, None], cache=cache)[:, 0]  # (hi, V)
+    tok, lp = sample(logits, uniform(st.key[:hi], st.ntok[:hi]), p.temperature, p.top_k, p.top_p, p.min_p)
+    st.out_tok[:hi, j], st.out_lp[:hi, j], st.out_ok[:hi, j] = tok, lp, active
+    st.tok[:hi] = torch.where(active, tok, st.tok[:hi])
+    st.pos[:hi] += active
+    st.ntok[:hi] += active
+    st.active[:hi] = active & ~is_stop[tok] & (st.ntok[:hi] < st.limit[:hi])
+
+
+class Sampler:
+    def __init__(self, model, tokenizer=None, max_batch: int = 64, max_seq_len: int | None = None,
+                 kv_budget_bytes: int | None = None, prefill_tokens: int | None = None, sync_every: int | None = None,
+                 cuda_graphs: bool = True, tool_workers: int = 8):
+        p = next(model.parameters())
+        self.model, self.tokenizer, self.dtype, self.device = model, tokenizer, p.dtype, p.device
+        # tokens per packed prefill forward: bounds the (T, T) document mask and attention scores
+        self.max_batch, self.fixed_len, self.prefill_tokens = max_batch, max_seq_len, prefill_tokens or (8192 if p.is_cuda else 2048)
+        self.max_positions = model.config.get("max_position_embeddings", 1 << 20)
+        if kv_budget_bytes is None:  # CUDA: half of what is free; CPU: 2 GiB (pages are touched only as used)
+            kv_budget_bytes = torch.cuda.mem_get_info(p.device)[0] // 2 if p.is_cuda else 2 << 30
+        self.budget, self.window = kv_budget_bytes, sync_every or (8 if p.is_cuda else 1)
+        self.use_graphs = cuda_graphs and p.is_cuda
+        self.pool = cf.ThreadPoolExecutor(tool_workers)
+        self.cache = None
+        if max_seq_len:
+            self._allocate(max_seq_len)
+
+    def _allocate(self, max_seq_len: int):
+        slots = min(self.max_batch, self.budget // KVCache.slot_bytes(self.model.args, max_seq_len, self.dtype))
+        if slots < 1:
+            raise ValueError(f"kv_budget_bytes={self.budget} holds no row of {max_seq_len} tokens")
+        self.cache = KVCache(self.model.args, slots, max_seq_len, self.dtype, self.device)
+        self.state, self.graphs, self.graph_pool = _State(slots, self.window, self.device), {}, None
+
+    # ------------------------------------------------------------------------- the loop
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, tool=None,
+                 prompt_ids: list[int] | None = None, progress: bool = False) -> list[Completion]:
+        """n completions per prompt, in prompt order (prompt i's samples at i*n .. i*n+n-1).
+        `tool(index, completion_ids) -> observation ids | None` is called from a worker thread
+        when a row stops on a tool-call stop. `prompt_ids`: global prompt indices for seeding."""
+        p, n = params, params.n
+        if (p.stop_strings or p.tool_stop_strings) and self.tokenizer is None:
+            raise ValueError("stop strings need the Sampler's tokenizer: Sampler(model, tokenizer=...)")
+        prompt_ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
+        if len(prompt_ids) != len(prompts):
+            raise ValueError(f"{len(prompt_ids)=} != {len(prompts)=}")
+        seed = p.seed if p.seed is not None else int(torch.randint(2**31, ()))
+        fits = self.budget // KVCache.slot_bytes(self.model.args, 1, self.dtype)  # longest row the budget holds
+        need = min(self.max_positions, fits, max((len(x) for x in prompts), default=0) + p.max_tokens)
+        if self.cache is None or (self.fixed_len is None and self.cache.max_seq_len < need):
+            self._allocate(min(-(-need // 64) * 64, fits))  # sized to this call; grown only if a later one needs more
+        S, V = self.cache.max_seq_len, self.model.args.vocab_size
+        self.p, self.tool, self.out = p, tool, [None] * (len(prompts) * n)
+        self.stops = set(self.model.eos_token_ids() if p.stop_token_ids is None else p.stop_token_ids)
+        self.tool_stops = set(p.tool_stop_token_ids)
+        self.is_stop = torch.zeros(V, dtype=torch.bool, device=self.device)
+        self.is_stop[[t for t in self.stops | self.tool_stops if 0 <= t < V]] = True
+        strings = p.stop_strings + p.tool_stop_strings  # a string of c chars spans at most c tokens (+ partial bytes)
+        self.tail = 2 * max(map(len, strings)) + 4 if strings else 0  # tokens decoded per check
+        self.waiting, self.live, self.pending, self.prompt_logits = deque(), {}, {}, {}
+        self.unadmitted = [n] * len(prompts)  # per prompt: samples still waiting (its logits are kept till 0)
+        for i, prompt in enumerate(prompts):
+            bad = self._check(prompt, V, S)
+            for j in range(n):
+                if bad:
+                    self.out[i * n + j] = Completion(i, j, finish_reason="error", num_turns=0, error=f"prompt {i}: {bad}")
+                else:
+                    key = request_key(seed, prompt_ids[i], j)
+                    self.waiting.append(_Seq(i * n + j, i, j, list(prompt), key, min(p.max_tokens, S - len(prompt))))
+        self.graphs = {}  # captured for this call's sampling settings
+        self.bar = _progress(sum(c is None for c in self.out), progress)
+        self.state.active.zero_()
+        while self.waiting or self.live or self.pending:
+            self._admit()
+            self._resume()
+            if any(not s.in_tool for s in self.live.values()):
+                self._decode()
+            elif self.pending and not (self.waiting and self._free()):
+                cf.wait(list(self.pending), return_when=cf.FIRST_COMPLETED)
+        self.bar.close()
+        return [c if type(c) is Completion else _public(c) for c in self.out]
+
+    def _check(self, prompt: list[int], V: int, S: int) -> str | None:
+        if len(prompt) == 0:
+            return "empty prompt"
+        if any(not (isinstance(t, int) and 0 <= t < V) for t in prompt):
+            return f"token ids outside the vocabulary [0, {V})"
+        if len(prompt) >= S:
+            return f"{len(prompt)} tokens leave no room in max_seq_len={S}"
+        return None
+
+    def _free(self) -> list[int]:
+        return sorted(set(range(self.cache.slots)) - set(self.live))
+
+    # ------------------------------------------------------------------------- 1. admit
+
+    def _admit(self):
+        """Fill free slots from the queue (lowest slots first, so decode spans few slots). A
+        prompt is prefilled once; its other samples fork its KV from a live sibling's slot."""
+        holders = {s.prompt_index: s.slot for s in self.live.values()}  # live rows hold their prompt's KV
+        free, new = self._free(), []
+        while free and self.waiting:
+            s = self.waiting.popleft()
+            s.slot = free.pop(0)
+            self.unadmitted[s.prompt_index] -= 1
+            self.live[s.slot] = s
+            new.append(s)
+        if not new:
+            return
+        groups = {}
+        for s in new:
+            groups.setdefault(s.prompt_index, []).append(s)
+        fresh = [g for i, g in groups.items() if i not in holders]
+        for chunk in _pack([g[0].prompt for g in fresh], self.prefill_tokens):
+            self._prefill([fresh[k] for k in chunk])
+        for i, g in groups.items():
+            src = holders.get(i, g[0].slot)
+            self.cache.fork(src, [s.slot for s in g if s.slot != src], len(g[0].prompt))
+        logits = torch.stack([self.prompt_logits[s.prompt_index] for s in new])  # (B_new, V)
+        for i in groups:  # keep a prompt's logits only while samples of it still wait
+            if self.unadmitted[i] == 0:
+                del self.prompt_logits[i]
+        self._sample_into(new, logits)
+
+    def _prefill(self, groups: list[list[_Seq]]):
+        """One packed forward over fresh prompts (positions restart at 0 per prompt, so the
+        model's document mask keeps them apart), KV into each prompt's first slot."""
+        dev = self.device
+        prompts = [g[0].prompt for g in groups]
+        ids = torch.tensor([t for x in prompts for t in x], device=dev)[None]  # (1, T) packed
+        pos = torch.cat([torch.arange(len(x), device=dev) for x in prompts])
+        slot = torch.cat([torch.full((len(x),), g[0].slot, device=dev) for x, g in zip(prompts, groups)])
+        last = torch.tensor([len(x) for x in prompts], device=dev).cumsum(0) - 1  # (K,) each prompt's last token
+        self.cache.packed(slot, pos)
+        logits = self.model(ids, pos[None], cache=self.cache, output_index=last[None])[0]  # (K, V)
+        for g, row in zip(groups, logits):
+            self.prompt_logits[g[0].prompt_index] = row
+
+    # ------------------------------------------------------------------------- 2. resume
+
+    def _resume(self):
+        """Rows whose tool call returned: append the observation (mask 0) to the row and to its
+        cache in one padded forward over those rows, then sample their next token."""
+        rows = []
+        for fut in [f for f in self.pending if f.done()]:
+            s = self.pending.pop(fut)
+            s.in_tool = False
+            V = self.model.args.vocab_size
+            try:
+                obs, bad = fut.result(), None
+                if obs is not None and any(not (isinstance(t, int) and 0 <= t < V) for t in obs):
+                    bad = f"tool returned token ids outside the vocabulary [0, {V})"
+            except Exception as e:  # a failing tool ends its own row, not the batch
+                bad = f"tool raised {type(e).__name__}: {e}"
+            if bad:
+                self._finish(s, "error", error=bad)
+                continue
+            if obs is None:
+                self._finish(s, "stop")
+                continue
+            obs = list(obs)[: s.limit - len(s.token_ids)]
+            cached = len(s.token_ids) - 1  # the tool-stop token itself is not in the cache yet
+            s.token_ids += obs
+            s.loss_mask += [0] * len(obs)
+            s.logprobs += [0.0] * len(obs)
+            s.num_turns, s.turn_start = s.num_turns + 1, len(s.token_ids)
+            if len(s.token_ids) >= s.limit:
+                self._finish(s, "length")
+            else:
+                rows.append((s, s.token_ids[cached:], len(s.prompt) + cached))
+        if not rows:
+            return
+        dev, T = self.device, max(len(x) for _, x, _ in rows)
+        ids = torch.tensor([x + [0] * (T - len(x)) for _, x, _ in rows], device=dev)  # (B, T) padded
+        valid = torch.tensor([[t < len(x) for t in range(T)] for _, x, _ in rows], device=dev)
+        start = torch.tensor([p for _, _, p in rows], device=dev)
+        slots = torch.tensor([s.slot for s, _, _ in rows], device=dev)
+        self.cache.rows(slots, start, T, max(p for _, _, p in rows) + T, valid)
+        last = torch.tensor([[len(x) - 1] for _, x, _ in rows], device=dev)  # (B, 1)
+        logits = self.model(ids, start[:, None] + torch.arange(T, device=dev), cache=self.cache, output_index=last)[:, 0]
+        self._sample_into([s for s, _, _ in rows], logits)
+
+    def _sample_into(self, seqs: list[_Seq], logits: Tensor):
+        """Sample one token per row from (B, V) logits outside the decode loop (first tokens,
+        after observations), then arm the rows that go on in the device state."""
+        st, p = self.state, self.p
+        keys = torch.tensor([s.key for s in seqs], device=self.device)
+        steps = torch.tensor([len(s.token_ids) for s in seqs], device=self.device)
+        tok, lp = sample(logits, uniform(keys, steps), p.temperature, p.top_k, p.top_p, p.min_p)
+        go = [s for s, t, l in zip(seqs, tok.tolist(), lp.tolist()) if not self._accept(s, t, l)]  # host sync
+        if go:
+            idx = torch.tensor([s.slot for s in go], device=self.device)
+            cpu = torch.tensor([[s.token_ids[-1], len(s.prompt) + len(s.token_ids) - 1, len(s.token_ids), s.limit, s.key]
+                                for s in go])
+            st.tok[idx], st.pos[idx], st.ntok[idx], st.limit[idx], st.key[idx] = cpu.to(self.device).T
+            st.active[idx] = True
+
+    # ------------------------------------------------------------------------- 3. decode
+
+    def _decode(self):
+        st, W = self.state, self.window
+        hi = self.cache.slots if self.use_graphs else max(self.live) + 1
+        span = min(self.cache.max_seq_len, max(len(s.prompt) + len(s.token_ids) for s in self.live.values()) + W)
+        if self.use_graphs:
+            span = min(self.cache.max_seq_len, -(-span // 256) * 256)  # a few buckets, one graph each
+            self._graph(hi, span).replay()
+        else:
+            for j in range(W):
+                decode_step(self.model, self.cache, st, self.is_stop, self.p, hi, span, j)
+        toks, lps, oks = (t[:hi].tolist() for t in (st.out_tok, st.out_lp, st.out_ok))  # host sync: once per window
+        stopped = []
+        for slot, s in list(self.live.items()):
+            for j in range(W):
+                if oks[slot][j] and self._accept(s, toks[slot][j], lps[slot][j]):
+                    stopped.append(slot)
+                    break
+        if stopped:  # stop strings are found here, not on device: retire those rows there too
+            st.active[torch.tensor(stopped, device=self.device)] = False
+
+    def _graph(self, hi: int, span: int):
+        """A CUDA graph of one decode window; state tensors are static, so replay reads them.
+        Warm-up runs on a copy of the state, which is then restored (capture runs nothing)."""
+        if span not in self.graphs:
+            st = self.state
+            saved = [t.clone() for t in (st.tok, st.pos, st.ntok, st.active)]
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for j in range(self.window):
+                    decode_step(self.model, self.cache, st, self.is_stop, self.p, hi, span, j)
+            torch.cuda.current_stream().wait_stream(s)
+            for t, v in zip((st.tok, st.pos, st.ntok, st.active), saved):
+                t.copy_(v)
+            g = torch.cuda.CUDAGraph()
+            self.graph_pool = self.graph_pool or torch.cuda.graph_pool_handle()  # buckets replay in turn: one pool
+            with torch.cuda.graph(g, pool=self.graph_pool):
+                for j in range(self.window):
+                    decode_step(self.model, self.cache, st, self.is_stop, self.p, hi, span, j)
+            self.graphs[span] = g
+        return self.graphs[span]
+
+    # ------------------------------------------------------------------------- 4. finish
+
+    def _accept(self, s: _Seq, tok: int, lp: float) -> bool:
+        """Append one sampled token; True when the row stops decoding (finished or in a tool call)."""
+        s.token_ids.append(tok)
+        s.loss_mask.append(1)
+        s.logprobs.append(lp)
+        is_tool = tok in self.tool_stops
+        is_stop = tok in self.stops
+        if self.tail and not (is_tool or is_stop):  # stop strings: decode this turn's tail
+            text = self.tokenizer.decode(s.token_ids[max(s.turn_start, len(s.token_ids) - self.tail):])
+            is_tool = any(x in text for x in self.p.tool_stop_strings)
+            is_stop = any(x in text for x in self.p.stop_strings)
+        full = len(s.token_ids) >= s.limit
+        if is_stop or (is_tool and self.tool is None):
+            self._finish(s, "stop")
+        elif full:  # also a tool call with no room left for its observation
+            self._finish(s, "length")
+        elif is_tool and s.num_turns >= self.p.max_turns:
+            self._finish(s, "turns")
+        elif is_tool:
+            self.pending[self.pool.submit(self.tool, s.index, list(s.token_ids))] = s
+            s.in_tool = True
+        else:
+            return False
+        return True
+
+    def _finish(self, s: _Seq, reason: str, error: str | None = None):
+        s.finish_reason, s.error = reason, error
+        del self.live[s.slot]
+        self.out[s.index] = s
+        self.bar.update(1)
+
+
+def _public(s: _Seq) -> Completion:
+    return Completion(s.prompt_index, s.sample_index, s.token_ids, s.loss_mask, s.logprobs, s.finish_reason,
+                      s.num_turns, s.error)
+
+
+def _pack(prompts: list[list[int]], budget: int) -> list[list[int]]:
+    """Split prompt indices into runs of at most `budget` tokens (a longer prompt goes alone)."""
+    chunks, size = [[]], 0
+    for k, x in enumerate(prompts):
+        if chunks[-1] and size + len(x) > budget:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(k)
+        size += len(x)
+    return [c for c in chunks if c]
+
+
+def _progress(total: int, enabled: bool):
+    if enabled:
+        from tqdm import tqdm
+        return tqdm(total=total, desc="sampling", unit="seq")
+    return type("NoBar", (), {"update": lambda self, k: None, "close": lambda self: None})()
