@@ -1,0 +1,206 @@
+"""GRPO's math as plain functions: advantages, the clipped surrogate, KL, aggregations.
+
+Every equation of DESIGN.md "The math, pinned" is one small function here, readable beside
+the papers. These are also the references that the fused kernels in `grpo.kernels` are
+tested against. Token tensors are (B, T) for one micro-batch; a sequence's advantage is
+(B,) or already broadcast to (B, T).
+
+- GRPO: DeepSeekMath, arXiv 2402.03300.   - Dr. GRPO: arXiv 2503.20783.
+- DAPO (clip-higher, token mean, overlong penalty): arXiv 2503.14476.
+- dual-clip PPO: arXiv 1912.09729.        - k3 KL estimator: J. Schulman, "Approximating KL divergence".
+"""
+import torch
+from torch import Tensor
+
+# -----------------------------------------------------------------------------
+# advantages and reward shaping
+
+def group_advantages(rewards: Tensor, G: int, scale: str = "group") -> Tensor:
+    """(B*G,) rewards, consecutive groups of G completions of one prompt -> (B*G,) advantages.
+
+    scale="group": (r - mean_group) / (std_group + 1e-4)   (GRPO)
+    scale="batch": (r - mean_group) / (std_batch + 1e-4)   (std of all raw rewards in the batch)
+    scale="none":  r - mean_group                          (Dr. GRPO: no std division, it
+                   up-weights groups with a small reward spread)
+    std is unbiased (divides by G - 1), as in the GRPO paper's implementations.
+    """
+    assert rewards.dim() == 1 and rewards.numel() % G == 0, f"{rewards.shape=} not (B*{G},)"
+    r = rewards.float().view(-1, G)                            # (B, G)
+    centered = r - r.mean(dim=1, keepdim=True)
+    if scale == "none":
+        return centered.view(-1)
+    if scale == "group":
+        assert G > 1, "an unbiased group std needs G > 1"
+        std = r.std(dim=1, keepdim=True)                       # (B, 1)
+    elif scale == "batch":
+        std = r.std()                                          # over all B*G raw rewards
+    else:
+        raise ValueError(f"{scale=} not in group|batch|none")
+    return (centered / (std + 1e-4)).view(-1)
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, buffer: int) -> Tensor:
+    """DAPO's soft overlong punishment: (B,) completion lengths -> (B,) reward term in [-1, 0].
+
+    0 up to max_len - buffer, then a linear ramp down to -1 at max_len, -1 beyond.
+    """
+    start = max_len - buffer
+    ramp = (start - lengths.float()) / buffer                  # negative inside the buffer
+    return torch.where(lengths <= start, 0.0, torch.where(lengths <= max_len, ramp, -1.0))
+
+# -----------------------------------------------------------------------------
+# token losses: (B, T) -> (B, T)
+
+def clipped_surrogate(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
+                      eps_low: float = 0.2, eps_high: float = 0.2,
+                      delta: float | None = None, dual_clip: float | None = None) -> Tensor:
+    """l_t = -min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A), rho_t = exp(logp - old_logp).
+
+    delta: caps rho_t at delta inside the unclipped term (two-sided clipping: a huge ratio on
+    a negative advantage cannot blow up the loss). dual_clip c > 1: for A < 0 the loss is
+    bounded by c |A| (dual-clip PPO). Both None: the plain PPO/GRPO surrogate.
+    """
+    A = advantages
+    rho = torch.exp(logprobs - old_logprobs.detach())
+    unclipped = (rho if delta is None else rho.clamp(max=delta)) * A
+    clipped = rho.clamp(1 - eps_low, 1 + eps_high) * A
+    loss = -torch.minimum(unclipped, clipped)
+    if dual_clip is not None:
+        loss = torch.where(A < 0, torch.minimum(loss, -dual_clip * A), loss)
+    return loss
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k3_t = exp(ref - logp) - (ref - logp) - 1: an unbiased, always >= 0 estimate of KL(pi || ref)."""
+    d = ref_logprobs.detach() - logprobs
+    return torch.exp(d) - d - 1
+
+
+def tis_weight(old_logprobs: Tensor, sampler_logprobs: Tensor, cap: float) -> Tensor:
+    """Truncated importance weight w_t = min(exp(old - sampler), cap), detached.
+
+    Corrects for the sampler's numerics differing from the trainer's (different kernels,
+    bf16 KV cache): the tokens were drawn from the sampler's distribution, not pi_old's.
+    """
+    return torch.exp(old_logprobs - sampler_logprobs).clamp(max=cap).detach()
+
+
+def token_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, *,
+               eps_low: float = 0.2, eps_high: float = 0.2,
+               delta: float | None = None, dual_clip: float | None = None,
+               ref_logprobs: Tensor | None = None, beta: float = 0.0,
+               sampler_logprobs: Tensor | None = None, tis_cap: float | None = None) -> Tensor:
+    """The per-token loss w_t l_t + beta k3_t, unmasked; the reference for grpo_token_loss."""
+    loss = clipped_surrogate(logprobs, old_logprobs, advantages, eps_low, eps_high, delta, dual_clip)
+    if sampler_logprobs is not None and tis_cap is not None:
+        loss = tis_weight(old_logprobs, sampler_logprobs, tis_cap) * loss
+    if ref_logprobs is not None and beta > 0:
+        loss = loss + beta * kl_k3(logprobs, ref_logprobs)
+    return loss
+
+# -----------------------------------------------------------------------------
+# aggregations: (B, T) token losses and mask -> scalar, for one micro-batch.
+# num_sequences / num_tokens are totals over the whole optimizer step (all micro-batches, all
+# ranks), so summing backward() over micro-batches and FSDP's mean over ranks gives exactly
+# the full-batch gradient; the local sum is scaled by world_size because FSDP averages.
+
+def grpo_aggregate(losses: Tensor, loss_mask: Tensor, num_sequences: int, world_size: int = 1) -> Tensor:
+    """GRPO: mean over sequences of each sequence's token mean (long answers count less per token)."""
+    per_seq = (losses * loss_mask).sum(-1) / loss_mask.sum(-1).clamp(min=1)   # (B,); empty rows add 0
+    return per_seq.sum() * world_size / num_sequences
+
+
+def bnpo_aggregate(losses: Tensor, loss_mask: Tensor, num_micro_batches: int = 1) -> Tensor:
+    """BNPO: token mean within this micro-batch (so it depends on the split, by definition);
+    averaged over micro-batches like a plain loss / grad_accum_steps, and over ranks by FSDP."""
+    return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1) / num_micro_batches
+
+
+def dr_grpo_aggregate(losses: Tensor, loss_mask: Tensor, num_sequences: int,
+                      max_completion_len: int, world_size: int = 1) -> Tensor:
+    """Dr. GRPO: sum / (sequences x max completion tokens), a constant, so no length bias."""
+    return (losses * loss_mask).sum() * world_size / (num_sequences * max_completion_len)
+
+
+def dapo_aggregate(losses: Tensor, loss_mask: Tensor, num_tokens: int, world_size: int = 1) -> Tensor:
+    """DAPO: global token mean; num_tokens counts the mask tokens of the whole optimizer step
+    (dividing by the micro-batch's own count is the usual gradient-accumulation bug)."""
+    return (losses * loss_mask).sum() * world_size / num_tokens
+
+# -----------------------------------------------------------------------------
+# the one entry the trainer calls per micro-batch
+
+@torch.no_grad()
+def loss_metrics(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor, *,
+                 eps_low: float, eps_high: float, delta: float | None, dual_clip: float | None,
+                 ref_logprobs: Tensor | None, sampler_logprobs: Tensor | None,
+                 tis_cap: float | None) -> dict[str, Tensor]:
+    """Detached sums over the micro-batch's mask tokens; add them over micro-batches (and
+    ranks), then divide by "tokens" for means:
+      tokens      number of mask tokens
+      ratio       sum of rho_t
+      clip_low    tokens where rho < 1 - eps_low and A < 0 (the clip zeroes their gradient)
+      clip_high   tokens where rho > 1 + eps_high and A > 0
+      dual_clip   tokens where the dual-clip bound c |A| is the loss (A < 0)
+      kl          sum of k3_t (0 without ref_logprobs)
+      is_weight   sum of the truncated importance weight w_t (tokens when no sampler log-probs)
+      is_capped   tokens where w_t hit tis_cap
+      sampler_gap sum of |old_logp - sampler_logp| (0 without sampler log-probs)
+    """
+    m = loss_mask.bool()
+    A = advantages.float().expand_as(logprobs)                 # advantages broadcastable: (B, 1) or (B, T)
+    rho = torch.exp(logprobs - old_logprobs)
+    s = lambda x: torch.where(m, x.float(), 0.0).sum()         # noqa: E731  (where: padding may hold inf)
+    zero = logprobs.new_zeros((), dtype=torch.float32)
+    out = {"tokens": m.sum().float(), "ratio": s(rho),
+           "clip_low": s((rho < 1 - eps_low) & (A < 0)), "clip_high": s((rho > 1 + eps_high) & (A > 0))}
+    surrogate = clipped_surrogate(logprobs, old_logprobs, A, eps_low, eps_high, delta)
+    out["dual_clip"] = s((A < 0) & (surrogate > -dual_clip * A)) if dual_clip is not None else zero
+    out["kl"] = s(kl_k3(logprobs, ref_logprobs)) if ref_logprobs is not None else zero
+    if sampler_logprobs is not None:
+        w = torch.exp(old_logprobs - sampler_logprobs)
+        out["is_weight"] = s(w.clamp(max=tis_cap) if tis_cap is not None else w)
+        out["is_capped"] = s(w > tis_cap) if tis_cap is not None else zero
+        out["sampler_gap"] = s((old_logprobs - sampler_logprobs).abs())
+    else:
+        out["is_weight"], out["is_capped"], out["sampler_gap"] = out["tokens"], zero, zero
+    return out
+
+
+def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor, *,
+                aggregation: str = "grpo", num_sequences: int, num_tokens: int,
+                max_completion_len: int, world_size: int = 1, num_micro_batches: int = 1,
+                eps_low: float = 0.2, eps_high: float = 0.2,
+                delta: float | None = None, dual_clip: float | None = None,
+                ref_logprobs: Tensor | None = None, beta: float = 0.0,
+                sampler_logprobs: Tensor | None = None, tis_cap: float | None = None,
+                backend: str | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """One micro-batch's loss and metrics. (B, T) token tensors, advantages (B,) or (B, T).
+
+    aggregation in grpo | bnpo | dr_grpo | dapo (see the *_aggregate functions above);
+    num_sequences, num_tokens: totals over the optimizer step (all micro-batches and ranks);
+    num_micro_batches: only BNPO uses it. backend: "triton" runs the fused token-loss kernel,
+    "torch" these functions; None picks triton on CUDA. Both give the same numbers.
+    """
+    from grpo.kernels.grpo_loss import grpo_token_loss  # lazy: grpo.kernels imports this module
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]                        # (B, 1), broadcast over T
+    losses = grpo_token_loss(logprobs, old_logprobs, advantages, loss_mask,
+                             eps_low=eps_low, eps_high=eps_high, delta=delta, dual_clip=dual_clip,
+                             ref_logprobs=ref_logprobs, beta=beta, sampler_logprobs=sampler_logprobs,
+                             tis_cap=tis_cap, backend=backend)  # (B, T) fp32, 0 off the mask
+    m = loss_mask.float()
+    if aggregation == "grpo":
+        loss = grpo_aggregate(losses, m, num_sequences, world_size)
+    elif aggregation == "bnpo":
+        loss = bnpo_aggregate(losses, m, num_micro_batches)
+    elif aggregation == "dr_grpo":
+        loss = dr_grpo_aggregate(losses, m, num_sequences, max_completion_len, world_size)
+    elif aggregation == "dapo":
+        loss = dapo_aggregate(losses, m, num_tokens, world_size)
+    else:
+        raise ValueError(f"{aggregation=} not in grpo|bnpo|dr_grpo|dapo")
+    metrics = loss_metrics(logprobs, old_logprobs, advantages, loss_mask, eps_low=eps_low,
+                           eps_high=eps_high, delta=delta, dual_clip=dual_clip, ref_logprobs=ref_logprobs,
+                           sampler_logprobs=sampler_logprobs, tis_cap=tis_cap)
+    return loss, metrics

@@ -1,0 +1,145 @@
+"""Fused GRPO token loss: surrogate, dual-clip, truncated IS weight and k3 KL in one pass.
+
+One Triton kernel reads each token's log-probs once and writes both the token loss and its
+derivative d loss / d logprobs; backward is then a single multiply. The math is exactly
+grpo.loss.token_loss (the reference, and the torch backend here); aggregation over tokens
+(GRPO, BNPO, Dr. GRPO, DAPO) stays in plain PyTorch in grpo.loss.policy_loss.
+
+The derivative, with rho = exp(logp - old_logp) (d rho / d logp = rho):
+  unclipped s1 = min(rho, delta) A   ->  rho A, or 0 where rho > delta
+  clipped   s2 = clip(rho, lo, hi) A ->  rho A, or 0 where the clip is active
+  l = -min(s1, s2) takes the derivative of the smaller term (half each on a tie, as torch does);
+  dual-clip replaces l by c |A| (derivative 0) where A < 0 and l > c |A|;
+  w l has derivative w dl (w detached); beta k3 has derivative beta (1 - exp(ref - logp)).
+"""
+import torch
+from torch import Tensor
+
+from grpo.loss import token_loss
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch backend still works
+    triton = None
+
+# -----------------------------------------------------------------------------
+# kernel
+
+if triton is not None:
+    @triton.jit
+    def _grpo_token_loss_kernel(
+        lp_ptr, old_ptr, adv_ptr, mask_ptr, ref_ptr, smp_ptr,   # (N,) each, any float dtype
+        loss_ptr, dlp_ptr,                                      # (N,) fp32 outputs
+        N, eps_low, eps_high, delta, dual_clip, beta, tis_cap,
+        HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_KL: tl.constexpr, HAS_TIS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < N
+        # load in any dtype, compute in fp32 (the interpreter has no bf16 arithmetic anyway)
+        lp = tl.load(lp_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        old = tl.load(old_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        A = tl.load(adv_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        m = tl.load(mask_ptr + offs, mask=ok, other=0.0) != 0
+
+        rho = tl.exp(lp - old)
+        r1 = rho
+        if HAS_DELTA:
+            r1 = tl.minimum(rho, delta)
+        s1 = r1 * A
+        s2 = tl.minimum(tl.maximum(rho, 1.0 - eps_low), 1.0 + eps_high) * A
+        d1 = rho * A
+        if HAS_DELTA:
+            d1 = tl.where(rho > delta, 0.0, d1)
+        d2 = tl.where((rho < 1.0 - eps_low) | (rho > 1.0 + eps_high), 0.0, rho * A)
+        loss = -tl.minimum(s1, s2)
+        dloss = -tl.where(s1 < s2, d1, tl.where(s1 > s2, d2, 0.5 * (d1 + d2)))
+        if HAS_DUAL:
+            bound = -dual_clip * A                              # c |A| where A < 0
+            capped = (A < 0) & (loss > bound)
+            loss = tl.where(capped, bound, loss)
+            dloss = tl.where(capped, 0.0, dloss)
+        if HAS_TIS:
+            smp = tl.load(smp_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            w = tl.minimum(tl.exp(old - smp), tis_cap)
+            loss = w * loss
+            dloss = w * dloss
+        if HAS_KL:
+            ref = tl.load(ref_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            d = ref - lp
+            loss += beta * (tl.exp(d) - d - 1.0)
+            dloss += beta * (1.0 - tl.exp(d))
+        # where, not multiply: padding may hold garbage (inf) that 0 * inf would turn into nan
+        tl.store(loss_ptr + offs, tl.where(m, loss, 0.0), mask=ok)
+        tl.store(dlp_ptr + offs, tl.where(m, dloss, 0.0), mask=ok)
+
+# -----------------------------------------------------------------------------
+# launcher
+
+def _token_loss_triton(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs, sampler_logprobs,
+                       eps_low, eps_high, delta, dual_clip, beta, tis_cap) -> tuple[Tensor, Tensor]:
+    shape = logprobs.shape
+    flat = lambda x: x.expand(shape).contiguous().view(-1)      # noqa: E731  advantages may be (B, 1)
+    lp, old, adv = flat(logprobs.detach()), flat(old_logprobs), flat(advantages)
+    mask = flat(loss_mask.to(torch.float32))
+    has_kl = ref_logprobs is not None and beta > 0
+    has_tis = sampler_logprobs is not None and tis_cap is not None
+    ref = flat(ref_logprobs) if has_kl else lp                  # dummy pointers when off
+    smp = flat(sampler_logprobs) if has_tis else lp
+    N = lp.numel()
+    loss = torch.empty(N, dtype=torch.float32, device=lp.device)
+    dlp = torch.empty_like(loss)
+    BLOCK = 1024
+    _grpo_token_loss_kernel[(triton.cdiv(N, BLOCK),)](
+        lp, old, adv, mask, ref, smp, loss, dlp, N,
+        float(eps_low), float(eps_high), float(delta or 0.0), float(dual_clip or 0.0),
+        float(beta), float(tis_cap or 0.0),
+        HAS_DELTA=delta is not None, HAS_DUAL=dual_clip is not None, HAS_KL=has_kl, HAS_TIS=has_tis,
+        BLOCK=BLOCK,
+    )
+    return loss.view(shape), dlp.view(shape)
+
+# -----------------------------------------------------------------------------
+# autograd.Function and the public entry
+
+class GRPOTokenLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logprobs, old_logprobs, advantages, loss_mask, ref_logprobs, sampler_logprobs,
+                eps_low, eps_high, delta, dual_clip, beta, tis_cap):
+        loss, dlp = _token_loss_triton(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs,
+                                       sampler_logprobs, eps_low, eps_high, delta, dual_clip, beta, tis_cap)
+        ctx.save_for_backward(dlp)
+        ctx.lp_dtype = logprobs.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (dlp,) = ctx.saved_tensors
+        # only logprobs gets a gradient: old, ref, sampler log-probs and advantages are data
+        return (grad_loss * dlp).to(ctx.lp_dtype), *([None] * 11)
+
+
+def grpo_token_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor, *,
+                    eps_low: float = 0.2, eps_high: float = 0.2,
+                    delta: float | None = None, dual_clip: float | None = None,
+                    ref_logprobs: Tensor | None = None, beta: float = 0.0,
+                    sampler_logprobs: Tensor | None = None, tis_cap: float | None = None,
+                    backend: str | None = None) -> Tensor:
+    """Per-token GRPO loss w_t l_t + beta k3_t, 0 where loss_mask is 0: (B, T) -> (B, T) fp32.
+
+    advantages broadcast to logprobs' shape ((B, 1) or (B, T)). Differentiable in logprobs only.
+    backend: "triton" (fused kernel), "torch" (grpo.loss.token_loss), None: triton on CUDA.
+    """
+    if backend is None:
+        backend = "triton" if (logprobs.is_cuda and triton is not None) else "torch"
+    if backend == "torch":
+        loss = token_loss(logprobs.float(), old_logprobs.float(), advantages.float(),
+                          eps_low=eps_low, eps_high=eps_high, delta=delta, dual_clip=dual_clip,
+                          ref_logprobs=None if ref_logprobs is None else ref_logprobs.float(), beta=beta,
+                          sampler_logprobs=None if sampler_logprobs is None else sampler_logprobs.float(),
+                          tis_cap=tis_cap)
+        return torch.where(loss_mask.bool(), loss, 0.0)
+    assert backend == "triton" and triton is not None, f"{backend=} unavailable (triton imported: {triton is not None})"
+    return GRPOTokenLoss.apply(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs, sampler_logprobs,
+                               eps_low, eps_high, delta, dual_clip, beta, tis_cap)
