@@ -43,6 +43,12 @@ The calculator replies:
 Then you answer the user. The last line of your answer must be "Answer: " followed by the number alone, like this:
 Answer: 87.5"""
 
+# A short prompt for a model that has been warm-started on the format (the CPU recipe): the
+# full one above is ~250 tokens, which would double the cost of every training forward there.
+SHORT_SYSTEM_PROMPT = ("Use the calculator for arithmetic: a <calculator> block of YAML with `operation` "
+                       "(add, subtract, multiply, divide) and `operands` (numbers or nested blocks). "
+                       "Then end with a line \"Answer: <number>\".")
+
 DEFAULT_WEIGHTS = {"correct": 1.0, "tool_use": 0.2, "format": 0.1, "judge": 0.0}
 
 # limits on one tool call: each error is found in microseconds, long before any of them
@@ -316,13 +322,13 @@ class CalculatorEnv:
 
     def __init__(self, rel_tol: float = 1e-6, judge_base_url: str | None = None,
                  judge_model: str | None = None, judge_api_key: str | None = None,
-                 judge_timeout: float = 30.0):
-        self.rel_tol = rel_tol
+                 judge_timeout: float = 30.0, system_prompt: str = SYSTEM_PROMPT):
+        self.rel_tol, self.system_prompt = rel_tol, system_prompt
         self.judge_base_url, self.judge_model = judge_base_url, judge_model
         self.judge_api_key, self.judge_timeout = judge_api_key, judge_timeout
 
     def prompt(self, example: dict) -> list[dict]:
-        return [{"role": "system", "content": SYSTEM_PROMPT},
+        return [{"role": "system", "content": self.system_prompt},
                 {"role": "user", "content": example["question"]}]
 
     def step(self, text: str) -> str | None:

@@ -97,6 +97,9 @@ def rollout(sampler: Sampler, tokenizer, env, examples: list[dict], params: Samp
                                    prompt_ids=list(range(prompt_offset, prompt_offset + len(prompts))))
     trajectories = []
     for i, (c, st) in enumerate(zip(completions, states)):
+        if c.finish_reason == "error":  # a bad request or a failing tool ends its own row: never trained on
+            print(f"rollout: completion {i} failed: {c.error}")
+            c.loss_mask = [0] * len(c.token_ids)
         last = tokenizer.decode(c.token_ids[st.consumed:], skip_special_tokens=True)
         turns = st.turns if len(st.turns) > len(st.observations) else st.turns + [last]  # the final answer turn
         trajectories.append(Trajectory(
