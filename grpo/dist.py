@@ -1,9 +1,16 @@
 """Process groups from the torchrun environment, and FSDP2 applied from outside the model.
 
-One process (plain `python recipe.py`) is world size 1 and nothing here does any work.
+One process (plain `python recipe.py`) is world size 1 and nothing here does any work on CPU.
 Under `torchrun`, gloo on CPU and NCCL on GPU; `shard` applies `fully_shard` to every
 transformer block and then to the root, with bf16 compute and fp32 parameters, gradient
-reduction and optimizer state on GPU (DESIGN.md, decision 4).
+reduction and optimizer state on GPU (DESIGN.md, decision 4). Multi-node is plain torchrun,
+the same line on every node, with `output_dir` on a filesystem that every node sees:
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-id=calc3b \
+             --rdzv-endpoint=node0:29500 --shutdown-timeout=300 \
+             recipes/calculator_qwen25_3b.py --model_path=/shared/models/Qwen2.5-3B-Instruct \
+             --output_dir=/shared/runs/calc3b --resume
+On SIGTERM torchrun passes the signal to the ranks, which save at the end of the current step;
+it SIGKILLs them after --shutdown-timeout seconds (default 30), so give it a step and a save.
 """
 import contextlib
 import os
@@ -14,10 +21,12 @@ import torch.distributed as tdist
 
 def init():
     if "RANK" in os.environ and not tdist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        tdist.init_process_group(backend)
+        if torch.cuda.is_available():
+            dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(dev)
+            tdist.init_process_group("nccl", device_id=dev)  # device_id: eager NCCL init, no guessing
+        else:
+            tdist.init_process_group("gloo")
 
 
 def is_dist() -> bool:
@@ -47,17 +56,24 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def all_sum(x: float) -> float:
-    """Sum a Python number over ranks (loss normalizers must be global)."""
+def barrier():
+    if is_dist():
+        tdist.barrier()
+
+
+def all_sum(x: float | torch.Tensor) -> float | torch.Tensor:
+    """Sum a number, or a tensor of numbers in one collective, over ranks (loss normalizers and
+    logged means must be global). fp64: counts stay exact, and with gloo the sum of two ranks
+    does not depend on the order (bitwise-reproducible metrics)."""
     if not is_dist():
         return x
-    t = torch.tensor([x], dtype=torch.float64, device=device() if torch.cuda.is_available() else "cpu")
+    t = torch.as_tensor(x, dtype=torch.float64).to(device())
     tdist.all_reduce(t)
-    return t.item()
+    return t.item() if not isinstance(x, torch.Tensor) else t.to(x.device, x.dtype)
 
 
 def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate equal-size 1-D tensors from every rank, in rank order."""
+    """Concatenate tensors of equal shape from every rank along dim 0, in rank order."""
     if not is_dist():
         return x
     dev = device()
@@ -67,20 +83,23 @@ def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
 
 
 def shard(model: torch.nn.Module, compute_dtype: torch.dtype):
-    """fully_shard per block, then the root (embedding, final norm, LM head). No-op in one
-    process on CPU; on GPU even one process uses FSDP2's mixed precision (bf16 compute on fp32
-    master weights), which is what keeps lr-1e-6 updates from rounding away."""
+    """fully_shard per block, then the root (embedding, final norm, LM head: a tied LM head is
+    the embedding, one parameter in the root's group). No-op in one process on CPU; on GPU even
+    one process uses FSDP2's mixed precision (bf16 compute on fp32 master weights), which is
+    what keeps lr-1e-6 updates from rounding away. The optimizer, built on model.parameters()
+    after this, holds fp32 state shards."""
     if not is_dist() and not torch.cuda.is_available():
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    if not is_dist():  # FSDP2 wants a process group even for one GPU
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29511")
-        tdist.init_process_group("nccl", rank=0, world_size=1)
+    if not is_dist():  # FSDP2 wants a process group even for one GPU; an in-memory store needs no port
+        tdist.init_process_group("nccl", store=tdist.HashStore(), rank=0, world_size=1, device_id=device())
     for block in model.layers:
         fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+    # the root keeps its weights after forward for the backward that follows (FSDP's default);
+    # a frozen model (the KL reference) has no backward, so it frees them at once
+    frozen = not any(p.requires_grad for p in model.parameters())
+    fully_shard(model, mp_policy=mp, reshard_after_forward=True if frozen else None)
     return model
 
 
@@ -91,15 +110,20 @@ def _fsdp_modules(model):
 
 @contextlib.contextmanager
 def gathered(model: torch.nn.Module):
-    """Hold the full weights for a stretch of forwards (sampling): one all-gather per module
-    instead of one per decode step. Outside FSDP this does nothing."""
-    mods = _fsdp_modules(model) if is_dist() else []
-    for m in mods:
+    """Hold the full weights for a stretch of forwards (sampling, eval): one all-gather per
+    module instead of one per module per decode step. Inside, the modules' parameters are the
+    unsharded tensors (compute dtype), so `next(model.parameters())` gives the sampler the
+    dtype it will see. Outside FSDP this does nothing."""
+    mods = _fsdp_modules(model)
+    for m in mods:  # same module order on every rank: the all-gathers pair up
+        m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
-        m.set_reshard_after_forward(False)
     try:
         yield model
     finally:
         for m in mods:
-            m.set_reshard_after_forward(True)
+            # FSDP's own defaults: blocks free their full weights after forward; the root keeps
+            # them, since backward needs the LM head and embedding at once (setting True here
+            # would cost an extra all-gather of the largest layer every micro-batch)
+            m.set_reshard_after_forward(m is not model, recurse=False)
             m.reshard()

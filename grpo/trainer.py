@@ -199,20 +199,27 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, cfg.num_steps * cfg.num_iterations))
-    sampler = Sampler(model, tokenizer, max_batch=cfg.gen_batch, max_seq_len=cfg.max_prompt_len + cfg.max_completion_len,
-                      kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
-    logger = Logger(cfg.output_dir) if dist.is_main() else None
-    log = (lambda m, s: logger.log(m, s)) if logger else (lambda m, s: None)
+    with dist.gathered(model):  # the sampler sizes its KV cache in the dtype of the weights it reads (bf16 under FSDP on GPU)
+        sampler = Sampler(model, tokenizer, max_batch=cfg.gen_batch, max_seq_len=cfg.max_prompt_len + cfg.max_completion_len,
+                          kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
     ckpt = Checkpointer(cfg.output_dir, keep_last=cfg.keep_last)
     start, results = 0, {}
     if cfg.resume and (found := ckpt.load_latest(model, optimizer, scheduler)) is not None:
         start, results = found["step"], found.get("results", {})
-        dist.print0(f"resumed from {found['path']} at step {start}")
+        data = found.get("data", {})
+        if data and (data["prompts_per_step"], data["seed"]) != (cfg.prompts_per_step, cfg.seed):
+            raise ValueError(f"{found['path']} was written with {data}: the data position is a function of "
+                             "prompts_per_step and seed, so keep them (or use a new output_dir)")
+        dist.print0(f"resumed from {found['path']} at step {start} (next prompt {start * cfg.prompts_per_step})")
+    elif cfg.resume:
+        dist.print0(f"resume: no checkpoint in {ckpt.root}, starting from step 0")
+    logger = Logger(cfg.output_dir, purge_after=start if start else None) if dist.is_main() else None
+    log = (lambda m, s: logger.log(m, s)) if logger else (lambda m, s: None)
     dist.print0(f"grpo | {cfg.model_path} | world {dist.world_size()} | {compute_dtype} | "
                 f"{cfg.num_steps} steps x {cfg.prompts_per_step} prompts x G={cfg.group_size}")
     kw = dict(enable_thinking=cfg.enable_thinking)
 
-    def run_eval(name: str):
+    def run_eval(name: str, at_step: int):
         if not eval_examples or name in results:
             return
         model.eval()
@@ -221,16 +228,16 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
                          max_tokens=cfg.max_completion_len, max_turns=cfg.max_turns, sampler=sampler, chat_kwargs=kw)
         results[name] = {k: v for k, v in r.items() if k != "records"} | {"correct": [x["correct"] for x in r["records"]]}
         dist.print0(f"eval {name}: mean@{cfg.eval_n} {r['mean']:.3f} ± {r['ci95']:.3f} | pass@{cfg.eval_n} {r['pass']:.3f}")
-        log({f"eval/{name}/mean": r["mean"], f"eval/{name}/pass": r["pass"]}, start)
+        log({f"eval/{name}/mean": r["mean"], f"eval/{name}/pass": r["pass"]}, at_step)
         if logger:
             logger.dump_jsonl(f"eval_{name}.jsonl", r["records"])
 
     # ---- 2. eval before, optional warm-start
     if start == 0:
-        run_eval("before")
+        run_eval("before", 0)
         if cfg.sft_steps > 0:
             warm_start(model, tokenizer, env, sft_examples or train_examples, cfg, device, log)
-            run_eval("warmstart")
+            run_eval("warmstart", 0)
 
     # ---- 3. RL
     B, G, world, rank = cfg.prompts_per_step, cfg.group_size, dist.world_size(), dist.rank()
@@ -239,7 +246,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
                              cfg.top_p, cfg.top_k, cfg.min_p, cfg.max_turns)
     t_start = time.time()
     bar = tqdm(range(start, cfg.num_steps), desc="grpo", disable=not dist.is_main(), initial=start, total=cfg.num_steps)
-    step = start
+    steps_done, stop = start, False
     for step in bar:
         t0 = time.time()
         # 3a. rollouts: this rank's share of the step's prompts, G samples each
@@ -270,6 +277,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
         m = policy_update(model, ref_model, optimizer, scheduler, [trajs[i] for i in keep], advantages[keep], cfg, device) \
             if dist.all_sum(float(len(keep))) > 0 else {}
         t2 = time.time()
+        steps_done = step + 1
         # 3d. logging: one line per step on rank 0
         metrics = step_metrics(trajs, rewards, advantages, zero_var, m, cfg, t1 - t0, t2 - t1, scheduler.get_last_lr()[0])
         log(metrics, step + 1)
@@ -279,22 +287,26 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
         if logger and cfg.log_completions_every and step % cfg.log_completions_every == 0:
             logger.text("completions", trajs[0].text, step + 1)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.num_steps:
-            run_eval(f"step{step + 1}")
+            run_eval(f"step{step + 1}", step + 1)
         stop = ckpt.should_stop()  # SIGTERM: save, then leave cleanly
         if stop or cfg.save_every and (step + 1) % cfg.save_every == 0:
-            ckpt.save(step + 1, model, optimizer, scheduler, results=results)
+            data = {"next_prompt": (step + 1) * B, "prompts_per_step": B, "seed": cfg.seed}
+            path = ckpt.save(step + 1, model, optimizer, scheduler, meta={"results": results, "data": data})
+            dist.print0(f"checkpoint: {path}")
         if stop:
             dist.print0(f"SIGTERM: checkpoint written at step {step + 1}, exiting")
-            return results
+            break
         if cfg.time_budget_min and time.time() - t_start > 60 * cfg.time_budget_min:
             dist.print0(f"time budget of {cfg.time_budget_min} min reached after {step + 1} steps")
             break
     bar.close()
 
-    # ---- 4. eval after, export
-    run_eval("after")
-    if cfg.export:
-        export(model, os.path.join(cfg.output_dir, "export"))
+    # ---- 4. eval after, export (not after SIGTERM: the job is being stopped, the checkpoint is what counts)
+    if not stop:
+        run_eval("after", steps_done)
+        if cfg.export:
+            export(model, os.path.join(cfg.output_dir, "export"))
+    ckpt.close()
     if logger:
         logger.close()
     return results
@@ -303,21 +315,32 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
 # ----------------------------------------------------------------------------- metrics and logging
 
 def step_metrics(trajs, rewards, advantages, zero_var, m: dict, cfg: Config, t_gen: float, t_update: float, lr: float) -> dict:
-    lengths = torch.tensor([len(t.completion_ids) for t in trajs], dtype=torch.float)
+    """The step's metrics over the global batch: each rank holds B/world groups, so per-sequence
+    numbers are gathered and loss sums added over ranks (timings are rank 0's)."""
+    terms = list(trajs[0].rewards)
+    per_seq = torch.tensor([[len(t.completion_ids), t.finish_reason == "length", t.num_turns] + [t.rewards[k] for k in terms]
+                            for t in trajs], dtype=torch.float64)  # (N, 3 + terms)
+    per_seq = dist.all_gather_cat(torch.cat([rewards[:, None].double(), advantages[:, None].double(), per_seq], 1))
+    rewards, advantages, lengths, truncated, turns = per_seq[:, :5].T
+    zero_var = dist.all_gather_cat(zero_var.float())  # (B,)
     out = {
         "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
         "advantage/mean": advantages.mean().item(), "advantage/abs_mean": advantages.abs().mean().item(),
-        "completion/len": lengths.mean().item(), "completion/truncated": sum(t.finish_reason == "length" for t in trajs) / len(trajs),
-        "completion/turns": sum(t.num_turns for t in trajs) / len(trajs), "zero_variance_groups": zero_var.float().mean().item(),
+        "completion/len": lengths.mean().item(), "completion/truncated": truncated.mean().item(),
+        "completion/turns": turns.mean().item(), "zero_variance_groups": zero_var.float().mean().item(),
         "time/generate": t_gen, "time/update": t_update, "tokens_per_s": lengths.sum().item() / max(t_gen + t_update, 1e-9), "lr": lr,
     }
-    for k in trajs[0].rewards:
-        out[f"reward/{k}"] = sum(t.rewards[k] for t in trajs) / len(trajs)
+    for i, k in enumerate(terms):
+        out[f"reward/{k}"] = per_seq[:, 5 + i].mean().item()
     if m:
-        # m holds sums over micro-batches and iterations (grpo.loss.loss_metrics); tokens too
+        # m holds this rank's sums over micro-batches and iterations (grpo.loss.loss_metrics), tokens
+        # too; grad_norm, skipped_updates and num_tokens are global already. The loss each rank
+        # returns is scaled by world size (FSDP averages gradients), so the global loss is the mean.
+        local = [k for k in m if k not in ("grad_norm", "skipped_updates", "num_tokens")]
+        m = m | dict(zip(local, dist.all_sum(torch.tensor([m[k] for k in local], dtype=torch.float64)).tolist()))
         tokens = max(m["tokens"], 1.0)
-        out |= {"loss": m["loss"] / cfg.num_iterations, "grad_norm": m["grad_norm"], "skipped_updates": m["skipped_updates"],
-                "entropy": m["entropy"] * cfg.num_iterations / tokens}
+        out |= {"loss": m["loss"] / cfg.num_iterations / dist.world_size(), "grad_norm": m["grad_norm"],
+                "skipped_updates": m["skipped_updates"], "entropy": m["entropy"] * cfg.num_iterations / tokens}
         for key in ("ratio", "clip_low", "clip_high", "dual_clip", "kl", "is_weight", "is_capped", "sampler_gap"):
             out[key] = m[key] / tokens
     if torch.cuda.is_available():
@@ -327,11 +350,17 @@ def step_metrics(trajs, rewards, advantages, zero_var, m: dict, cfg: Config, t_g
 
 class Logger:
     """TensorBoard scalars and text, plus metrics.jsonl (one JSON object per step)."""
-    def __init__(self, out_dir: str):
+    def __init__(self, out_dir: str, purge_after: int | None = None):
+        """`purge_after`: the step a resumed run continues from; what an interrupted run logged
+        after it (steps it is about to redo) is dropped from both logs, so each step appears once."""
         from torch.utils.tensorboard import SummaryWriter
         os.makedirs(out_dir, exist_ok=True)
         self.out_dir = out_dir
-        self.tb = SummaryWriter(os.path.join(out_dir, "tb"))
+        path = os.path.join(out_dir, "metrics.jsonl")
+        if purge_after is not None and os.path.exists(path):
+            rows = [r for r in open(path) if _logged_step(r) <= purge_after]
+            open(path, "w").writelines(rows)
+        self.tb = SummaryWriter(os.path.join(out_dir, "tb"), purge_step=None if purge_after is None else purge_after + 1)
         self.jsonl = open(os.path.join(out_dir, "metrics.jsonl"), "a")
 
     def log(self, metrics: dict, step: int):
@@ -350,3 +379,10 @@ class Logger:
     def close(self):
         self.tb.close()
         self.jsonl.close()
+
+
+def _logged_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError):  # a line cut short by a crash
+        return float("inf")

@@ -1,0 +1,224 @@
+"""FSDP2 and checkpoints on CPU: two gloo ranks under torchrun against one process.
+
+- Two ranks end with the weights and metrics of one process on the same global batch (the
+  sampler's seeds are per global prompt, so the trajectories are the same).
+- 4 steps straight == 2 steps, SIGTERM, resume, 2 steps: bitwise weights and metrics, with 1
+  and with 2 ranks; SIGTERM writes a checkpoint and every rank exits 0.
+- A SIGKILL during a checkpoint write leaves the previous checkpoint, which resumes bitwise.
+- Unfinished, partial and corrupt checkpoint folders are skipped with a clear message.
+- tests/dist_worker.py check_fsdp: sampling under dist.gathered() (one all-gather per module
+  for a whole sampling call), the fused LM head inside the root's forward, tied embeddings,
+  and the gathered export, which transformers loads.
+Every run is a subprocess (plain `python` for 1 rank, torch.distributed.run for 2) on the toy
+model, with beta > 0 (a sharded reference model), mu = 2, DAPO's global token count and
+batch-std advantages, so that each distributed path is on.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from grpo.checkpoint import HANG_ENV, Checkpointer
+from grpo.model import Transformer
+
+from toy import make_toy_dir
+
+WORKER = str(Path(__file__).with_name("dist_worker.py"))
+TRAIN = dict(num_steps=4, prompts_per_step=4, group_size=4, lr=1e-3, max_prompt_len=16, max_completion_len=8,
+             micro_batch_tokens=64, gen_batch=16, eval_limit=4, eval_n=2, eval_temperature=1.0, save_every=0,
+             max_grad_norm=1.0, tis_cap=2.0, beta=0.04, num_iterations=2, loss_type="dapo", scale_rewards="batch")
+TIMING = ("time/generate", "time/update", "tokens_per_s")
+
+
+def command(world: int, out: Path, **kw) -> list[str]:
+    args = [f"--{k}={v}" for k, v in {**TRAIN, "output_dir": out, **kw}.items()]
+    if world == 1:
+        return [sys.executable, WORKER, *args]
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", f"--master_port={port}", WORKER, *args]
+
+
+def environ(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != HANG_ENV}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}  # two ranks share two cores
+
+
+def launch(world: int, out: Path, **kw) -> str:
+    r = subprocess.run(command(world, out, **kw), env=environ(), capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    return r.stdout + r.stderr
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def alive(pid: int) -> bool:  # a zombie (killed, not yet reaped) counts as dead
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def weights(out: Path) -> dict:
+    return load_file(out / "export" / "model.safetensors")
+
+
+def metrics(out: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in open(out / "metrics.jsonl")]
+
+
+def assert_bitwise(a: Path, b: Path):
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), f"{k}: max diff {(wa[k] - wb[k]).abs().max()}"
+    assert metrics(a) == metrics(b)
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory) -> str:
+    return make_toy_dir(tmp_path_factory.mktemp("toy"))
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory) -> str:
+    """The toy with tied embeddings (SmolLM2, Qwen3-0.6B and Llama 3.2 tie theirs)."""
+    path = Path(make_toy_dir(tmp_path_factory.mktemp("tied")))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    state = load_file(path / "model.safetensors")
+    del state["lm_head.weight"]
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def straight(toy, tied, tmp_path_factory):
+    """straight(world) -> (output folder, log) of 4 uninterrupted steps; each world runs once."""
+    runs = {}
+
+    def get(world: int):
+        if world not in runs:
+            out = tmp_path_factory.mktemp(f"straight{world}")
+            log = launch(world, out, model_path=toy, **({"check_fsdp": tied} if world == 2 else {}))
+            runs[world] = out, log
+        return runs[world]
+    return get
+
+
+# ----------------------------------------------------------------------------- ranks
+
+def test_two_ranks_match_one_process(straight):
+    (one, _), (two, log) = straight(1), straight(2)
+    assert "fsdp checks passed (3 modules, tied=True)" in log
+    w1, w2 = weights(one), weights(two)
+    for k in w1:  # gloo reductions and micro-batch padding reorder fp32 sums: ~1e-6 after 4 Adam steps
+        torch.testing.assert_close(w2[k], w1[k], atol=1e-5, rtol=0, msg=k)
+    m1, m2 = metrics(one), metrics(two)
+    assert [r["step"] for r in m1] == [r["step"] for r in m2] == [0, 1, 2, 3, 4, 4]
+    for r1, r2 in zip(m1, m2):  # global means, not rank 0's share
+        assert r1.keys() == r2.keys()
+        for k in r1:
+            assert r2[k] == pytest.approx(r1[k], rel=1e-4, abs=1e-6), (r1["step"], k)
+
+
+def test_exports_from_two_ranks_load_in_transformers(straight, tied):
+    import transformers
+    (two, _) = straight(2)
+    for folder, source in ((two / "export", None), (two / "check_export", tied)):  # untied trained, tied as loaded
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
+        transformers.AutoTokenizer.from_pretrained(folder)
+        saved = load_file(folder / "model.safetensors")
+        for k, v in hf.state_dict().items():
+            torch.testing.assert_close(v, saved.get(k, saved.get("model.embed_tokens.weight")), atol=0, rtol=0, msg=k)
+        if source:  # the gathered tied weights are the checkpoint's, and still tied
+            assert hf.config.tie_word_embeddings and "lm_head.weight" not in saved
+            assert all(torch.equal(v, load_file(Path(source) / "model.safetensors")[k]) for k, v in saved.items())
+
+
+# ----------------------------------------------------------------------------- resume
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sigterm_then_resume_is_bitwise(world, straight, toy, tmp_path):
+    log = launch(world, tmp_path, model_path=toy, sigterm_at_step=2)
+    assert "SIGTERM: checkpoint written at step 2, exiting" in log
+    assert (tmp_path / "checkpoints" / "step_000002" / "meta.json").exists()
+    assert not (tmp_path / "export").exists()  # a stopped job leaves a checkpoint, not an export
+    log = launch(world, tmp_path, model_path=toy, resume=True)
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step_000002'} at step 2" in log
+    assert_bitwise(straight(world)[0], tmp_path)
+
+
+def test_sigkill_during_save_leaves_the_previous_checkpoint(straight, toy, tmp_path):
+    """Two ranks save every step; the save of step 3 hangs after every shard is written, before
+    the commit (the HANG_ENV hook), and torchrun and both ranks get SIGKILL."""
+    ckpts = tmp_path / "checkpoints"
+    p = subprocess.Popen(command(2, tmp_path, model_path=toy, save_every=1), env=environ(**{HANG_ENV: "3"}),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 180
+        while not all((ckpts / "step_000003.tmp" / f).exists() for f in (".metadata", "rng_0.pt", "rng_1.pt")):
+            assert p.poll() is None and time.time() < deadline, "the run ended or stalled before the save of step 3"
+            time.sleep(0.2)
+        time.sleep(0.5)  # now in the hook's sleep
+    finally:  # torchrun starts each rank in a session of its own: kill the ranks, then torchrun
+        pids = children(p.pid)
+        for pid in pids + [p.pid]:
+            os.kill(pid, signal.SIGKILL)
+        p.wait()
+        deadline = time.time() + 30
+        while any(map(alive, pids)):
+            assert time.time() < deadline, f"ranks {pids} survived SIGKILL"
+            time.sleep(0.1)
+    assert sorted(x.name for x in ckpts.iterdir()) == ["step_000001", "step_000002", "step_000003.tmp"]
+    log = launch(2, tmp_path, model_path=toy, save_every=1, resume=True)
+    assert f"skipping {ckpts / 'step_000003.tmp'} (an interrupted save" in log
+    assert f"resumed from {ckpts / 'step_000002'} at step 2" in log
+    assert sorted(x.name for x in ckpts.iterdir()) == ["step_000003", "step_000004"]  # keep_last=2
+    assert_bitwise(straight(2)[0], tmp_path)  # saving every step changes nothing either
+
+
+def test_partial_and_corrupt_checkpoints_are_skipped(toy, tmp_path, capsys):
+    model = Transformer.from_pretrained(toy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    ckpt = Checkpointer(str(tmp_path), keep_last=3)
+    saved = {}
+    try:
+        for step in (1, 2, 3):
+            model(torch.tensor([[3, 4, 5]])).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            ckpt.save(step, model, optimizer, scheduler, meta={"data": {}})
+            saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        root = tmp_path / "checkpoints"
+        (root / "step_000003" / "meta.json").unlink()  # partial: a folder copied by hand, say
+        distcp = next((root / "step_000002").glob("*.distcp"))
+        distcp.write_bytes(distcp.read_bytes()[: distcp.stat().st_size // 2])  # corrupt: truncated shard
+        (root / "step_000004.tmp").mkdir()  # an interrupted save
+        (root / "step_000004.tmp" / "__0_0.distcp").write_bytes(b"half")
+        found = ckpt.load_latest(model, optimizer, scheduler)
+        out = capsys.readouterr().out
+        assert found["step"] == 1 and scheduler.last_epoch == 1
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, saved[1][k]), k
+        assert f"skipping {root / 'step_000004.tmp'} (an interrupted save" in out
+        assert f"skipping {root / 'step_000003'} (incomplete: no meta.json)" in out
+        assert f"skipping {root / 'step_000002'} (unreadable: " in out
+        (root / "step_000001" / ".metadata").unlink()
+        with pytest.raises(RuntimeError, match="no loadable checkpoint"):  # never train on half-loaded weights
+            ckpt.load_latest(model, optimizer, scheduler)
+    finally:
+        ckpt.close()
