@@ -6,6 +6,7 @@ tasks: gsm8k, math500, aime24, aime25, calculator. `--data` takes JSONL or CSV w
 completion, extracted answer, score) go to a JSONL file.
 """
 import argparse
+import csv
 import json
 import math
 import sys
@@ -34,13 +35,18 @@ def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, env, examples: list[dict], n: int = 1, temperature: float = 0.0, max_tokens: int = 512,
-             max_turns: int = 1, sampler=None, chat_kwargs: dict | None = None, seed: int = 1234, gen_batch: int = 64) -> dict:
+             max_turns: int = 1, sampler=None, chat_kwargs: dict | None = None, seed: int = 1234, gen_batch: int = 64,
+             kv_budget_bytes: int | None = None) -> dict:
     """Run the env on `examples` with n samples each (temperature 0 = greedy). The score is the
     env's `correct` reward term. Returns mean (mean@n), pass (pass@n), ci95 and per-sample records."""
     from grpo.sampler import Sampler
-    sampler = sampler or Sampler(model, tokenizer, max_batch=gen_batch)
+    sampler = sampler or Sampler(model, tokenizer, max_batch=gen_batch, kv_budget_bytes=kv_budget_bytes)  # sized to this call
     params = sampling_params(env, tokenizer, n, temperature, max_tokens, seed, max_turns=max_turns)
     trajs = score(env, rollout(sampler, tokenizer, env, list(examples), params, chat_kwargs=chat_kwargs))
+    failed = [t for t in trajs if t.finish_reason == "error"]
+    if failed:  # a refused prompt would silently score 0: an accuracy must not hide that
+        raise RuntimeError(f"eval: {len(failed)} of {len(trajs)} completions failed in the sampler "
+                           f"(e.g. a prompt longer than the KV cache allows); see the messages above")
     records, per_question, passed = [], [], []
     for q, ex in enumerate(examples):
         group = trajs[q * n:(q + 1) * n]
@@ -65,13 +71,13 @@ def load_task(task: str, data: str | None, shots: int):
     if task == "gsm8k":
         from grpo.envs import gsm8k
         fewshot = gsm8k.fewshot_examples(gsm8k.load(_need(shared / "gsm8k" / "train.jsonl")), shots) if shots else []
-        examples = _load_generic(data) if data else gsm8k.load(_need(shared / "gsm8k" / "test.jsonl"))
+        examples = _load_generic(data, task) if data else gsm8k.load(_need(shared / "gsm8k" / "test.jsonl"))
         return gsm8k.GSM8KEnv(fewshot=fewshot), examples
     if task in ("math500", "aime24", "aime25"):
         from grpo.envs import math as math_env
         default = {"math500": shared / "math500" / "test.jsonl", "aime24": shared / "aime" / "aime24.jsonl",
                    "aime25": shared / "aime" / "aime25.jsonl"}[task]
-        examples = _load_generic(data) if data else math_env.load(_need(default), task)
+        examples = _load_generic(data, task) if data else math_env.load(_need(default), task)
         return math_env.MathEnv(), examples
     if task == "calculator":
         from grpo.envs import calculator
@@ -86,9 +92,30 @@ def _need(path: Path) -> Path:
     return Path(path)
 
 
-def _load_generic(path) -> list[dict]:
-    from grpo.envs.calculator import load_questions  # reads question/prompt + answer from JSONL or CSV
-    return load_questions(_need(path))
+def _load_generic(path, task: str) -> list[dict]:
+    """Rows of a JSONL or CSV with `question` (or `prompt`) and `answer`. Calculator answers are
+    numbers (or computed from an `expression`); the others stay text: a GSM8K solution ending in
+    '#### 72' gives 72, a MATH answer such as \\frac{5}{6} is kept as written."""
+    path = _need(path)
+    if task == "calculator":
+        from grpo.envs.calculator import load_questions
+        return load_questions(path)
+    if path.suffix.lower() == ".csv":
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f, skipinitialspace=True))
+    else:
+        rows = [json.loads(line) for line in open(path) if line.strip()]
+    out = []
+    for i, row in enumerate(rows, start=1):
+        question, answer = row.get("question") or row.get("prompt") or row.get("problem"), row.get("answer")
+        if not question or answer in (None, ""):
+            raise ValueError(f"{path}: row {i} needs a 'question' (or 'prompt') and an 'answer'")
+        answer = str(answer)
+        if task == "gsm8k" and "####" in answer:  # GSM8K's own format: the worked solution, then '#### 72'
+            row = {**row, "solution": answer}
+            answer = answer.split("####")[-1].strip().replace(",", "")
+        out.append({**row, "question": question.strip(), "answer": answer})
+    return out
 
 
 def main(argv=None):

@@ -125,7 +125,7 @@ def dr_grpo_aggregate(losses: Tensor, loss_mask: Tensor, num_sequences: int,
 def dapo_aggregate(losses: Tensor, loss_mask: Tensor, num_tokens: int, world_size: int = 1) -> Tensor:
     """DAPO: global token mean; num_tokens counts the mask tokens of the whole optimizer step
     (dividing by the micro-batch's own count is the usual gradient-accumulation bug)."""
-    return (losses * loss_mask).sum() * world_size / num_tokens
+    return (losses * loss_mask).sum() * world_size / max(num_tokens, 1)  # a step with every token masked: 0, not NaN
 
 # -----------------------------------------------------------------------------
 # the one entry the trainer calls per micro-batch

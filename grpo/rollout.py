@@ -144,4 +144,5 @@ def gold_trajectory(tokenizer, env, example: dict, eos_id: int, chat_kwargs: dic
     mask.append(1)
     return Trajectory(example=example, prompt_index=-1, prompt_ids=prompt, completion_ids=ids, loss_mask=mask,
                       sampler_logprobs=[0.0] * len(ids), finish_reason="stop", num_turns=(len(gold) + 1) // 2,
-                      text=tokenizer.decode(ids, skip_special_tokens=True))
+                      text=tokenizer.decode(ids, skip_special_tokens=True), turns=[m["content"] for m in gold[0::2]],
+                      observations=[m["content"] for m in gold[1::2]])

@@ -225,7 +225,8 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
         model.eval()
         with dist.gathered(model):
             r = evaluate(model, tokenizer, eval_env or env, eval_examples[:cfg.eval_limit], n=cfg.eval_n, temperature=cfg.eval_temperature,
-                         max_tokens=cfg.max_completion_len, max_turns=cfg.max_turns, sampler=sampler, chat_kwargs=kw)
+                         max_tokens=cfg.max_completion_len, max_turns=cfg.max_turns, chat_kwargs=kw, gen_batch=cfg.gen_batch,
+                         kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)  # its own sampler: eval prompts may be longer (few-shot)
         results[name] = {k: v for k, v in r.items() if k != "records"} | {"correct": [x["correct"] for x in r["records"]]}
         dist.print0(f"eval {name}: mean@{cfg.eval_n} {r['mean']:.3f} ± {r['ci95']:.3f} | pass@{cfg.eval_n} {r['pass']:.3f}")
         log({f"eval/{name}/mean": r["mean"], f"eval/{name}/pass": r["pass"]}, at_step)

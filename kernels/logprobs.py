@@ -215,7 +215,7 @@ def _backward(hidden, weight, labels, lse, grad, temperature, chunk, dlogits, ne
 
 class LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, backend, return_entropy, chunk):
+    def forward(ctx, hidden, weight, labels, temperature, backend, return_entropy, chunk, lead):
         if backend == "triton":
             lse, tgt, entropy = _forward_triton(hidden, weight, labels, temperature, return_entropy)
         else:
@@ -226,16 +226,18 @@ class LinearLogprobs(torch.autograd.Function):
         if entropy is None:
             entropy = lse.new_empty(0)
         ctx.mark_non_differentiable(entropy)
-        return logprobs, entropy
+        # shaped here, not by .view() outside: FSDP2 warns about (and cannot hook) view outputs
+        return logprobs.reshape(lead).clone(), entropy.reshape(lead if return_entropy else -1)
 
     @staticmethod
     def backward(ctx, grad_logprobs, _grad_entropy):
         hidden, weight, labels, lse = ctx.saved_tensors
+        grad_logprobs = grad_logprobs.reshape(-1)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dlogits = _dlogits_triton if ctx.backend == "triton" else _dlogits_torch
         grad_h, grad_w = _backward(hidden, weight, labels, lse, grad_logprobs, ctx.temperature,
                                    ctx.chunk, dlogits, need_h, need_w)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float = 1.0,
@@ -259,7 +261,5 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature:
     labels = labels.reshape(-1).contiguous()                  # (N,)
     chunk = chunk_size or _chunk_size(hidden.shape[0], V, hidden.device)
     logprobs, entropy = LinearLogprobs.apply(hidden, weight.contiguous(), labels, float(temperature),
-                                             backend, return_entropy, chunk)
-    if return_entropy:
-        return logprobs.view(lead), entropy.view(lead)
-    return logprobs.view(lead)
+                                             backend, return_entropy, chunk, tuple(lead))
+    return (logprobs, entropy) if return_entropy else logprobs

@@ -39,9 +39,7 @@ class GSM8KQwen3(Config):
     beta: float = 0.0
     epsilon_high: float = 0.28        # DAPO clip-higher
     mask_truncated_completions: bool = True
-    # the sampler's rows hold max_prompt_len + max_completion_len tokens, and the trainer's eval shares it:
-    # the 10-shot eval prompt is ~2,300 tokens (a longer prompt is refused and scores 0)
-    max_prompt_len: int = 2560
+    max_prompt_len: int = 512         # zero-shot training prompts; eval (10-shot, ~2,300 tokens) sizes its own sampler
     max_completion_len: int = 768
     eval_limit: int = 1319
     eval_every: int = 50

@@ -1,0 +1,160 @@
+"""The recipes end to end on tiny random models of their families (issues 7 and 9): two GRPO
+steps each, from the command line, with the eval before and after and the Hugging Face export.
+
+The tiny checkpoints borrow SmolLM2's tokenizer (vocab 49152, the same <|im_start|>/<|im_end|>
+ChatML layout as Qwen2.5); the Qwen3 one gets a stand-in chat template with Qwen3's structure
+(DESIGN.md: the real one is not available offline), thinking on/off included.
+"""
+import json
+import os
+import runpy
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import grpo.eval
+import grpo.trainer
+from grpo.rollout import render_prompt
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+IM_END = 2  # <|im_end|> in SmolLM2's vocabulary: the end of an assistant turn, as in Qwen2.5
+
+# Qwen3's template, reduced to what the trainer touches: ChatML turns; earlier assistant turns
+# lose their <think> block; the generation prompt of the non-thinking mode (enable_thinking=False)
+# ends in an empty think block.
+QWEN3_STANDIN_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- set content = m['content'] -%}"
+    "{%- if m['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in content -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{%- endif -%}")
+EMPTY_THINK = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+# one intra-op thread: these models are tiny, and on a shared 2-core machine a second OpenMP
+# thread turns each small matmul from microseconds into milliseconds (measured: 500x)
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_tiny_chat_model(path: Path, family: str, smollm2_path: str, chat_template: str | None = None) -> str:
+    """A random `family` checkpoint (qwen2 | qwen3) with tiny dims and SmolLM2's tokenizer."""
+    dims = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=4096,
+                bos_token_id=1, eos_token_id=IM_END)
+    if family == "qwen2":
+        cfg, cls = transformers.Qwen2Config(**dims), transformers.Qwen2ForCausalLM
+    else:
+        cfg, cls = transformers.Qwen3Config(head_dim=16, **dims), transformers.Qwen3ForCausalLM
+    torch.manual_seed(0)
+    cls(cfg).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(Path(smollm2_path) / name, path / name)
+    if chat_template is not None:
+        (path / "chat_template.jinja").write_text(chat_template)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [IM_END], "bos_token_id": 1}))
+    return str(path)
+
+
+def tiny_flags(model: str, out: Path) -> list[str]:
+    return [f"--model_path={model}", f"--output_dir={out}", "--num_steps=2", "--prompts_per_step=2", "--group_size=2",
+            "--max_completion_len=24", "--eval_limit=4", "--profile=none", "--dtype=float32", "--gen_batch=8",
+            "--save_every=2"]
+
+
+def check_run(out: Path, family: str):
+    """2 RL steps in metrics.jsonl, eval before and after, an export transformers loads."""
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2], rows
+    assert all(r["completion/len"] > 0 and "loss" in r for r in steps), steps
+    for phase in ("before", "after"):
+        records = [json.loads(line) for line in open(out / f"eval_{phase}.jsonl")]
+        assert len(records) == 4
+        # an "error" row is a prompt the sampler refused (e.g. longer than its cache): it would score 0 silently
+        assert not [r for r in records if r["finish_reason"] == "error"], records
+    assert [p.name for p in (out / "checkpoints").glob("step_*")] == ["step_000002"]  # --save_every=2
+    model = transformers.AutoModelForCausalLM.from_pretrained(out / "export")
+    assert model.config.model_type == family
+    tok = transformers.AutoTokenizer.from_pretrained(out / "export")
+    ids = torch.tensor([tok.encode("What is 2 plus 3?")])
+    assert torch.isfinite(model(ids).logits).all()
+
+
+# ----------------------------------------------------------------------------- calculator (Qwen2.5)
+
+@pytest.mark.parametrize("recipe", ["calculator_qwen25_3b.py", "calculator_qwen25_05b.py"])
+def test_calculator_recipe_two_steps(recipe, tmp_path, smollm2_path):
+    model = make_tiny_chat_model(tmp_path / "tiny-qwen2", "qwen2", smollm2_path)
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "recipes" / recipe), *tiny_flags(model, out),
+           "--train_questions=8", "--eval_questions=4", "--max_prompt_len=512"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=ONE_THREAD)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    check_run(out, "qwen2")
+
+
+# ----------------------------------------------------------------------------- GSM8K (Qwen3, thinking off)
+
+def test_standin_template_non_thinking_prompt(smollm2_path):
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2_path)
+    tok.chat_template = QWEN3_STANDIN_TEMPLATE
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    off = tok.decode(render_prompt(tok, messages, enable_thinking=False))
+    on = tok.decode(render_prompt(tok, messages, enable_thinking=True))
+    assert off.endswith(EMPTY_THINK), off
+    assert on.endswith("<|im_start|>assistant\n") and "<think>" not in on, on
+    # Qwen3's structure: an earlier assistant turn loses its think block
+    history = messages + [{"role": "assistant", "content": "<think>\nhmm\n</think>\n\n5"}, {"role": "user", "content": "and 4?"}]
+    assert "hmm" not in tok.decode(render_prompt(tok, history, enable_thinking=False))
+
+
+@pytest.mark.skipif(not (DATA / "gsm8k" / "train.jsonl").exists(), reason="../shared/data/gsm8k not found")
+def test_gsm8k_recipe_two_steps_thinking_off(tmp_path, smollm2_path, monkeypatch):
+    """The recipe file run as __main__ in this process, so that spies on the trainer's and the
+    eval's rollout can see the prompts: both must end in Qwen3's empty think block."""
+    model = make_tiny_chat_model(tmp_path / "tiny-qwen3", "qwen3", smollm2_path, QWEN3_STANDIN_TEMPLATE)
+    out = tmp_path / "run"
+    seen = {"train": [], "eval": []}
+
+    def spy(real, phase):
+        def wrapped(sampler, tokenizer, env, examples, params, *args, **kw):
+            trajs = real(sampler, tokenizer, env, examples, params, *args, **kw)
+            seen[phase].append((kw.get("chat_kwargs"), {tokenizer.decode(t.prompt_ids) for t in trajs}))
+            return trajs
+        return wrapped
+
+    monkeypatch.setattr(grpo.trainer, "rollout", spy(grpo.trainer.rollout, "train"))
+    monkeypatch.setattr(grpo.eval, "rollout", spy(grpo.eval.rollout, "eval"))
+    train_data = tmp_path / "train.jsonl"  # a slice: the recipe reads the file whole
+    train_data.write_text("".join((DATA / "gsm8k" / "train.jsonl").read_text().splitlines(True)[:200]))
+    argv = [*tiny_flags(model, out), f"--train_data={train_data}", f"--eval_data={DATA / 'gsm8k' / 'test.jsonl'}"]
+    monkeypatch.setattr(sys, "argv", ["gsm8k_qwen3_06b.py", *argv])
+    runpy.run_path(str(ROOT / "recipes" / "gsm8k_qwen3_06b.py"), run_name="__main__")
+    check_run(out, "qwen3")
+    assert len(seen["train"]) == 2 and len(seen["eval"]) == 2, {k: len(v) for k, v in seen.items()}
+    for phase, calls in seen.items():
+        for chat_kwargs, prompts in calls:
+            assert chat_kwargs == {"enable_thinking": False}, (phase, chat_kwargs)
+            assert all(p.endswith(EMPTY_THINK) for p in prompts), (phase, [p[-60:] for p in prompts])
+    eval_prompts = seen["eval"][0][1]
+    assert all("ANSWER:" in p.split("<|im_start|>user")[0] for p in eval_prompts)  # the 10-shot system prompt
