@@ -36,13 +36,13 @@ def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
 @torch.no_grad()
 def evaluate(model, tokenizer, env, examples: list[dict], n: int = 1, temperature: float = 0.0, max_tokens: int = 512,
              max_turns: int = 1, sampler=None, chat_kwargs: dict | None = None, seed: int = 1234, gen_batch: int = 64,
-             kv_budget_bytes: int | None = None) -> dict:
+             kv_budget_bytes: int | None = None, progress: bool = True) -> dict:
     """Run the env on `examples` with n samples each (temperature 0 = greedy). The score is the
     env's `correct` reward term. Returns mean (mean@n), pass (pass@n), ci95 and per-sample records."""
     from grpo.sampler import Sampler
     sampler = sampler or Sampler(model, tokenizer, max_batch=gen_batch, kv_budget_bytes=kv_budget_bytes)  # sized to this call
     params = sampling_params(env, tokenizer, n, temperature, max_tokens, seed, max_turns=max_turns)
-    trajs = score(env, rollout(sampler, tokenizer, env, list(examples), params, chat_kwargs=chat_kwargs))
+    trajs = score(env, rollout(sampler, tokenizer, env, list(examples), params, chat_kwargs=chat_kwargs, progress=progress))
     failed = [t for t in trajs if t.finish_reason == "error"]
     if failed:  # a refused prompt would silently score 0: an accuracy must not hide that
         raise RuntimeError(f"eval: {len(failed)} of {len(trajs)} completions failed in the sampler "

@@ -83,7 +83,7 @@ def sampling_params(env, tokenizer, G: int, temperature: float, max_tokens: int,
 
 
 def rollout(sampler: Sampler, tokenizer, env, examples: list[dict], params: SamplingParams,
-            prompt_offset: int = 0, chat_kwargs: dict | None = None) -> list[Trajectory]:
+            prompt_offset: int = 0, chat_kwargs: dict | None = None, progress: bool = False) -> list[Trajectory]:
     """len(examples) * params.n trajectories, in prompt order (G consecutive per prompt).
     `prompt_offset` is the global index of examples[0]: it seeds the sampler, so a prompt's
     samples do not depend on the rank or the batch it lands in."""
@@ -93,7 +93,7 @@ def rollout(sampler: Sampler, tokenizer, env, examples: list[dict], params: Samp
     G = params.n
     states = [_ToolState(tokenizer, env, messages[i // G], chat_kwargs) for i in range(len(examples) * G)]
     tool = (lambda index, ids: states[index](ids)) if params.tool_stop_strings else None
-    completions = sampler.generate(prompts, params, tool=tool,
+    completions = sampler.generate(prompts, params, tool=tool, progress=progress,
                                    prompt_ids=list(range(prompt_offset, prompt_offset + len(prompts))))
     trajectories = []
     for i, (c, st) in enumerate(zip(completions, states)):

@@ -99,6 +99,26 @@ def prompt_batch(examples: list, step: int, B: int, seed: int) -> tuple[list, in
     return out, start
 
 
+def refill(trajs: list, share: int, G: int, step: int, cfg: Config, sample, examples: list) -> list:
+    """Dynamic sampling (DAPO, arXiv 2503.14476): groups whose G rewards are all equal have zero
+    advantage and teach nothing; keep the others and roll out fresh prompts in their place, at
+    most cfg.max_refills times. Refill prompts come from a stream seeded by (seed, step, rank)
+    and their sampler seeds from indices past any epoch's, so a resumed run draws the same ones."""
+    informative = lambda ts: [g for g in (ts[i:i + G] for i in range(0, len(ts), G)) if len({t.reward for t in g}) > 1]
+    groups = informative(trajs)
+    rng = random.Random(f"refill-{cfg.seed}-{step}-{dist.rank()}")
+    for attempt in range(cfg.max_refills):
+        if len(groups) >= share:
+            break
+        exs = rng.sample(examples, min(share - len(groups), len(examples)))
+        offset = 1 << 40 | (step * dist.world_size() + dist.rank()) << 16 | attempt << 12  # unique sampler seeds
+        groups += informative(sample(exs, offset))
+    # still short: top up with original zero-variance groups (zero advantage, no gradient), so that
+    # every rank holds exactly `share` groups for the collectives that follow
+    flat = [g for g in (trajs[i:i + G] for i in range(0, len(trajs), G)) if len({t.reward for t in g}) == 1]
+    return [t for g in (groups[:share] + flat)[:share] for t in g]
+
+
 # ----------------------------------------------------------------------------- one optimizer step
 
 def optimizer_step(model, optimizer, scheduler, cfg: Config) -> tuple[float, bool]:
@@ -226,7 +246,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
         with dist.gathered(model):
             r = evaluate(model, tokenizer, eval_env or env, eval_examples[:cfg.eval_limit], n=cfg.eval_n, temperature=cfg.eval_temperature,
                          max_tokens=cfg.max_completion_len, max_turns=cfg.max_turns, chat_kwargs=kw, gen_batch=cfg.gen_batch,
-                         kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)  # its own sampler: eval prompts may be longer (few-shot)
+                         kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None, progress=dist.is_main())  # its own sampler: eval prompts may be longer (few-shot)
         results[name] = {k: v for k, v in r.items() if k != "records"} | {"correct": [x["correct"] for x in r["records"]]}
         dist.print0(f"eval {name}: mean@{cfg.eval_n} {r['mean']:.3f} ± {r['ci95']:.3f} | pass@{cfg.eval_n} {r['pass']:.3f}")
         log({f"eval/{name}/mean": r["mean"], f"eval/{name}/pass": r["pass"]}, at_step)
@@ -255,11 +275,13 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
         share = B // world
         model.eval()
         with dist.gathered(model):
-            trajs = rollout(sampler, tokenizer, env, examples[rank * share:(rank + 1) * share], params,
-                            prompt_offset=first + rank * share, chat_kwargs=kw)
+            trajs = score(env, rollout(sampler, tokenizer, env, examples[rank * share:(rank + 1) * share], params,
+                                       prompt_offset=first + rank * share, chat_kwargs=kw), reward_weights)
+            if cfg.drop_zero_variance:
+                trajs = refill(trajs, share, G, step, cfg, lambda exs, offset: score(env, rollout(
+                    sampler, tokenizer, env, exs, params, prompt_offset=offset, chat_kwargs=kw), reward_weights), train_examples)
         t1 = time.time()
         # 3b. rewards -> advantages (group stats are local: a prompt's G samples live on one rank)
-        score(env, trajs, reward_weights)
         rewards = torch.tensor([t.reward for t in trajs])
         if cfg.overlong_buffer > 0:
             lengths = torch.tensor([len(t.completion_ids) for t in trajs], dtype=torch.float)
@@ -269,14 +291,10 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
             advantages = (rewards.view(-1, G) - rewards.view(-1, G).mean(1, keepdim=True)).flatten() / (all_rewards.std() + 1e-4)
         else:
             advantages = group_advantages(rewards, G, scale=cfg.scale_rewards)
-        zero_var = (rewards.view(-1, G).std(1) == 0)  # (B/world,) groups that teach nothing
-        keep = list(range(len(trajs)))
-        if cfg.drop_zero_variance:
-            keep = [i for i in keep if not zero_var[i // G]]
+        zero_var = (rewards.view(-1, G).std(1) == 0)  # (groups,) groups that teach nothing
         # 3c. mu policy updates
         model.train()
-        m = policy_update(model, ref_model, optimizer, scheduler, [trajs[i] for i in keep], advantages[keep], cfg, device) \
-            if dist.all_sum(float(len(keep))) > 0 else {}
+        m = policy_update(model, ref_model, optimizer, scheduler, trajs, advantages, cfg, device)
         t2 = time.time()
         steps_done = step + 1
         # 3d. logging: one line per step on rank 0
@@ -301,6 +319,10 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
             dist.print0(f"time budget of {cfg.time_budget_min} min reached after {step + 1} steps")
             break
     bar.close()
+    if not stop and cfg.save_every and steps_done > start and steps_done % cfg.save_every:
+        # the last steps (e.g. cut by the time budget) are not lost: --resume --num_steps=... continues
+        data = {"next_prompt": steps_done * B, "prompts_per_step": B, "seed": cfg.seed}
+        dist.print0(f"checkpoint: {ckpt.save(steps_done, model, optimizer, scheduler, meta={'results': results, 'data': data})}")
 
     # ---- 4. eval after, export (not after SIGTERM: the job is being stopped, the checkpoint is what counts)
     if not stop:

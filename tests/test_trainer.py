@@ -88,3 +88,32 @@ def test_parse_args_overrides_and_help():
     out = subprocess.run([sys.executable, "-c", "from grpo.config import *; parse_args(Config, ['--help'])"],
                          capture_output=True, text=True)
     assert out.returncode == 0 and "--group_size=8" in out.stdout and "--loss_type='grpo'" in out.stdout
+
+
+def test_refill_replaces_zero_variance_groups():
+    from types import SimpleNamespace as T
+    from grpo.trainer import refill
+    cfg = Config(seed=0, max_refills=2)
+    group = lambda r, q: [T(reward=x, q=q) for x in r]
+    trajs = group([1, 1], "a") + group([0, 1], "b") + group([0, 0], "c")  # groups a and c teach nothing
+    calls = []
+
+    def sample(exs, offset):
+        calls.append((len(exs), offset))
+        return [t for ex in exs for t in group([0, 1], ex["question"])]
+    out = refill(trajs, 3, 2, step=5, cfg=cfg, sample=sample, examples=EXAMPLES)
+    assert len(out) == 6 and all(len({t.reward for t in out[i:i + 2]}) == 2 for i in range(0, 6, 2))
+    assert calls[0][0] == 2 and len(calls) == 1  # one refill of the two missing groups
+    again = refill(trajs, 3, 2, step=5, cfg=cfg, sample=sample, examples=EXAMPLES)
+    assert [t.q for t in again] == [t.q for t in out]
+    # nothing informative comes back: the batch is topped up with the original flat groups
+    out = refill(trajs, 3, 2, step=5, cfg=cfg, sample=lambda exs, off: [t for ex in exs for t in group([1, 1], "x")],
+                 examples=EXAMPLES)
+    assert len(out) == 6 and [t.q for t in out[:2]] == ["b", "b"]
+
+
+def test_dynamic_sampling_runs_in_the_loop(tmp_path):
+    cfg = toy_config(tmp_path, num_steps=3, drop_zero_variance=True, num_iterations=2, loss_type="dapo")
+    train(cfg, ToyEnv(), EXAMPLES, [])
+    rows = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "reward/mean" in r]
+    assert len(rows) == 3 and all(r["skipped_updates"] == 0 for r in rows)
