@@ -45,7 +45,7 @@ class CalculatorCPU(Config):
     prompts_per_step: int = 4
     group_size: int = 8
     temperature: float = 0.9
-    lr: float = 5e-6
+    lr: float = 1e-5
     num_iterations: int = 1
     max_grad_norm: float = 1.0
     loss_type: str = "dr_grpo"

@@ -158,3 +158,17 @@ def test_gsm8k_recipe_two_steps_thinking_off(tmp_path, smollm2_path, monkeypatch
             assert all(p.endswith(EMPTY_THINK) for p in prompts), (phase, [p[-60:] for p in prompts])
     eval_prompts = seen["eval"][0][1]
     assert all("ANSWER:" in p.split("<|im_start|>user")[0] for p in eval_prompts)  # the 10-shot system prompt
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "recipes").glob("*.py")))
+def test_every_recipe_has_help(recipe):
+    r = subprocess.run([sys.executable, f"recipes/{recipe}", "--help"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--model_path=" in r.stdout and "--lr=" in r.stdout and "--group_size=" in r.stdout
+
+
+def test_bad_recipe_flag_fails_before_any_work():
+    r = subprocess.run([sys.executable, "recipes/calculator_smollm2_cpu.py", "--group_sise=4"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, env=ONE_THREAD)
+    assert r.returncode != 0 and "unknown field --group_sise" in r.stderr and "plan:" not in r.stdout

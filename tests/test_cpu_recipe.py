@@ -1,0 +1,32 @@
+"""The CPU default end to end at smoke size: SmolLM2 warm-start, GRPO with the multi-turn
+sampler, three evals, and an export that transformers loads and generates from."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cpu_recipe_smoke_end_to_end(tmp_path, smollm2_path):
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "recipes/calculator_smollm2_cpu.py", "--smoke", f"--output_dir={out}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = Path(str(out) + "_smoke")
+    for phase in ("before", "warmstart", "after"):
+        records = [json.loads(line) for line in open(run / f"eval_{phase}.jsonl")]
+        assert len(records) == 8 and all({"question", "completion", "correct"} <= set(x) for x in records)
+        assert f"| {phase} |" in r.stdout
+    assert "GRPO gain over warm-start" in r.stdout
+    steps = [x for x in map(json.loads, open(run / "metrics.jsonl")) if "reward/mean" in x]
+    assert [x["step"] for x in steps] == [1, 2]
+    model = transformers.AutoModelForCausalLM.from_pretrained(run / "export", dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(run / "export")
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 plus 2?"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    gen = model.generate(**ids, max_new_tokens=5, do_sample=False)
+    assert gen.shape[1] == ids["input_ids"].shape[1] + 5 or tok.eos_token_id in gen[0].tolist()
