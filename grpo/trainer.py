@@ -253,6 +253,10 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
         if logger:
             logger.dump_jsonl(f"eval_{name}.jsonl", r["records"])
 
+    def save(at_step: int):  # the data position is a function of (step, prompts_per_step, seed): saved to check
+        data = {"next_prompt": at_step * cfg.prompts_per_step, "prompts_per_step": cfg.prompts_per_step, "seed": cfg.seed}
+        dist.print0(f"checkpoint: {ckpt.save(at_step, model, optimizer, scheduler, meta={'results': results, 'data': data})}")
+
     # ---- 2. eval before, optional warm-start
     if start == 0:
         run_eval("before", 0)
@@ -309,9 +313,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
             run_eval(f"step{step + 1}", step + 1)
         stop = ckpt.should_stop()  # SIGTERM: save, then leave cleanly
         if stop or cfg.save_every and (step + 1) % cfg.save_every == 0:
-            data = {"next_prompt": (step + 1) * B, "prompts_per_step": B, "seed": cfg.seed}
-            path = ckpt.save(step + 1, model, optimizer, scheduler, meta={"results": results, "data": data})
-            dist.print0(f"checkpoint: {path}")
+            save(step + 1)
         if stop:
             dist.print0(f"SIGTERM: checkpoint written at step {step + 1}, exiting")
             break
@@ -321,8 +323,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
     bar.close()
     if not stop and cfg.save_every and steps_done > start and steps_done % cfg.save_every:
         # the last steps (e.g. cut by the time budget) are not lost: --resume --num_steps=... continues
-        data = {"next_prompt": steps_done * B, "prompts_per_step": B, "seed": cfg.seed}
-        dist.print0(f"checkpoint: {ckpt.save(steps_done, model, optimizer, scheduler, meta={'results': results, 'data': data})}")
+        save(steps_done)
 
     # ---- 4. eval after, export (not after SIGTERM: the job is being stopped, the checkpoint is what counts)
     if not stop:
