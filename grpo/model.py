@@ -271,7 +271,7 @@ class Transformer(nn.Module):
         """Load a HF checkpoint folder (config.json + model.safetensors, or shards + index).
         The model is built on the meta device, so no random weights are ever allocated."""
         from safetensors import safe_open
-        path = Path(path)
+        path = _local_or_hub(path)
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path}/config.json not found: not a Hugging Face checkpoint folder")
         config = json.loads((path / "config.json").read_text())
@@ -343,6 +343,20 @@ class Transformer(nn.Module):
             for name in TOKENIZER_FILES:
                 if (Path(self.source_path) / name).exists():
                     shutil.copy(Path(self.source_path) / name, path / name)
+
+
+def _local_or_hub(path) -> Path:
+    """A local folder as is; a hub id ("Qwen/Qwen2.5-3B-Instruct") that is not a local folder is
+    fetched once into the Hugging Face cache (weights, config, tokenizer files only)."""
+    local = Path(path)
+    if local.exists() or str(path).startswith((".", "/", "~")) or str(path).count("/") != 1:
+        return local
+    from huggingface_hub import snapshot_download
+    try:
+        return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
+    except Exception as e:  # offline, unknown repo, gated model: say what was tried
+        raise FileNotFoundError(f"{path!r} is not a local folder and could not be fetched from the Hugging Face "
+                                f"hub ({type(e).__name__}); pass --model_path=/path/to/checkpoint") from e
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -21,7 +21,7 @@ from grpo.trainer import train
 
 @dataclass
 class CalculatorQwen(Config):
-    model_path: str = "Qwen/Qwen2.5-3B-Instruct"   # a local HF folder: no hub download at run time
+    model_path: str = "Qwen/Qwen2.5-3B-Instruct"   # a local HF folder, or a hub id fetched once into the HF cache
     output_dir: str = "runs/calculator_qwen25_3b"
     train_questions: int = 1500       # one epoch: num_steps = train_questions / prompts_per_step
     eval_questions: int = 200

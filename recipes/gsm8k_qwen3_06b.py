@@ -22,7 +22,7 @@ from grpo.trainer import train
 
 @dataclass
 class GSM8KQwen3(Config):
-    model_path: str = "Qwen/Qwen3-0.6B"   # a local HF folder
+    model_path: str = "Qwen/Qwen3-0.6B"   # a local HF folder, or a hub id fetched once into the HF cache
     output_dir: str = "runs/gsm8k_qwen3_06b"
     train_data: str = "../shared/data/gsm8k/train.jsonl"
     eval_data: str = "../shared/data/gsm8k/test.jsonl"

@@ -195,3 +195,11 @@ def test_wrong_shape_and_missing_weight_are_clear_errors(tiny_dir):
     safetensors.torch.save_file(state, file)
     with pytest.raises(ValueError, match="missing weights.*up_proj"):
         Transformer.from_pretrained(path)
+
+
+def test_unreachable_hub_id_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache: nothing to fall back on
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="not a local folder and could not be fetched"):
+        Transformer.from_pretrained("nobody/no-such-model")
