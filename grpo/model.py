@@ -15,7 +15,6 @@ runs these very blocks, so there is one set of weights and one attention.
 """
 import json
 import math
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path

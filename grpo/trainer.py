@@ -66,13 +66,16 @@ def collate(trajs: list, device) -> dict:
 
 
 @torch.no_grad()
+def batch_logprobs(model, batches: list[dict], temperature: float) -> list[torch.Tensor]:
+    """(B, T) log-probs under `model` for already collated micro-batches (old policy, reference)."""
+    return [model(b["input_ids"], labels=b["labels"], temperature=temperature).float() for b in batches]
+
+
 def logprobs_of(model, trajs: list, budget: int, temperature: float, device) -> list[torch.Tensor]:
-    """Per-trajectory (B, T) log-probs under `model`, micro-batched; used for the old policy and
-    the reference. Returns one tensor per micro-batch of micro_batches(...)."""
+    """Per-trajectory (B, T) log-probs under `model`, micro-batched as policy_update does.
+    Returns one tensor per micro-batch of micro_batches(...)."""
     lengths = [len(t.prompt_ids) + len(t.completion_ids) for t in trajs]
-    return [model(**{k: v for k, v in collate([trajs[i] for i in mb], device).items() if k in ("input_ids", "labels")},
-                  temperature=temperature).float()
-            for mb in micro_batches(lengths, budget)]
+    return batch_logprobs(model, [collate([trajs[i] for i in mb], device) for mb in micro_batches(lengths, budget)], temperature)
 
 
 def lr_lambda(cfg: Config, total_steps: int):
@@ -146,8 +149,8 @@ def policy_update(model, ref_model, optimizer, scheduler, trajs: list, advantage
             b["loss_mask"][torch.tensor([trajs[i].finish_reason == "length" for i in mb], device=device)] = 0
     num_sequences = dist.all_sum(float(len(trajs)))
     num_tokens = dist.all_sum(sum(float(b["loss_mask"].sum()) for b in batches))
-    old = logprobs_of(model, trajs, cfg.micro_batch_tokens, cfg.temperature, device) if cfg.num_iterations > 1 else None
-    ref = logprobs_of(ref_model, trajs, cfg.micro_batch_tokens, cfg.temperature, device) if ref_model is not None else None
+    old = batch_logprobs(model, batches, cfg.temperature) if cfg.num_iterations > 1 else None
+    ref = batch_logprobs(ref_model, batches, cfg.temperature) if ref_model is not None else None
     metrics = {}
     for it in range(cfg.num_iterations):
         for k, b in enumerate(batches):

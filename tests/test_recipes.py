@@ -48,12 +48,7 @@ EMPTY_THINK = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def make_tiny_chat_model(path: Path, family: str, smollm2_path: str, chat_template: str | None = None) -> str:

@@ -34,12 +34,7 @@ def runs(mask: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-@pytest.fixture(autouse=True)
-def one_thread():  # on a shared 2-core machine one intra-op thread is much faster (test_recipes.py)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
