@@ -72,6 +72,15 @@ def all_sum(x: float | torch.Tensor) -> float | torch.Tensor:
     return t.item() if not isinstance(x, torch.Tensor) else t.to(x.device, x.dtype)
 
 
+def all_max(x: int) -> int:
+    """The largest of an integer over ranks (e.g. the micro-batch count every rank must run)."""
+    if not is_dist():
+        return x
+    t = torch.tensor(x, dtype=torch.int64, device=device())
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
     """Concatenate tensors of equal shape from every rank along dim 0, in rank order."""
     if not is_dist():

@@ -137,21 +137,50 @@ def optimizer_step(model, optimizer, scheduler, cfg: Config) -> tuple[float, boo
     return norm, ok
 
 
+def masked_out(traj, cfg: Config) -> bool:
+    return cfg.mask_truncated_completions and traj.finish_reason == "length"  # a truncated answer says nothing about its reward
+
+
+def update_batches(trajs: list, advantages: torch.Tensor, cfg: Config, device) -> list[dict]:
+    """The micro-batches of one update. Without a KL term, a group whose G rewards are all equal
+    has zero advantage, hence zero loss and zero gradient, and so has a sequence whose loss mask
+    is cleared (mask_truncated_completions): both are left out, which saves their forward and
+    backward and changes nothing else, since the loss normalizers still count them. BNPO keeps
+    every sequence: its per-micro-batch token mean depends on what shares the micro-batch.
+    Every rank runs the same number of micro-batches, because FSDP's all-gathers and
+    reduce-scatters pair up forward by forward across ranks: a rank short of the largest count
+    pads with fully masked micro-batches (zero loss, zero gradient)."""
+    G = cfg.group_size
+    keep = list(range(len(trajs)))
+    if cfg.beta == 0 and cfg.loss_type != "bnpo":
+        flat = {i for g in range(0, len(trajs), G) if len({t.reward for t in trajs[g:g + G]}) == 1 for i in range(g, g + G)}
+        keep = [i for i in keep if i not in flat and not masked_out(trajs[i], cfg)]
+    lengths = [len(trajs[i].prompt_ids) + len(trajs[i].completion_ids) for i in keep]
+    mbs = [[keep[j] for j in mb] for mb in micro_batches(lengths, cfg.micro_batch_tokens)]
+    batches = []
+    for mb in mbs:
+        b = collate([trajs[i] for i in mb], device)
+        b["advantages"] = advantages[mb].to(device)
+        b["loss_mask"][torch.tensor([masked_out(trajs[i], cfg) for i in mb], device=device)] = 0
+        batches.append(b)
+    for _ in range(dist.all_max(len(batches)) - len(batches)):
+        b = collate(trajs[:1], device)
+        b["loss_mask"].zero_()
+        b["advantages"] = torch.zeros(1, device=device)
+        batches.append(b)
+    return batches
+
+
 def policy_update(model, ref_model, optimizer, scheduler, trajs: list, advantages: torch.Tensor, cfg: Config, device):
     """mu optimizer steps over one batch of trajectories; returns summed metrics."""
     world = dist.world_size()
-    lengths = [len(t.prompt_ids) + len(t.completion_ids) for t in trajs]
-    mbs = micro_batches(lengths, cfg.micro_batch_tokens)
-    batches = [collate([trajs[i] for i in mb], device) for mb in mbs]
-    for b, mb in zip(batches, mbs):
-        b["advantages"] = advantages[mb].to(device)
-        if cfg.mask_truncated_completions:  # a truncated answer says nothing about its reward
-            b["loss_mask"][torch.tensor([trajs[i].finish_reason == "length" for i in mb], device=device)] = 0
+    # the normalizers count every sequence, also those update_batches leaves out
     num_sequences = dist.all_sum(float(len(trajs)))
-    num_tokens = dist.all_sum(sum(float(b["loss_mask"].sum()) for b in batches))
+    num_tokens = dist.all_sum(float(sum(sum(t.loss_mask) for t in trajs if not masked_out(t, cfg))))
+    batches = update_batches(trajs, advantages, cfg, device)
     old = batch_logprobs(model, batches, cfg.temperature) if cfg.num_iterations > 1 else None
     ref = batch_logprobs(ref_model, batches, cfg.temperature) if ref_model is not None else None
-    metrics = {}
+    metrics = {"sequences": float(sum((b["loss_mask"].sum(1) > 0).sum() for b in batches))}  # those with gradient
     for it in range(cfg.num_iterations):
         for k, b in enumerate(batches):
             logprobs, entropy = model(b["input_ids"], labels=b["labels"], temperature=cfg.temperature, return_entropy=True)
@@ -164,7 +193,7 @@ def policy_update(model, ref_model, optimizer, scheduler, trajs: list, advantage
                 sampler_logprobs=b["sampler_logprobs"], tis_cap=cfg.tis_cap or None)
             loss.backward()
             m["loss"] = loss.detach()
-            if it == 0:  # entropy describes the rollout: count it once
+            if it == 0:  # entropy of the sequences in the update (not the left-out groups): count it once
                 m["entropy"] = (entropy.detach() * b["loss_mask"]).sum()
             for key, v in m.items():
                 metrics[key] = metrics.get(key, 0.0) + float(v)  # host sync: logging only
@@ -367,7 +396,8 @@ def step_metrics(trajs, rewards, advantages, zero_var, m: dict, cfg: Config, t_g
         m = m | dict(zip(local, dist.all_sum(torch.tensor([m[k] for k in local], dtype=torch.float64)).tolist()))
         tokens = max(m["tokens"], 1.0)
         out |= {"loss": m["loss"] / cfg.num_iterations / dist.world_size(), "grad_norm": m["grad_norm"],
-                "skipped_updates": m["skipped_updates"], "entropy": m["entropy"] * cfg.num_iterations / tokens}
+                "skipped_updates": m["skipped_updates"], "entropy": m["entropy"] * cfg.num_iterations / tokens,
+                "update/sequences": m["sequences"]}
         for key in ("ratio", "clip_low", "clip_high", "dual_clip", "kl", "is_weight", "is_capped", "sampler_gap"):
             out[key] = m[key] / tokens
     if torch.cuda.is_available():

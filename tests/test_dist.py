@@ -133,6 +133,23 @@ def test_two_ranks_match_one_process(straight):
             assert r2[k] == pytest.approx(r1[k], rel=1e-4, abs=1e-6), (r1["step"], k)
 
 
+def test_two_ranks_with_uneven_updates_match_one_process(toy, tmp_path):
+    """Without a KL term the update leaves out flat groups and masked truncated sequences, so
+    the ranks hold different numbers of micro-batches (in this setup 0, 1 or 2 per rank and
+    step); the short rank pads with masked ones, or FSDP's collectives would hang."""
+    uneven = dict(model_path=toy, beta=0.0, loss_type="dr_grpo", scale_rewards="group",
+                  mask_truncated_completions=True, micro_batch_tokens=24, eval_limit=0)
+    launch(1, tmp_path / "one", **uneven)
+    launch(2, tmp_path / "two", **uneven)
+    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], atol=1e-5, rtol=0, msg=k)
+    m1, m2 = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    trained = [r["update/sequences"] for r in m1 if "update/sequences" in r]
+    assert 0 < sum(trained) < 4 * 16, trained  # some sequences were left out, some trained
+    assert [r.get("update/sequences") for r in m1] == [r.get("update/sequences") for r in m2]
+
+
 def test_exports_from_two_ranks_load_in_transformers(straight, tied):
     import transformers
     (two, _) = straight(2)

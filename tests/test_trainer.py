@@ -11,7 +11,9 @@ from grpo.config import Config, parse_args
 from grpo.model import Transformer
 from grpo.rollout import rollout, sampling_params, score
 from grpo.sampler import Sampler
-from grpo.trainer import collate, logprobs_of, micro_batches, prompt_batch, train
+from grpo import dist
+from grpo.loss import group_advantages, policy_loss
+from grpo.trainer import collate, logprobs_of, micro_batches, policy_update, prompt_batch, train, update_batches
 
 from toy import ToyEnv, make_toy_dir
 
@@ -51,6 +53,53 @@ def test_old_logprobs_equal_the_samplers(tmp_path):
         for mb, lp in zip(mbs, logprobs_of(model, trajs, 64, temperature, "cpu")):
             b = collate([trajs[i] for i in mb], "cpu")
             torch.testing.assert_close(lp * b["loss_mask"], b["sampler_logprobs"], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("loss_type", ["dr_grpo", "dapo", "bnpo"])
+def test_update_leaves_out_flat_groups_and_pads_micro_batches(tmp_path, monkeypatch, loss_type):
+    """Leaving out the zero-advantage groups (and the masked truncated sequences) changes no
+    gradient, nor do the fully masked micro-batches a rank short of the global count runs:
+    one SGD step at lr 1 through policy_update moves the weights by exactly minus the gradient
+    of the whole batch in one micro-batch."""
+    cfg = toy_config(tmp_path, loss_type=loss_type, group_size=4, micro_batch_tokens=48, max_grad_norm=0.0,
+                     mask_truncated_completions=True, temperature=0.7)
+    from transformers import AutoTokenizer
+    model = Transformer.from_pretrained(cfg.model_path)
+    tok = AutoTokenizer.from_pretrained(cfg.model_path)
+    params = sampling_params(ToyEnv(), tok, 4, cfg.temperature, cfg.max_completion_len, seed=1)
+    trajs = score(ToyEnv(), rollout(Sampler(model, tok, max_batch=16), tok, ToyEnv(), EXAMPLES[:4], params))
+    for t in trajs[4:8]:  # one flat group: reward 0.5 four times, mean exact, advantages exactly 0
+        t.reward = 0.5
+    truncated = [t.finish_reason == "length" for t in trajs]
+    assert 0 < sum(truncated) < len(trajs), "the sample should hold truncated and finished sequences"
+    adv = group_advantages(torch.tensor([t.reward for t in trajs]), 4)
+    assert (adv[4:8] == 0).all() and (adv != 0).sum() >= 8
+
+    # reference: every sequence in one micro-batch, the truncated ones masked
+    b = collate(trajs, "cpu")
+    b["loss_mask"][torch.tensor(truncated)] = 0
+    logprobs = model(b["input_ids"], labels=b["labels"], temperature=cfg.temperature)
+    loss, _ = policy_loss(logprobs, logprobs.detach(), adv, b["loss_mask"], aggregation=loss_type,
+                          num_sequences=len(trajs), num_tokens=int(b["loss_mask"].sum()),
+                          max_completion_len=cfg.max_completion_len, sampler_logprobs=b["sampler_logprobs"])
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+
+    batches = update_batches(trajs, adv, cfg, "cpu")
+    kept = sum(len(b["input_ids"]) for b in batches)
+    assert kept == (len(trajs) if loss_type == "bnpo" else 12 - sum(truncated[:4] + truncated[8:]))
+    pad = 2
+    monkeypatch.setattr(dist, "all_max", lambda n: n + pad)  # as if another rank had 2 more micro-batches
+    padded = update_batches(trajs, adv, cfg, "cpu")
+    assert len(padded) == len(batches) + pad and all(p["loss_mask"].sum() == 0 for p in padded[-pad:])
+    if loss_type == "bnpo":  # its per-micro-batch mean depends on the grouping: compare without padding
+        monkeypatch.setattr(dist, "all_max", lambda n: n)
+        cfg.micro_batch_tokens = 10_000  # one micro-batch, as the reference
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    policy_update(model, None, optimizer, scheduler, trajs, adv, cfg, "cpu")
+    for p, p0, g in zip(model.parameters(), before, grads):
+        torch.testing.assert_close(p0 - p.detach(), g, atol=1e-6, rtol=1e-4)
 
 
 def test_micro_batches_respect_the_budget():
