@@ -33,7 +33,7 @@ class Config:
     min_p: float = 0.0
     max_prompt_len: int = 1024
     max_completion_len: int = 512     # all completion tokens, sampled and injected
-    max_turns: int = 1                # assistant turns per episode (multi-turn envs: > 1)
+    max_turns: int = 0                # assistant turns per episode; 0 = the env's own limit (env.max_turns)
     enable_thinking: bool = True      # passed to the chat template (Qwen3: False = non-thinking mode)
     gen_batch: int = 64               # sampler slots (rows decoded together)
     kv_budget_gb: float = 0.0         # sampler KV-cache budget; 0 = sized from gen_batch
@@ -95,7 +95,7 @@ class Config:
         need(self.beta >= 0 and self.tis_cap >= 0, "beta and tis_cap must be >= 0")
         need(self.temperature > 0, f"temperature={self.temperature} must be > 0 (use top_k=1 for greedy)")
         need(0 < self.top_p <= 1 and self.top_k >= 0 and 0 <= self.min_p < 1, "top_p in (0, 1], top_k >= 0, min_p in [0, 1)")
-        need(self.max_completion_len >= 1 and self.max_prompt_len >= 1 and self.max_turns >= 1, "lengths and max_turns >= 1")
+        need(self.max_completion_len >= 1 and self.max_prompt_len >= 1 and self.max_turns >= 0, "lengths >= 1 and max_turns >= 0")
         need(self.overlong_buffer < self.max_completion_len, "overlong_buffer must be < max_completion_len")
         need(self.num_iterations >= 1 and self.micro_batch_tokens >= 1, "num_iterations and micro_batch_tokens >= 1")
         need(self.micro_batch_tokens >= self.max_prompt_len + self.max_completion_len,

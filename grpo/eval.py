@@ -35,7 +35,7 @@ def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, env, examples: list[dict], n: int = 1, temperature: float = 0.0, max_tokens: int = 512,
-             max_turns: int = 1, sampler=None, chat_kwargs: dict | None = None, seed: int = 1234, gen_batch: int = 64,
+             max_turns: int = 0, sampler=None, chat_kwargs: dict | None = None, seed: int = 1234, gen_batch: int = 64,
              kv_budget_bytes: int | None = None, progress: bool = True) -> dict:
     """Run the env on `examples` with n samples each (temperature 0 = greedy). The score is the
     env's `correct` reward term. Returns mean (mean@n), pass (pass@n), ci95 and per-sample records."""
@@ -128,7 +128,7 @@ def main(argv=None):
     p.add_argument("--limit", type=int, default=0, help="first N questions only")
     p.add_argument("--temperature", type=float, default=None, help="default: 0 (greedy) for n=1, else 1.0")
     p.add_argument("--max_tokens", type=int, default=1024)
-    p.add_argument("--max_turns", type=int, default=4)
+    p.add_argument("--max_turns", type=int, default=0, help="0 = the env's own limit")
     p.add_argument("--enable_thinking", type=int, default=1, help="chat template switch (Qwen3: 0 = non-thinking)")
     p.add_argument("--out", default=None, help="per-sample JSONL (default: eval_<task>.jsonl)")
     args = p.parse_args(argv)

@@ -149,7 +149,8 @@ def update_batches(trajs: list, advantages: torch.Tensor, cfg: Config, device) -
     every sequence: its per-micro-batch token mean depends on what shares the micro-batch.
     Every rank runs the same number of micro-batches, because FSDP's all-gathers and
     reduce-scatters pair up forward by forward across ranks: a rank short of the largest count
-    pads with fully masked micro-batches (zero loss, zero gradient)."""
+    pads with fully masked micro-batches (zero loss, zero gradient), and a step with nothing to
+    learn runs one such micro-batch."""
     G = cfg.group_size
     keep = list(range(len(trajs)))
     if cfg.beta == 0 and cfg.loss_type != "bnpo":
@@ -163,7 +164,7 @@ def update_batches(trajs: list, advantages: torch.Tensor, cfg: Config, device) -
         b["advantages"] = advantages[mb].to(device)
         b["loss_mask"][torch.tensor([masked_out(trajs[i], cfg) for i in mb], device=device)] = 0
         batches.append(b)
-    for _ in range(dist.all_max(len(batches)) - len(batches)):
+    for _ in range(max(1, dist.all_max(len(batches))) - len(batches)):  # at least one: the step's metrics come from it
         b = collate(trajs[:1], device)
         b["loss_mask"].zero_()
         b["advantages"] = torch.zeros(1, device=device)

@@ -140,3 +140,11 @@ def test_continuation_ids_refuse_a_template_that_rewrites_history(smollm2_path):
                          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
     with pytest.raises(ValueError, match="rewrites earlier turns"):
         continuation_ids(tok, [{"role": "user", "content": "2+3?"}], "<calculator>x</calculator>", "<output>5</output>", "user")
+
+
+def test_max_turns_of_the_config_wins_over_the_envs():
+    env = CalculatorEnv()  # max_turns 4
+    turns = lambda n: sampling_params(env, None, G=2, temperature=1.0, max_tokens=8, seed=0, max_turns=n).max_turns
+    assert (turns(0), turns(2), turns(6)) == (env.max_turns, 2, 6)
+    env.stop_strings = []  # no tool: one turn whatever is asked
+    assert turns(3) == 1

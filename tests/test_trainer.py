@@ -102,6 +102,21 @@ def test_update_leaves_out_flat_groups_and_pads_micro_batches(tmp_path, monkeypa
         torch.testing.assert_close(p0 - p.detach(), g, atol=1e-6, rtol=1e-4)
 
 
+def test_a_step_where_every_group_is_flat_changes_nothing(tmp_path):
+    cfg = toy_config(tmp_path, loss_type="dr_grpo", group_size=4)
+    from transformers import AutoTokenizer
+    model = Transformer.from_pretrained(cfg.model_path)
+    tok = AutoTokenizer.from_pretrained(cfg.model_path)
+    params = sampling_params(ToyEnv(), tok, 4, 1.0, 8, seed=1)
+    trajs = rollout(Sampler(model, tok, max_batch=8), tok, ToyEnv(), EXAMPLES[:2], params)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    m = policy_update(model, None, optimizer, scheduler, trajs, torch.zeros(len(trajs)), cfg, "cpu")
+    assert m["sequences"] == 0 and m["tokens"] == 0 and m["grad_norm"] == 0
+    assert all(torch.equal(p, p0) for p, p0 in zip(model.parameters(), before))
+
+
 def test_micro_batches_respect_the_budget():
     lengths = [5, 30, 7, 12, 30, 1, 9]
     mbs = micro_batches(lengths, 40)
