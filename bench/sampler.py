@@ -8,6 +8,9 @@ early stop, so every row makes exactly --new tokens), prefill and decode timed a
 
 Prefill time = a run with 1 new token; decode = the rest. The roofline fraction (GPU) is
 measured decode tokens/s over bandwidth / (weight bytes + mean KV bytes read per step) x batch.
+On CPU, where decode is compute-bound, the matmul floor is the decode tokens/s of a step that
+did nothing but the weight matmuls, and ceiling_x_decode that floor over transformers' decode
+tokens/s: the most any sampler doing the same fp32 matmuls could gain over it.
 """
 import argparse
 import json
@@ -83,7 +86,19 @@ def roofline_tps(model, B, prompt_len, new, bw) -> float:
     return B * bw / (weights + kv_read)
 
 
-def row(name, B, prompts, new, ours, hf, roof=None):
+@torch.no_grad()
+def matmul_floor_tps(model, B: int, reps: int = 5) -> float:
+    """Decode tokens/s if a step cost nothing but its weight matmuls, (B, in) @ W.T for every
+    linear layer and the LM head: a ceiling for any sampler that does the same matmuls in
+    the same dtype (attention, norms, sampling and Python only add to it)."""
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = [torch.randn(B, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
+    step = lambda: [x @ w.T for x, w in zip(xs, weights)]
+    step()
+    return B / best(step, weights[0].device, reps)
+
+
+def row(name, B, prompts, new, ours, hf, roof=None, floor=None):
     P = sum(map(len, prompts))
     r = dict(model=name, batch=B, prompt_tokens=P, new=new)
     for who, (t_pre, t_all) in (("ours", ours), ("hf", hf)):
@@ -94,6 +109,8 @@ def row(name, B, prompts, new, ours, hf, roof=None):
     r["x_decode"] = r["ours_decode_tps"] / r["hf_decode_tps"]
     if roof:
         r["roofline_frac"] = r["ours_decode_tps"] / roof
+    if floor:  # the most any sampler with these matmuls could reach, over transformers' decode
+        r["matmul_floor_decode_tps"], r["ceiling_x_decode"] = floor, floor / r["hf_decode_tps"]
     return r
 
 
@@ -109,7 +126,7 @@ def cpu_rows(quick: bool, reps: int):
     model = Transformer.from_pretrained(path)
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ours, hf = run_ours(model, prompts, new, B, reps), run_hf(ref, prompts, new, reps)
-    return [row("smollm2-135m fp32 cpu", B, prompts, new, ours, hf)]
+    return [row("smollm2-135m fp32 cpu", B, prompts, new, ours, hf, floor=matmul_floor_tps(model, B))]
 
 
 def gpu_rows(quick: bool):
@@ -144,7 +161,7 @@ def main():
         torch.set_num_threads(args.threads)
     rows = gpu_rows(args.quick) if args.gpu else cpu_rows(args.quick, args.repeat)
     cols = ["model", "batch", "new", "ours_prefill_tps", "hf_prefill_tps", "ours_decode_tps", "hf_decode_tps", "ours_tps",
-            "hf_tps", "x", "x_decode"] + (["roofline_frac"] if args.gpu else [])
+            "hf_tps", "x", "x_decode"] + (["roofline_frac"] if args.gpu else ["matmul_floor_decode_tps", "ceiling_x_decode"])
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:

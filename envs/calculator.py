@@ -49,6 +49,10 @@ SHORT_SYSTEM_PROMPT = ("Use the calculator for arithmetic: a <calculator> block 
                        "(add, subtract, multiply, divide) and `operands` (numbers or nested blocks). "
                        "Then end with a line \"Answer: <number>\".")
 
+# The shaping terms teach a cold model the format. Once it has it they can be gamed: among
+# wrong answers they prefer a call that parses to one that errs, and SmolLM2 after a
+# warm-start learned flat, always-parsing, wrong calls from them (recipes/calculator_smollm2_cpu.py
+# trains on `correct` alone for that reason).
 DEFAULT_WEIGHTS = {"correct": 1.0, "tool_use": 0.2, "format": 0.1, "judge": 0.0}
 
 # limits on one tool call: each error is found in microseconds, long before any of them

@@ -81,6 +81,15 @@ def all_max(x: int) -> int:
     return int(t.item())
 
 
+def all_gather_objects(items: list) -> list:
+    """Concatenate Python lists (e.g. eval records) from every rank, in rank order."""
+    if not is_dist():
+        return items
+    parts = [None] * world_size()
+    tdist.all_gather_object(parts, items)
+    return [x for part in parts for x in part]
+
+
 def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
     """Concatenate tensors of equal shape from every rank along dim 0, in rank order."""
     if not is_dist():

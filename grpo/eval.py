@@ -36,31 +36,37 @@ def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
 @torch.no_grad()
 def evaluate(model, tokenizer, env, examples: list[dict], n: int = 1, temperature: float = 0.0, max_tokens: int = 512,
              max_turns: int = 0, sampler=None, chat_kwargs: dict | None = None, seed: int = 1234, gen_batch: int = 64,
-             kv_budget_bytes: int | None = None, progress: bool = True) -> dict:
+             kv_budget_bytes: int | None = None, progress: bool = True, prompt_offset: int = 0) -> dict:
     """Run the env on `examples` with n samples each (temperature 0 = greedy). The score is the
-    env's `correct` reward term. Returns mean (mean@n), pass (pass@n), ci95 and per-sample records."""
+    env's `correct` reward term. Returns mean (mean@n), pass (pass@n), ci95 and per-sample records.
+    `prompt_offset`: the global index of examples[0] (it seeds the samples), so that a share of
+    the questions evaluated on one rank gives what the whole list gives in one process."""
     from grpo.sampler import Sampler
     sampler = sampler or Sampler(model, tokenizer, max_batch=gen_batch, kv_budget_bytes=kv_budget_bytes)  # sized to this call
     params = sampling_params(env, tokenizer, n, temperature, max_tokens, seed, max_turns=max_turns)
-    trajs = score(env, rollout(sampler, tokenizer, env, list(examples), params, chat_kwargs=chat_kwargs, progress=progress))
+    trajs = score(env, rollout(sampler, tokenizer, env, list(examples), params, prompt_offset=prompt_offset,
+                               chat_kwargs=chat_kwargs, progress=progress))
     failed = [t for t in trajs if t.finish_reason == "error"]
     if failed:  # a refused prompt would silently score 0: an accuracy must not hide that
         raise RuntimeError(f"eval: {len(failed)} of {len(trajs)} completions failed in the sampler "
                            f"(e.g. a prompt longer than the KV cache allows); see the messages above")
-    records, per_question, passed = [], [], []
+    records = []
     for q, ex in enumerate(examples):
-        group = trajs[q * n:(q + 1) * n]
-        correct = [t.rewards.get("correct", 0.0) for t in group]
-        per_question.append(sum(correct) / n)
-        passed.append(float(max(correct) > 0))
-        for t, c in zip(group, correct):
+        for t in trajs[q * n:(q + 1) * n]:
             records.append({"question": ex.get("question", ex.get("prompt", "")), "answer": str(ex.get("answer")),
                             "completion": t.text, "extracted": env.extract(t) if hasattr(env, "extract") else None,
-                            "correct": c, "rewards": t.rewards, "finish_reason": t.finish_reason, "turns": t.num_turns})
+                            "correct": t.rewards.get("correct", 0.0), "rewards": t.rewards,
+                            "finish_reason": t.finish_reason, "turns": t.num_turns})
+    return summarize(records, n) | {"records": records}
+
+
+def summarize(records: list[dict], n: int) -> dict:
+    """mean@n, pass@n and their intervals from per-sample records, n consecutive per question."""
+    per_question = [sum(r["correct"] for r in records[q:q + n]) / n for q in range(0, len(records), n)]
+    passed = [float(max(r["correct"] for r in records[q:q + n]) > 0) for q in range(0, len(records), n)]
     mean, ci = mean_ci95(per_question)
     pass_k, pass_ci = mean_ci95(passed)
-    return {"mean": mean, "ci95": ci, "pass": pass_k, "pass_ci95": pass_ci, "n": n, "questions": len(examples),
-            "records": records}
+    return {"mean": mean, "ci95": ci, "pass": pass_k, "pass_ci95": pass_ci, "n": n, "questions": len(per_question)}
 
 
 # ----------------------------------------------------------------------------- command line

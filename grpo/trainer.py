@@ -23,7 +23,7 @@ from tqdm import tqdm
 from grpo import dist
 from grpo.checkpoint import Checkpointer, export
 from grpo.config import Config
-from grpo.eval import evaluate
+from grpo.eval import evaluate, summarize
 from grpo.loss import group_advantages, overlong_penalty, policy_loss
 from grpo.model import Transformer
 from grpo.rollout import gold_trajectory, rollout, sampling_params, score
@@ -276,10 +276,16 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
         if not eval_examples or name in results:
             return
         model.eval()
+        questions = list(eval_examples[:cfg.eval_limit])
+        share = -(-len(questions) // dist.world_size())  # each rank evaluates a contiguous share, seeded by global index
+        lo, hi = min(dist.rank() * share, len(questions)), min((dist.rank() + 1) * share, len(questions))
         with dist.gathered(model):
-            r = evaluate(model, tokenizer, eval_env or env, eval_examples[:cfg.eval_limit], n=cfg.eval_n, temperature=cfg.eval_temperature,
+            r = evaluate(model, tokenizer, eval_env or env, questions[lo:hi], n=cfg.eval_n, temperature=cfg.eval_temperature,
                          max_tokens=cfg.max_completion_len, max_turns=cfg.max_turns, chat_kwargs=kw, gen_batch=cfg.gen_batch,
-                         kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None, progress=dist.is_main())  # its own sampler: eval prompts may be longer (few-shot)
+                         kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None, progress=dist.is_main(),
+                         prompt_offset=lo)  # its own sampler: eval prompts may be longer (few-shot)
+        records = dist.all_gather_objects(r["records"])  # every rank holds the whole eval, in question order
+        r = summarize(records, cfg.eval_n) | {"records": records}
         results[name] = {k: v for k, v in r.items() if k != "records"} | {"correct": [x["correct"] for x in r["records"]]}
         dist.print0(f"eval {name}: mean@{cfg.eval_n} {r['mean']:.3f} ± {r['ci95']:.3f} | pass@{cfg.eval_n} {r['pass']:.3f}")
         log({f"eval/{name}/mean": r["mean"], f"eval/{name}/pass": r["pass"]}, at_step)

@@ -1,6 +1,6 @@
 """FSDP2 and checkpoints on CPU: two gloo ranks under torchrun against one process.
 
-- Two ranks end with the weights and metrics of one process on the same global batch (the
+- Two ranks end with the weights, metrics and eval records of one process on the same global batch (the
   sampler's seeds are per global prompt, so the trajectories are the same).
 - 4 steps straight == 2 steps, SIGTERM, resume, 2 steps: bitwise weights and metrics, with 1
   and with 2 ranks; SIGTERM writes a checkpoint and every rank exits 0.
@@ -125,6 +125,8 @@ def test_two_ranks_match_one_process(straight):
     w1, w2 = weights(one), weights(two)
     for k in w1:  # gloo reductions and micro-batch padding reorder fp32 sums: ~1e-6 after 4 Adam steps
         torch.testing.assert_close(w2[k], w1[k], atol=1e-5, rtol=0, msg=k)
+    for phase in ("before", "after"):  # each rank sampled its share of the eval (n=2, T=1): the same records
+        assert (one / f"eval_{phase}.jsonl").read_text() == (two / f"eval_{phase}.jsonl").read_text()
     m1, m2 = metrics(one), metrics(two)
     assert [r["step"] for r in m1] == [r["step"] for r in m2] == [0, 1, 2, 3, 4, 4]
     for r1, r2 in zip(m1, m2):  # global means, not rank 0's share
