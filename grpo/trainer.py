@@ -141,7 +141,7 @@ def masked_out(traj, cfg: Config) -> bool:
     return cfg.mask_truncated_completions and traj.finish_reason == "length"  # a truncated answer says nothing about its reward
 
 
-def update_batches(trajs: list, advantages: torch.Tensor, cfg: Config, device) -> list[dict]:
+def update_batches(trajs: list, advantages: torch.Tensor, cfg: Config, device, rewards: list[float] | None = None) -> list[dict]:
     """The micro-batches of one update. Without a KL term, a group whose G rewards are all equal
     has zero advantage, hence zero loss and zero gradient, and so has a sequence whose loss mask
     is cleared (mask_truncated_completions): both are left out, which saves their forward and
@@ -150,11 +150,13 @@ def update_batches(trajs: list, advantages: torch.Tensor, cfg: Config, device) -
     Every rank runs the same number of micro-batches, because FSDP's all-gathers and
     reduce-scatters pair up forward by forward across ranks: a rank short of the largest count
     pads with fully masked micro-batches (zero loss, zero gradient), and a step with nothing to
-    learn runs one such micro-batch."""
+    learn runs one such micro-batch. `rewards`: the final rewards the advantages came from
+    (with any overlong penalty); default each trajectory's reward."""
     G = cfg.group_size
+    rewards = [t.reward for t in trajs] if rewards is None else list(rewards)
     keep = list(range(len(trajs)))
     if cfg.beta == 0 and cfg.loss_type != "bnpo":
-        flat = {i for g in range(0, len(trajs), G) if len({t.reward for t in trajs[g:g + G]}) == 1 for i in range(g, g + G)}
+        flat = {i for g in range(0, len(trajs), G) if len(set(rewards[g:g + G])) == 1 for i in range(g, g + G)}
         keep = [i for i in keep if i not in flat and not masked_out(trajs[i], cfg)]
     lengths = [len(trajs[i].prompt_ids) + len(trajs[i].completion_ids) for i in keep]
     mbs = [[keep[j] for j in mb] for mb in micro_batches(lengths, cfg.micro_batch_tokens)]
@@ -172,13 +174,14 @@ def update_batches(trajs: list, advantages: torch.Tensor, cfg: Config, device) -
     return batches
 
 
-def policy_update(model, ref_model, optimizer, scheduler, trajs: list, advantages: torch.Tensor, cfg: Config, device):
+def policy_update(model, ref_model, optimizer, scheduler, trajs: list, advantages: torch.Tensor, cfg: Config, device,
+                  rewards: list[float] | None = None):
     """mu optimizer steps over one batch of trajectories; returns summed metrics."""
     world = dist.world_size()
     # the normalizers count every sequence, also those update_batches leaves out
     num_sequences = dist.all_sum(float(len(trajs)))
     num_tokens = dist.all_sum(float(sum(sum(t.loss_mask) for t in trajs if not masked_out(t, cfg))))
-    batches = update_batches(trajs, advantages, cfg, device)
+    batches = update_batches(trajs, advantages, cfg, device, rewards)
     old = batch_logprobs(model, batches, cfg.temperature) if cfg.num_iterations > 1 else None
     ref = batch_logprobs(ref_model, batches, cfg.temperature) if ref_model is not None else None
     metrics = {"sequences": float(sum((b["loss_mask"].sum(1) > 0).sum() for b in batches))}  # those with gradient
@@ -334,10 +337,10 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
             advantages = (rewards.view(-1, G) - rewards.view(-1, G).mean(1, keepdim=True)).flatten() / (all_rewards.std() + 1e-4)
         else:
             advantages = group_advantages(rewards, G, scale=cfg.scale_rewards)
-        zero_var = (rewards.view(-1, G).std(1) == 0)  # (groups,) groups that teach nothing
+        zero_var = torch.tensor([len(set(g)) == 1 for g in rewards.view(-1, G).tolist()])  # (groups,) groups that teach nothing
         # 3c. mu policy updates
         model.train()
-        m = policy_update(model, ref_model, optimizer, scheduler, trajs, advantages, cfg, device)
+        m = policy_update(model, ref_model, optimizer, scheduler, trajs, advantages, cfg, device, rewards.tolist())
         t2 = time.time()
         steps_done = step + 1
         # 3d. logging: one line per step on rank 0

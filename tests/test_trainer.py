@@ -87,6 +87,10 @@ def test_update_leaves_out_flat_groups_and_pads_micro_batches(tmp_path, monkeypa
     batches = update_batches(trajs, adv, cfg, "cpu")
     kept = sum(len(b["input_ids"]) for b in batches)
     assert kept == (len(trajs) if loss_type == "bnpo" else 12 - sum(truncated[:4] + truncated[8:]))
+    if loss_type != "bnpo":  # the final rewards decide (an overlong penalty can make a flat group informative)
+        penalized = [t.reward - 0.001 * i for i, t in enumerate(trajs)]
+        again = update_batches(trajs, adv, cfg, "cpu", rewards=penalized)
+        assert sum(len(b["input_ids"]) for b in again) == kept + 4 - sum(truncated[4:8])
     pad = 2
     monkeypatch.setattr(dist, "all_max", lambda n: n + pad)  # as if another rank had 2 more micro-batches
     padded = update_batches(trajs, adv, cfg, "cpu")
