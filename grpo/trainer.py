@@ -102,12 +102,19 @@ def prompt_batch(examples: list, step: int, B: int, seed: int) -> tuple[list, in
     return out, start
 
 
+def flat_groups(rewards: list[float], G: int) -> list[bool]:
+    """Per group of G consecutive rewards: are they all equal? Such a group has zero advantage
+    and teaches nothing. Equal values, not std == 0, which float rounding of the mean can miss."""
+    return [len(set(rewards[i:i + G])) == 1 for i in range(0, len(rewards), G)]
+
+
 def refill(trajs: list, share: int, G: int, step: int, cfg: Config, sample, examples: list) -> list:
     """Dynamic sampling (DAPO, arXiv 2503.14476): groups whose G rewards are all equal have zero
     advantage and teach nothing; keep the others and roll out fresh prompts in their place, at
     most cfg.max_refills times. Refill prompts come from a stream seeded by (seed, step, rank)
     and their sampler seeds from indices past any epoch's, so a resumed run draws the same ones."""
-    informative = lambda ts: [g for g in (ts[i:i + G] for i in range(0, len(ts), G)) if len({t.reward for t in g}) > 1]
+    chunks = lambda ts: [ts[i:i + G] for i in range(0, len(ts), G)]
+    informative = lambda ts: [g for g, f in zip(chunks(ts), flat_groups([t.reward for t in ts], G)) if not f]
     groups = informative(trajs)
     rng = random.Random(f"refill-{cfg.seed}-{step}-{dist.rank()}")
     for attempt in range(cfg.max_refills):
@@ -118,7 +125,7 @@ def refill(trajs: list, share: int, G: int, step: int, cfg: Config, sample, exam
         groups += informative(sample(exs, offset))
     # still short: top up with original zero-variance groups (zero advantage, no gradient), so that
     # every rank holds exactly `share` groups for the collectives that follow
-    flat = [g for g in (trajs[i:i + G] for i in range(0, len(trajs), G)) if len({t.reward for t in g}) == 1]
+    flat = [g for g, f in zip(chunks(trajs), flat_groups([t.reward for t in trajs], G)) if f]
     return [t for g in (groups[:share] + flat)[:share] for t in g]
 
 
@@ -156,8 +163,8 @@ def update_batches(trajs: list, advantages: torch.Tensor, cfg: Config, device, r
     rewards = [t.reward for t in trajs] if rewards is None else list(rewards)
     keep = list(range(len(trajs)))
     if cfg.beta == 0 and cfg.loss_type != "bnpo":
-        flat = {i for g in range(0, len(trajs), G) if len(set(rewards[g:g + G])) == 1 for i in range(g, g + G)}
-        keep = [i for i in keep if i not in flat and not masked_out(trajs[i], cfg)]
+        flat = flat_groups(rewards, G)
+        keep = [i for i in keep if not flat[i // G] and not masked_out(trajs[i], cfg)]
     lengths = [len(trajs[i].prompt_ids) + len(trajs[i].completion_ids) for i in keep]
     mbs = [[keep[j] for j in mb] for mb in micro_batches(lengths, cfg.micro_batch_tokens)]
     batches = []
@@ -337,7 +344,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
             advantages = (rewards.view(-1, G) - rewards.view(-1, G).mean(1, keepdim=True)).flatten() / (all_rewards.std() + 1e-4)
         else:
             advantages = group_advantages(rewards, G, scale=cfg.scale_rewards)
-        zero_var = torch.tensor([len(set(g)) == 1 for g in rewards.view(-1, G).tolist()])  # (groups,) groups that teach nothing
+        zero_var = torch.tensor(flat_groups(rewards.tolist(), G))  # (groups,) groups that teach nothing
         # 3c. mu policy updates
         model.train()
         m = policy_update(model, ref_model, optimizer, scheduler, trajs, advantages, cfg, device, rewards.tolist())

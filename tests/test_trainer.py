@@ -7,11 +7,11 @@ import sys
 import pytest
 import torch
 
+from grpo import dist
 from grpo.config import Config, parse_args
 from grpo.model import Transformer
 from grpo.rollout import rollout, sampling_params, score
 from grpo.sampler import Sampler
-from grpo import dist
 from grpo.loss import group_advantages, policy_loss
 from grpo.trainer import collate, logprobs_of, micro_batches, policy_update, prompt_batch, train, update_batches
 
