@@ -266,7 +266,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
         sampler = Sampler(model, tokenizer, max_batch=cfg.gen_batch, max_seq_len=cfg.max_prompt_len + cfg.max_completion_len,
                           kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
     ckpt = Checkpointer(cfg.output_dir, keep_last=cfg.keep_last)
-    start, results = 0, {}
+    start, results, found = 0, {}, None
     if cfg.resume and (found := ckpt.load_latest(model, optimizer, scheduler)) is not None:
         start, results = found["step"], found.get("results", {})
         data = found.get("data", {})
@@ -306,12 +306,14 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
         data = {"next_prompt": at_step * cfg.prompts_per_step, "prompts_per_step": cfg.prompts_per_step, "seed": cfg.seed}
         dist.print0(f"checkpoint: {ckpt.save(at_step, model, optimizer, scheduler, meta={'results': results, 'data': data})}")
 
-    # ---- 2. eval before, optional warm-start
-    if start == 0:
+    # ---- 2. eval before, optional warm-start (a resumed run has done both: every checkpoint comes after them)
+    if start == 0 and found is None:
         run_eval("before", 0)
         if cfg.sft_steps > 0:
             warm_start(model, tokenizer, env, sft_examples or train_examples, cfg, device, log)
             run_eval("warmstart", 0)
+            if cfg.save_every:
+                save(0)  # a crash in the RL phase does not cost the warm-start
 
     # ---- 3. RL
     B, G, world, rank = cfg.prompts_per_step, cfg.group_size, dist.world_size(), dist.rank()

@@ -13,6 +13,7 @@ from grpo.model import Transformer
 from grpo.rollout import rollout, sampling_params, score
 from grpo.sampler import Sampler
 from grpo.loss import group_advantages, policy_loss
+from grpo import trainer
 from grpo.trainer import collate, logprobs_of, micro_batches, policy_update, prompt_batch, train, update_batches
 
 from toy import ToyEnv, make_toy_dir
@@ -38,6 +39,22 @@ def test_it_learns_the_toy_task(tmp_path):
     assert last > first + 0.2, f"no clear learning: {first:.3f} -> {last:.3f}"
     assert results["after"]["mean"] > results["before"]["mean"] + 0.15
     assert (tmp_path / "run" / "tb").exists()
+
+
+class GoldToyEnv(ToyEnv):
+    def gold_messages(self, example):  # the warm-start's demonstration: four target words
+        return [{"role": "assistant", "content": "w0 w1 w2 w3"}]
+
+
+def test_a_resumed_run_does_not_redo_the_warm_start(tmp_path, monkeypatch, capsys):
+    kw = dict(sft_steps=2, sft_batch=4, save_every=5)
+    first = train(toy_config(tmp_path, num_steps=0, **kw), GoldToyEnv(), EXAMPLES, EXAMPLES[:8])
+    assert (tmp_path / "run" / "checkpoints" / "step_000000").exists()  # written right after the warm-start
+    monkeypatch.setattr(trainer, "warm_start", lambda *a, **k: pytest.fail("the warm-start ran again"))
+    second = train(toy_config(tmp_path, num_steps=1, resume=True, **kw), GoldToyEnv(), EXAMPLES, EXAMPLES[:8])
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step_000000'} at step 0" in capsys.readouterr().out
+    assert second["before"] == first["before"] and second["warmstart"] == first["warmstart"]
+    assert "after" in second and (tmp_path / "run" / "checkpoints" / "step_000001").exists()
 
 
 def test_old_logprobs_equal_the_samplers(tmp_path):
