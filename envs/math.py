@@ -1,11 +1,18 @@
 """Competition math with a final \\boxed{} answer: MATH-500, AIME 2024 and AIME 2025.
 
 Equivalence is math-verify's (LaTeX and expressions parsed to SymPy). It bounds its own
-time with signal.alarm, which only works in the main thread; elsewhere (a reward thread
-pool) we call it without a timeout, and the reference answers here are short.
+time with signal.alarm, which only works in the main thread. Rewards are scored in a thread
+pool (grpo/rollout.py), where a model's \\boxed{9^{9^{9^9}}} would keep SymPy busy for hours
+and stall the run; so off the main thread the check runs in a child process (its main thread:
+the timeout works there), which is also killed if it does not answer soon after (the answer
+then counts as wrong) and restarted on the next call.
 """
 
 import json
+import os
+import select
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -43,17 +50,65 @@ def _plain_number(s: str) -> float | None:
 
 
 def is_equiv(pred: str, target: str, timeout_s: int = 5) -> bool:
-    """True if two final answers are the same mathematical object. Never raises."""
+    """True if two final answers are the same mathematical object. Never raises, never hangs:
+    past timeout_s the answer counts as wrong."""
     a, b = _plain_number(pred), _plain_number(target)
     if a is not None and b is not None:  # fast path: AIME integers, plain numbers
         return a == b
-    timeout = timeout_s if threading.current_thread() is threading.main_thread() else None
+    if threading.current_thread() is threading.main_thread():
+        return _math_verify(pred, target, timeout_s)
+    return _CHILD.check(pred, target, timeout_s)
+
+
+def _math_verify(pred: str, target: str, timeout_s: int | None) -> bool:
     try:
-        gold = parse(f"${target}$", parsing_timeout=timeout)
-        answer = parse(f"${pred}$", parsing_timeout=timeout)
-        return bool(gold and answer and verify(gold, answer, timeout_seconds=timeout))
+        gold = parse(f"${target}$", parsing_timeout=timeout_s)
+        answer = parse(f"${pred}$", parsing_timeout=timeout_s)
+        return bool(gold and answer and verify(gold, answer, timeout_seconds=timeout_s))
     except (Exception, TimeoutException):  # TimeoutException is a BaseException
         return False
+
+
+def serve():  # the child's loop, in its main thread (so math-verify's own timeout works there too):
+    for line in sys.stdin:  # a JSON [pred, target, timeout_s] per line in, "1" or "0" per line out
+        print(int(_math_verify(*json.loads(line))), flush=True)
+
+
+class _Child:
+    """One child process for math-verify off the main thread; calls take turns (a check is
+    milliseconds). A fresh interpreter, not multiprocessing: fork would copy a training process
+    with threads, and spawn would re-run the user's script in the child."""
+    def __init__(self):
+        self.lock, self.proc = threading.Lock(), None
+
+    def check(self, pred: str, target: str, timeout_s: float) -> bool:
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                code = f"import {__name__} as m; m.serve()"  # this module, under the name it was imported as
+                env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+                self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, text=True, env=env)
+                if self._ask("1", "1", 5, wait_s=120) is None:  # the first answer waits for python and sympy to import
+                    return False
+            return bool(self._ask(pred, target, timeout_s, wait_s=timeout_s + 2))
+
+    def _ask(self, pred: str, target: str, timeout_s: float, wait_s: float) -> bool | None:
+        try:
+            self.proc.stdin.write(json.dumps([pred, target, timeout_s]) + "\n")
+            self.proc.stdin.flush()
+            if select.select([self.proc.stdout], [], [], wait_s)[0]:  # wait_s: for work that no signal stops
+                line = self.proc.stdout.readline()
+                if line:
+                    return line.strip() == "1"
+        except OSError:  # the child died
+            pass
+        self.proc.kill()  # still busy (stuck in C), or gone: the next call starts a fresh one
+        self.proc.wait()
+        self.proc = None
+        return None
+
+
+_CHILD = _Child()
 
 
 # ----------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Math: \\boxed extraction, math-verify equivalence, MATH-500 and AIME loaders."""
 
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -41,6 +43,16 @@ def test_is_equiv():
     worker.start()
     worker.join(30)
     assert out == [True]
+
+
+def test_is_equiv_in_a_thread_never_hangs():
+    # a reward thread: SymPy would compute 9^(9^(9^9)) for hours; the child process gives up
+    # at the timeout, the answer counts as wrong, and the next call gets a fresh child
+    with ThreadPoolExecutor(1) as pool:
+        start = time.time()
+        assert pool.submit(is_equiv, "9^{9^{9^{9}}}", "\\frac{1}{2}", 2).result(timeout=60) is False
+        assert time.time() - start < 30
+        assert pool.submit(is_equiv, "\\frac{2}{4}", "\\frac{1}{2}").result(timeout=60) is True
 
 
 @needs_data
