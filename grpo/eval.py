@@ -66,7 +66,8 @@ def summarize(records: list[dict], n: int) -> dict:
     passed = [float(max(r["correct"] for r in records[q:q + n]) > 0) for q in range(0, len(records), n)]
     mean, ci = mean_ci95(per_question)
     pass_k, pass_ci = mean_ci95(passed)
-    return {"mean": mean, "ci95": ci, "pass": pass_k, "pass_ci95": pass_ci, "n": n, "questions": len(per_question)}
+    return {"mean": mean, "ci95": ci, "pass": pass_k, "pass_ci95": pass_ci, "n": n, "questions": len(per_question),
+            "per_question": per_question}  # mean over each question's n samples: what paired_gain pairs
 
 
 # ----------------------------------------------------------------------------- command line

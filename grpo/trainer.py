@@ -296,7 +296,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
                          prompt_offset=lo)  # its own sampler: eval prompts may be longer (few-shot)
         records = dist.all_gather_objects(r["records"])  # every rank holds the whole eval, in question order
         r = summarize(records, cfg.eval_n) | {"records": records}
-        results[name] = {k: v for k, v in r.items() if k != "records"} | {"correct": [x["correct"] for x in r["records"]]}
+        results[name] = {k: v for k, v in r.items() if k not in ("records", "per_question")} | {"correct": r["per_question"]}
         dist.print0(f"eval {name}: mean@{cfg.eval_n} {r['mean']:.3f} ± {r['ci95']:.3f} | pass@{cfg.eval_n} {r['pass']:.3f}")
         log({f"eval/{name}/mean": r["mean"], f"eval/{name}/pass": r["pass"]}, at_step)
         if logger:

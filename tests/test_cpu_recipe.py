@@ -19,7 +19,7 @@ def test_cpu_recipe_smoke_end_to_end(tmp_path, smollm2_path):
     run = Path(str(out) + "_smoke")
     for phase in ("before", "warmstart", "after"):
         records = [json.loads(line) for line in open(run / f"eval_{phase}.jsonl")]
-        assert len(records) == 8 and all({"question", "completion", "correct"} <= set(x) for x in records)
+        assert len(records) == 8 * 2 and all({"question", "completion", "correct"} <= set(x) for x in records)  # 2 samples each
         assert f"| {phase} |" in r.stdout
     assert "GRPO gain over warm-start" in r.stdout
     steps = [x for x in map(json.loads, open(run / "metrics.jsonl")) if "reward/mean" in x]
