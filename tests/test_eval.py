@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.eval import load_task, main, mean_ci95
+from grpo.eval import load_task, main, mean_ci95, paired_gain, summarize
 
 from test_recipes import make_tiny_chat_model
 
@@ -65,3 +65,15 @@ def test_eval_data_file(task, fmt, tmp_path, smollm2_path):
     assert [x["question"] for x in records] == [q for q in questions for _ in range(2)]
     want = {"calculator": ["5.0", "3600.0"], "gsm8k": ["13", "18"], "math500": ["\\frac{5}{6}"]}[task]
     assert [x["answer"] for x in records] == [a for a in want for _ in range(2)]
+
+
+def test_several_samples_pair_by_question():
+    # 2 questions x 3 samples: the interval and the paired gain are over questions, not the 6
+    # samples (samples of one question are correlated; treating them as independent narrows both)
+    records = [{"correct": c} for c in (1, 0, 0, 1, 1, 1)]
+    r = summarize(records, 3)
+    assert r["per_question"] == pytest.approx([1 / 3, 1.0]) and r["questions"] == 2
+    assert (r["mean"], r["ci95"]) == pytest.approx(mean_ci95([1 / 3, 1.0]))
+    assert r["pass"] == 1.0
+    after = summarize([{"correct": c} for c in (1, 1, 0, 1, 1, 1)], 3)["per_question"]
+    assert paired_gain(r["per_question"], after) == pytest.approx(mean_ci95([1 / 3, 0.0]))
