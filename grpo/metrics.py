@@ -8,6 +8,7 @@ import torch
 from grpo import dist
 from grpo.config import Config
 
+
 def step_metrics(trajs, rewards, advantages, zero_var, m: dict, cfg: Config, t_gen: float, t_update: float, lr: float) -> dict:
     """The step's metrics over the global batch: each rank holds B/world groups, so per-sequence
     numbers are gathered and loss sums added over ranks (timings are rank 0's)."""
