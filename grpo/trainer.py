@@ -148,7 +148,7 @@ def masked_out(traj, cfg: Config) -> bool:
     return cfg.mask_truncated_completions and traj.finish_reason == "length"  # a truncated answer says nothing about its reward
 
 
-def update_batches(trajs: list, advantages: torch.Tensor, cfg: Config, device, rewards: list[float] | None = None) -> list[dict]:
+def update_batches(trajs: list, advantages: torch.Tensor, cfg: Config, device, flat: list[bool] | None = None) -> list[dict]:
     """The micro-batches of one update. Without a KL term, a group whose G rewards are all equal
     has zero advantage, hence zero loss and zero gradient, and so has a sequence whose loss mask
     is cleared (mask_truncated_completions): both are left out, which saves their forward and
@@ -157,13 +157,12 @@ def update_batches(trajs: list, advantages: torch.Tensor, cfg: Config, device, r
     Every rank runs the same number of micro-batches, because FSDP's all-gathers and
     reduce-scatters pair up forward by forward across ranks: a rank short of the largest count
     pads with fully masked micro-batches (zero loss, zero gradient), and a step with nothing to
-    learn runs one such micro-batch. `rewards`: the final rewards the advantages came from
-    (with any overlong penalty); default each trajectory's reward."""
+    learn runs one such micro-batch. `flat`: per group, flat_groups of the final rewards the
+    advantages came from (with any overlong penalty); default from each trajectory's reward."""
     G = cfg.group_size
-    rewards = [t.reward for t in trajs] if rewards is None else list(rewards)
     keep = list(range(len(trajs)))
     if cfg.beta == 0 and cfg.loss_type != "bnpo":
-        flat = flat_groups(rewards, G)
+        flat = flat_groups([t.reward for t in trajs], G) if flat is None else flat
         keep = [i for i in keep if not flat[i // G] and not masked_out(trajs[i], cfg)]
     lengths = [len(trajs[i].prompt_ids) + len(trajs[i].completion_ids) for i in keep]
     mbs = [[keep[j] for j in mb] for mb in micro_batches(lengths, cfg.micro_batch_tokens)]
@@ -182,13 +181,13 @@ def update_batches(trajs: list, advantages: torch.Tensor, cfg: Config, device, r
 
 
 def policy_update(model, ref_model, optimizer, scheduler, trajs: list, advantages: torch.Tensor, cfg: Config, device,
-                  rewards: list[float] | None = None):
+                  flat: list[bool] | None = None):
     """mu optimizer steps over one batch of trajectories; returns summed metrics."""
     world = dist.world_size()
     # the normalizers count every sequence, also those update_batches leaves out
     num_sequences = dist.all_sum(float(len(trajs)))
     num_tokens = dist.all_sum(float(sum(sum(t.loss_mask) for t in trajs if not masked_out(t, cfg))))
-    batches = update_batches(trajs, advantages, cfg, device, rewards)
+    batches = update_batches(trajs, advantages, cfg, device, flat)
     old = batch_logprobs(model, batches, cfg.temperature) if cfg.num_iterations > 1 else None
     ref = batch_logprobs(ref_model, batches, cfg.temperature) if ref_model is not None else None
     metrics = {"sequences": float(sum((b["loss_mask"].sum(1) > 0).sum() for b in batches))}  # those with gradient
@@ -295,12 +294,11 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
                          kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None, progress=dist.is_main(),
                          prompt_offset=lo)  # its own sampler: eval prompts may be longer (few-shot)
         records = dist.all_gather_objects(r["records"])  # every rank holds the whole eval, in question order
-        r = summarize(records, cfg.eval_n) | {"records": records}
-        results[name] = {k: v for k, v in r.items() if k not in ("records", "per_question")} | {"correct": r["per_question"]}
+        results[name] = r = summarize(records, cfg.eval_n)  # per_question: what a paired comparison pairs
         dist.print0(f"eval {name}: mean@{cfg.eval_n} {r['mean']:.3f} ± {r['ci95']:.3f} | pass@{cfg.eval_n} {r['pass']:.3f}")
         log({f"eval/{name}/mean": r["mean"], f"eval/{name}/pass": r["pass"]}, at_step)
         if logger:
-            logger.dump_jsonl(f"eval_{name}.jsonl", r["records"])
+            logger.dump_jsonl(f"eval_{name}.jsonl", records)
 
     def save(at_step: int):  # the data position is a function of (step, prompts_per_step, seed): saved to check
         data = {"next_prompt": at_step * cfg.prompts_per_step, "prompts_per_step": cfg.prompts_per_step, "seed": cfg.seed}
@@ -346,14 +344,14 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
             advantages = (rewards.view(-1, G) - rewards.view(-1, G).mean(1, keepdim=True)).flatten() / (all_rewards.std() + 1e-4)
         else:
             advantages = group_advantages(rewards, G, scale=cfg.scale_rewards)
-        zero_var = torch.tensor(flat_groups(rewards.tolist(), G))  # (groups,) groups that teach nothing
+        flat = flat_groups(rewards.tolist(), G)  # (groups,) groups that teach nothing: left out of the update
         # 3c. mu policy updates
         model.train()
-        m = policy_update(model, ref_model, optimizer, scheduler, trajs, advantages, cfg, device, rewards.tolist())
+        m = policy_update(model, ref_model, optimizer, scheduler, trajs, advantages, cfg, device, flat)
         t2 = time.time()
         steps_done = step + 1
         # 3d. logging: one line per step on rank 0
-        metrics = step_metrics(trajs, rewards, advantages, zero_var, m, cfg, t1 - t0, t2 - t1, scheduler.get_last_lr()[0])
+        metrics = step_metrics(trajs, rewards, advantages, torch.tensor(flat), m, cfg, t1 - t0, t2 - t1, scheduler.get_last_lr()[0])
         log(metrics, step + 1)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", len=f"{metrics['completion/len']:.0f}")
         dist.print0(f"step {step + 1} | reward {metrics['reward/mean']:.3f} | len {metrics['completion/len']:.0f} | "

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from grpo.config import Config, parse_args
 from grpo.envs.calculator import SHORT_SYSTEM_PROMPT, CalculatorEnv, generate_questions
-from grpo.eval import mean_ci95, paired_gain
+from grpo.eval import paired_gain
 from grpo.smollm2 import local_path
 from grpo.trainer import train
 
@@ -102,10 +102,9 @@ def main():
     print("| --- | --- | --- |")
     for name in ("before", "warmstart", "after"):
         if name in results:
-            m, ci = mean_ci95(results[name]["correct"])
-            print(f"| {name} | {m:.3f} | ± {ci:.3f} |")
+            print(f"| {name} | {results[name]['mean']:.3f} | ± {results[name]['ci95']:.3f} |")
     if "warmstart" in results and "after" in results:
-        gain, ci = paired_gain(results["warmstart"]["correct"], results["after"]["correct"])
+        gain, ci = paired_gain(results["warmstart"]["per_question"], results["after"]["per_question"])
         print(f"| GRPO gain over warm-start | {gain:+.3f} | ± {ci:.3f} (paired) |")
     print(f"export: {cfg.output_dir}/export | TensorBoard: tensorboard --logdir {cfg.output_dir}")
 

@@ -14,7 +14,7 @@ from grpo.rollout import rollout, sampling_params, score
 from grpo.sampler import Sampler
 from grpo.loss import group_advantages, policy_loss
 from grpo import trainer
-from grpo.trainer import collate, logprobs_of, micro_batches, policy_update, prompt_batch, train, update_batches
+from grpo.trainer import collate, flat_groups, logprobs_of, micro_batches, policy_update, prompt_batch, train, update_batches
 
 from toy import ToyEnv, make_toy_dir
 
@@ -106,7 +106,7 @@ def test_update_leaves_out_flat_groups_and_pads_micro_batches(tmp_path, monkeypa
     assert kept == (len(trajs) if loss_type == "bnpo" else 12 - sum(truncated[:4] + truncated[8:]))
     if loss_type != "bnpo":  # the final rewards decide (an overlong penalty can make a flat group informative)
         penalized = [t.reward - 0.001 * i for i, t in enumerate(trajs)]
-        again = update_batches(trajs, adv, cfg, "cpu", rewards=penalized)
+        again = update_batches(trajs, adv, cfg, "cpu", flat=flat_groups(penalized, cfg.group_size))
         assert sum(len(b["input_ids"]) for b in again) == kept + 4 - sum(truncated[4:8])
     pad = 2
     monkeypatch.setattr(dist, "all_max", lambda n: n + pad)  # as if another rank had 2 more micro-batches
