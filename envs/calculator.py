@@ -11,10 +11,7 @@ Rewards (weights in DEFAULT_WEIGHTS): `correct` (the final answer matches), `too
 line), and an optional `judge` from an OpenAI-compatible LLM endpoint, off by default.
 """
 
-import json
 import re
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal, localcontext
 from fractions import Fraction
 
@@ -23,6 +20,7 @@ import yaml
 from grpo.envs.calculator_data import (  # noqa: F401  (public API of this env)
     evaluate, generate_questions, load_questions, parse_expression, split_of, to_infix,
 )
+from grpo.envs.judge import judge_score, judge_scores  # noqa: F401  (judge_scores: re-exported)
 
 SYSTEM_PROMPT = """You are a careful assistant with a calculator. Do not work out arithmetic in your head: use the calculator.
 
@@ -276,7 +274,7 @@ def is_close(pred: float | None, target: float, rel_tol: float = 1e-6, abs_tol: 
 
 
 # ----------------------------------------------------------------------------
-# optional LLM judge (any OpenAI-compatible chat-completions server)
+# optional LLM judge (grpo.envs.judge), with a rubric for this env
 
 JUDGE_PROMPT = """You grade an assistant that answers arithmetic questions with a calculator tool.
 
@@ -287,32 +285,6 @@ The assistant's full reply, tool calls and tool outputs included:
 {completion}
 
 Score from 0 to 10: 10 if it used the calculator sensibly and stated the correct answer clearly on a final "Answer:" line, lower for wrong numbers, a misread question, needless or broken tool calls, or a confusing final reply. Reply with the score only."""
-
-
-def judge_score(question: str, answer, completion: str, base_url: str, model: str,
-                api_key: str | None = None, timeout: float = 30.0) -> float:
-    """One judge request: its 0-10 score as 0.0-1.0; any failure scores 0.0 (never raises)."""
-    body = {"model": model, "messages": [{"role": "user", "content": JUDGE_PROMPT.format(
-        question=question, answer=answer, completion=completion)}], "temperature": 0.0}
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    try:
-        request = urllib.request.Request(base_url.rstrip("/") + "/chat/completions",
-                                         data=json.dumps(body).encode(), headers=headers)
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            content = json.loads(response.read())["choices"][0]["message"]["content"]
-        score = parse_number(content)
-        return min(max(score / 10.0, 0.0), 1.0) if score is not None else 0.0
-    except Exception:  # timeout, HTTP error, bad JSON, missing fields
-        return 0.0
-
-
-def judge_scores(items: list[tuple], base_url: str, model: str, api_key: str | None = None,
-                 timeout: float = 30.0, max_workers: int = 16) -> list[float]:
-    """judge_score for many (question, answer, completion) items at once, in threads."""
-    with ThreadPoolExecutor(max_workers=max_workers) as pool:
-        return list(pool.map(lambda it: judge_score(*it, base_url, model, api_key, timeout), items))
 
 
 # ----------------------------------------------------------------------------
@@ -359,5 +331,5 @@ class CalculatorEnv:
         if self.judge_base_url:
             rewards["judge"] = judge_score(example["question"], example["answer"], trajectory.text,
                                            self.judge_base_url, self.judge_model, self.judge_api_key,
-                                           self.judge_timeout)
+                                           self.judge_timeout, prompt=JUDGE_PROMPT)
         return rewards
