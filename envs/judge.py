@@ -13,17 +13,17 @@ import urllib.request
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
-JUDGE_PROMPT = """You grade an assistant's reply to a question.
+JUDGE_PROMPT = (
+    "You grade an assistant's reply to a question.\n\n"
+    "Question: {question}\n"
+    "Correct answer: {answer}\n\n"
+    "The assistant's full reply:\n"
+    "{completion}\n\n"
+    "Score from 0 to 10: 10 if the reply reaches the correct answer by sound steps and states it clearly, "
+    "lower for a wrong or missing answer, a misread question or confusing reasoning. "
+    "Reply with the score only.")
 
-Question: {question}
-Correct answer: {answer}
-
-The assistant's full reply:
-{completion}
-
-Score from 0 to 10: 10 if the reply reaches the correct answer by sound steps and states it clearly, lower for a wrong or missing answer, a misread question or confusing reasoning. Reply with the score only."""
-
-_SCORE = re.compile(r"-?\d+(?:\.\d+)?")  # the first number of the reply: '8', '8/10', 'Score: 7.5'
+_SCORE = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")  # the first number of the reply: '8', '8/10', 'Score: 7.5'
 
 
 def judge_score(question: str, answer, completion: str, base_url: str, model: str, api_key: str | None = None,

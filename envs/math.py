@@ -14,7 +14,6 @@ import select
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 from math_verify import parse, verify
 from math_verify.errors import TimeoutException
@@ -88,7 +87,8 @@ class _Child:
                 env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
                 self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                                              stdout=subprocess.PIPE, text=True, env=env)
-                if self._ask("1", "1", 5, wait_s=120) is None:  # the first answer waits for python and sympy to import
+                # the first answer waits for python and sympy to import
+                if self._ask("1", "1", 5, wait_s=120) is None:
                     return False
             return bool(self._ask(pred, target, timeout_s, wait_s=timeout_s + 2))
 
@@ -112,31 +112,20 @@ _CHILD = _Child()
 
 
 # ----------------------------------------------------------------------------
-# data
+# data (rows come from grpo.data.load_examples; MATH-500's `problem` column is its question)
 
 
-def _jsonl(path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def load_math500(path) -> list[dict]:
-    """{question, answer (LaTeX), solution, subject, level, unique_id}."""
-    return [{**row, "question": row["problem"]} for row in _jsonl(path)]
-
-
-def load_aime(path) -> list[dict]:
-    """AIME24/25 -> {question, answer ('25', not the file's '025'), id}. aime25 has three
-    problems whose '\\f' and '\\t' were decoded as control characters (data/aime/SOURCE.md)."""
-    out = []
-    for row in _jsonl(path):
-        question = row["problem"].replace("\x0c", "\\f").replace("\t", "\\t")
-        out.append({"question": question, "answer": str(int(row["answer"])), "id": row["id"]})
-    return out
-
-
-def load(path, task: str = "math500") -> list[dict]:
-    """load_aime for 'aime24' / 'aime25', else load_math500."""
-    return load_aime(path) if task.startswith("aime") else load_math500(path)
+def aime_example(example: dict) -> dict:
+    """AIME rows as load_examples gives them -> answer '25', not a file's '025'. The aime25 file
+    (and HF math-ai/aime25) has three problems whose '\\f' and '\\t' were decoded as control
+    characters (\\frac as form feed + 'rac'): restored here."""
+    question = example["question"].replace("\x0c", "\\f").replace("\t", "\\t")
+    answer = example["answer"]
+    try:
+        answer = answer if answer is None else str(int(answer))  # None: load_examples says which column
+    except ValueError:
+        raise ValueError(f"an AIME answer is an integer, got {answer!r}") from None
+    return {**example, "question": question, "answer": answer}
 
 
 class MathEnv:

@@ -1,16 +1,16 @@
 """Accuracy of a model on an env's questions: mean@k and pass@k with 95% intervals.
 
-    python -m grpo.eval --model PATH --task gsm8k [--data FILE] [--n K] [--shots S] [--limit N]
-tasks: gsm8k, math500, aime24, aime25, calculator. `--data` takes JSONL or CSV with a
-`question` (or `prompt`) column and an `answer` column. Per-sample records (prompt,
-completion, extracted answer, score) go to a JSONL file.
+    python -m grpo.eval --model PATH --task gsm8k [--data SOURCE] [--n K] [--shots S] [--limit N]
+
+Tasks and their default data (Hugging Face dataset ids) are in grpo.envs.tasks; `--data` takes a
+local JSONL, CSV or Parquet file or another dataset id (grpo.data.load_examples), with a
+`question` (or `prompt`) column and an `answer` column unless --question_field/--answer_field
+say otherwise. Per-sample records (prompt, completion, extracted answer, score) go to a JSONL file.
 """
 import argparse
-import csv
 import json
 import math
 import sys
-from pathlib import Path
 
 import torch
 
@@ -34,15 +34,17 @@ def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, env, examples: list[dict], n: int = 1, temperature: float = 0.0, max_tokens: int = 512,
-             max_turns: int = 0, sampler=None, chat_kwargs: dict | None = None, seed: int = 1234, gen_batch: int = 64,
-             kv_budget_bytes: int | None = None, progress: bool = True, prompt_offset: int = 0) -> dict:
+def evaluate(model, tokenizer, env, examples: list[dict], n: int = 1, temperature: float = 0.0,
+             max_tokens: int = 512, max_turns: int = 0, sampler=None, chat_kwargs: dict | None = None,
+             seed: int = 1234, gen_batch: int = 64, kv_budget_bytes: int | None = None, progress: bool = True,
+             prompt_offset: int = 0) -> dict:
     """Run the env on `examples` with n samples each (temperature 0 = greedy). The score is the
     env's `correct` reward term. Returns mean (mean@n), pass (pass@n), ci95 and per-sample records.
     `prompt_offset`: the global index of examples[0] (it seeds the samples), so that a share of
     the questions evaluated on one rank gives what the whole list gives in one process."""
     from grpo.sampler import Sampler
-    sampler = sampler or Sampler(model, tokenizer, max_batch=gen_batch, kv_budget_bytes=kv_budget_bytes)  # sized to this call
+    # a sampler sized to this call unless the caller lends its own
+    sampler = sampler or Sampler(model, tokenizer, max_batch=gen_batch, kv_budget_bytes=kv_budget_bytes)
     params = sampling_params(env, tokenizer, n, temperature, max_tokens, seed, max_turns=max_turns)
     trajs = score(env, rollout(sampler, tokenizer, env, list(examples), params, prompt_offset=prompt_offset,
                                chat_kwargs=chat_kwargs, progress=progress))
@@ -53,8 +55,9 @@ def evaluate(model, tokenizer, env, examples: list[dict], n: int = 1, temperatur
     records = []
     for q, ex in enumerate(examples):
         for t in trajs[q * n:(q + 1) * n]:
-            records.append({"question": ex.get("question", ex.get("prompt", "")), "answer": str(ex.get("answer")),
-                            "completion": t.text, "extracted": env.extract(t) if hasattr(env, "extract") else None,
+            records.append({"question": ex.get("question", ex.get("prompt", "")),
+                            "answer": str(ex.get("answer")), "completion": t.text,
+                            "extracted": env.extract(t) if hasattr(env, "extract") else None,
                             "correct": t.rewards.get("correct", 0.0), "rewards": t.rewards,
                             "finish_reason": t.finish_reason, "turns": t.num_turns})
     return summarize(records, n) | {"records": records}
@@ -66,95 +69,59 @@ def summarize(records: list[dict], n: int) -> dict:
     passed = [float(max(r["correct"] for r in records[q:q + n]) > 0) for q in range(0, len(records), n)]
     mean, ci = mean_ci95(per_question)
     pass_k, pass_ci = mean_ci95(passed)
-    return {"mean": mean, "ci95": ci, "pass": pass_k, "pass_ci95": pass_ci, "n": n, "questions": len(per_question),
+    return {"mean": mean, "ci95": ci, "pass": pass_k, "pass_ci95": pass_ci, "n": n,
+            "questions": len(per_question),
             "per_question": per_question}  # mean over each question's n samples: what paired_gain pairs
 
 
 # ----------------------------------------------------------------------------- command line
 
-def load_task(task: str, data: str | None, shots: int):
-    """(env, examples) for a task name; `data` overrides the task's default file."""
-    shared = Path(__file__).resolve().parents[2] / "shared" / "data"
-    if task == "gsm8k":
-        from grpo.envs import gsm8k
-        fewshot = gsm8k.fewshot_examples(gsm8k.load(_need(shared / "gsm8k" / "train.jsonl")), shots) if shots else []
-        examples = _load_generic(data, task) if data else gsm8k.load(_need(shared / "gsm8k" / "test.jsonl"))
-        return gsm8k.GSM8KEnv(fewshot=fewshot), examples
-    if task in ("math500", "aime24", "aime25"):
-        from grpo.envs import math as math_env
-        default = {"math500": shared / "math500" / "test.jsonl", "aime24": shared / "aime" / "aime24.jsonl",
-                   "aime25": shared / "aime" / "aime25.jsonl"}[task]
-        examples = _load_generic(data, task) if data else math_env.load(_need(default), task)
-        return math_env.MathEnv(), examples
-    if task == "calculator":
-        from grpo.envs import calculator
-        examples = calculator.load_questions(data) if data else calculator.generate_questions(200, seed=0, split="eval")
-        return calculator.CalculatorEnv(), examples
-    raise SystemExit(f"unknown task {task!r}: gsm8k, math500, aime24, aime25, calculator")
-
-
-def _need(path: Path) -> Path:
-    if not Path(path).exists():
-        raise SystemExit(f"{path} not found: pass --data FILE (JSONL or CSV with question and answer columns)")
-    return Path(path)
-
-
-def _load_generic(path, task: str) -> list[dict]:
-    """Rows of a JSONL or CSV with `question` (or `prompt`) and `answer`. Calculator answers are
-    numbers (or computed from an `expression`); the others stay text: a GSM8K solution ending in
-    '#### 72' gives 72, a MATH answer such as \\frac{5}{6} is kept as written."""
-    path = _need(path)
-    if task == "calculator":
-        from grpo.envs.calculator import load_questions
-        return load_questions(path)
-    if path.suffix.lower() == ".csv":
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f, skipinitialspace=True))
-    else:
-        rows = [json.loads(line) for line in open(path) if line.strip()]
-    out = []
-    for i, row in enumerate(rows, start=1):
-        question, answer = row.get("question") or row.get("prompt") or row.get("problem"), row.get("answer")
-        if not question or answer in (None, ""):
-            raise ValueError(f"{path}: row {i} needs a 'question' (or 'prompt') and an 'answer'")
-        answer = str(answer)
-        if task == "gsm8k" and "####" in answer:  # GSM8K's own format: the worked solution, then '#### 72'
-            row = {**row, "solution": answer}
-            answer = answer.split("####")[-1].strip().replace(",", "")
-        out.append({**row, "question": question.strip(), "answer": answer})
-    return out
-
-
-def main(argv=None):
+def main(argv: list[str] | None = None) -> dict:
+    from grpo.data import DataError
+    from grpo.envs.tasks import SOURCES, TASKS, load_task
+    defaults = ", ".join(f"{task}: {source}" for task, source in SOURCES.items())
     p = argparse.ArgumentParser(prog="python -m grpo.eval", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="HF checkpoint folder")
-    p.add_argument("--task", required=True, choices=["gsm8k", "math500", "aime24", "aime25", "calculator"])
-    p.add_argument("--data", help="JSONL or CSV with question (or prompt) and answer columns")
+    p.add_argument("--task", required=True, choices=TASKS)
+    p.add_argument("--data", help=f"JSONL, CSV or Parquet file, or a dataset id name[:config[:split]] "
+                                  f"(defaults: {defaults}; calculator: 200 generated questions)")
+    p.add_argument("--question_field", default="question",
+                   help="question column (default: question, else prompt, else problem)")
+    p.add_argument("--answer_field", default="answer", help="answer column")
     p.add_argument("--n", type=int, default=1, help="samples per question (mean@n, pass@n)")
     p.add_argument("--shots", type=int, default=0, help="few-shot examples (gsm8k)")
+    p.add_argument("--fewshot_data", default=None,
+                   help="GSM8K train rows for the shots (default: openai/gsm8k:main:train)")
     p.add_argument("--limit", type=int, default=0, help="first N questions only")
     p.add_argument("--temperature", type=float, default=None, help="default: 0 (greedy) for n=1, else 1.0")
     p.add_argument("--max_tokens", type=int, default=1024)
     p.add_argument("--max_turns", type=int, default=0, help="0 = the env's own limit")
-    p.add_argument("--enable_thinking", type=int, default=1, help="chat template switch (Qwen3: 0 = non-thinking)")
+    p.add_argument("--enable_thinking", type=int, default=1,
+                   help="chat template switch (Qwen3: 0 = non-thinking)")
     p.add_argument("--out", default=None, help="per-sample JSONL (default: eval_<task>.jsonl)")
     args = p.parse_args(argv)
+    try:  # the data first: a missing file or an offline hub should not wait for the model to load
+        env, examples = load_task(args.task, args.data, args.shots, args.question_field, args.answer_field,
+                                  args.fewshot_data)
+    except DataError as e:
+        raise SystemExit(f"python -m grpo.eval: {e}") from None
+    examples = examples[:args.limit] if args.limit else examples
     from transformers import AutoTokenizer
     from grpo.model import Transformer
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = Transformer.from_pretrained(args.model, dtype=dtype, device=device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    env, examples = load_task(args.task, args.data, args.shots)
-    examples = examples[:args.limit] if args.limit else examples
     temperature = args.temperature if args.temperature is not None else (0.0 if args.n == 1 else 1.0)
-    r = evaluate(model, tokenizer, env, examples, n=args.n, temperature=temperature, max_tokens=args.max_tokens,
-                 max_turns=args.max_turns, chat_kwargs={"enable_thinking": bool(args.enable_thinking)})
+    r = evaluate(model, tokenizer, env, examples, n=args.n, temperature=temperature,
+                 max_tokens=args.max_tokens, max_turns=args.max_turns,
+                 chat_kwargs={"enable_thinking": bool(args.enable_thinking)})
     out = args.out or f"eval_{args.task}.jsonl"
     with open(out, "w") as f:
         f.writelines(json.dumps(rec) + "\n" for rec in r["records"])
     print(f"| task | questions | n | mean@{args.n} | 95% CI | pass@{args.n} |")
-    print(f"| {args.task} | {r['questions']} | {args.n} | {r['mean']:.4f} | ± {r['ci95']:.4f} | {r['pass']:.4f} |")
+    print(f"| {args.task} | {r['questions']} | {args.n} | {r['mean']:.4f} | ± {r['ci95']:.4f} "
+          f"| {r['pass']:.4f} |")
     print(f"per-sample records: {out}")
     return r
 

@@ -1,7 +1,8 @@
 """Qwen2.5-0.5B-Instruct learns a multi-turn calculator tool (shared/seeds/calculator_agent_qwen25.md).
 
     torchrun --nproc_per_node=8 recipes/calculator_qwen25_05b.py --model_path=/models/Qwen2.5-0.5B-Instruct
-    torchrun --nproc_per_node=1 recipes/calculator_qwen25_05b.py --model_path=... --prompts_per_step=1   # one GPU
+    # one GPU:
+    torchrun --nproc_per_node=1 recipes/calculator_qwen25_05b.py --model_path=... --prompts_per_step=1
 
 Reference: accuracy 0.6% -> 34% on held-out calculator questions, same settings as the 3B
 recipe (calculator_qwen25_3b.py, whose docstring lists them); a 0.5B model fits every

@@ -1,7 +1,8 @@
 """Qwen2.5-3B-Instruct learns a multi-turn calculator tool (shared/seeds/calculator_agent_qwen25.md).
 
     torchrun --nproc_per_node=8 recipes/calculator_qwen25_3b.py --model_path=/models/Qwen2.5-3B-Instruct
-    torchrun --nproc_per_node=4 recipes/calculator_qwen25_3b.py --model_path=... --prompts_per_step=4   # 4x A100 80GB
+    # 4x A100 80GB:
+    torchrun --nproc_per_node=4 recipes/calculator_qwen25_3b.py --model_path=... --prompts_per_step=4
 
 Reference: accuracy 27% -> 89% on held-out calculator questions, one epoch over ~1,500
 questions, about 3 h on 8x RTX 6000 Ada or 4x A100 (with vLLM on separate GPUs; here the
@@ -9,23 +10,33 @@ same GPUs sample and train). Hyperparameters as the reference: G = 8 samples per
 temperature 0.9, 8 generations per GPU per step (so prompts_per_step = GPUs), lr 1e-6,
 mu = 2, grad-norm clip 0.1, bf16 compute, prompt 1024 / completion 500 tokens. Reward:
 code verification of the final answer (+ tool use and format terms); the LLM judge of the
-reference is optional (--judge_base_url=http://host/v1 --judge_model=NAME, OpenAI-compatible).
+reference is optional (--judge_base_url=http://host/v1 --judge_model=NAME, OpenAI-compatible;
+the key, if the server wants one, from the JUDGE_API_KEY environment variable: grpo.envs.judge).
+Questions are generated (grpo.envs.calculator_data); --train_data / --eval_data take your own
+instead: a JSONL, CSV or Parquet file or a dataset id, with a question column and an answer
+(or an infix `expression` to compute it from).
 Batch sizes per GPU come from grpo.config.pick_profile (RTX 6000 Ada, A100, H100/H200, B200).
 """
+import os
 from dataclasses import dataclass
 
 from grpo.config import Config, parse_args
-from grpo.envs.calculator import DEFAULT_WEIGHTS, CalculatorEnv, generate_questions, load_questions
+from grpo.data import DataError, load_examples
+from grpo.envs.calculator import DEFAULT_WEIGHTS, CalculatorEnv, generate_questions
+from grpo.envs.tasks import calculator_example
 from grpo.trainer import train
 
 
 @dataclass
 class CalculatorQwen(Config):
-    model_path: str = "Qwen/Qwen2.5-3B-Instruct"   # a local HF folder, or a hub id fetched once into the HF cache
+    model_path: str = "Qwen/Qwen2.5-3B-Instruct"  # a local HF folder, or a hub id fetched once into its cache
     output_dir: str = "runs/calculator_qwen25_3b"
     train_questions: int = 1500       # one epoch: num_steps = train_questions / prompts_per_step
     eval_questions: int = 200
-    train_data: str = ""              # optional CSV/JSONL of your own questions instead of generated ones
+    train_data: str = ""              # your own questions instead of generated ones: a file or a dataset id
+    eval_data: str = ""               # the same, for eval
+    question_field: str = "question"
+    answer_field: str = "answer"
     judge_base_url: str = ""          # optional LLM judge (OpenAI-compatible /chat/completions)
     judge_model: str = ""
     judge_weight: float = 0.5
@@ -49,11 +60,19 @@ class CalculatorQwen(Config):
 
 def main(cls=CalculatorQwen):
     cfg = parse_args(cls)
-    questions = load_questions(cfg.train_data) if cfg.train_data else generate_questions(cfg.train_questions, cfg.seed, "train")
-    eval_qs = generate_questions(cfg.eval_questions, cfg.seed + 1, "eval")
+    fields = dict(question_field=cfg.question_field, answer_field=cfg.answer_field,
+                  prepare=calculator_example)
+    try:
+        questions = (load_examples(cfg.train_data, **fields) if cfg.train_data
+                     else generate_questions(cfg.train_questions, cfg.seed, "train"))
+        eval_qs = (load_examples(cfg.eval_data, **fields) if cfg.eval_data
+                   else generate_questions(cfg.eval_questions, cfg.seed + 1, "eval"))
+    except DataError as e:  # one line, not a traceback
+        raise SystemExit(f"calculator recipe: {e}") from None
     if cfg.num_steps == 0:
         cfg.num_steps = max(1, len(questions) // cfg.prompts_per_step)
-    env = CalculatorEnv(judge_base_url=cfg.judge_base_url or None, judge_model=cfg.judge_model or None)
+    env = CalculatorEnv(judge_base_url=cfg.judge_base_url or None, judge_model=cfg.judge_model or None,
+                        judge_api_key=os.environ.get("JUDGE_API_KEY"))  # not a flag: flags land in logs
     weights = {**DEFAULT_WEIGHTS, "judge": cfg.judge_weight if cfg.judge_base_url else 0.0}
     train(cfg, env, questions, eval_qs, reward_weights=weights)
 

@@ -1,8 +1,12 @@
 """Qwen3-0.6B (thinking off) on GSM8K, optimized against the benchmark's own scorer
 (shared/seeds/gsm8k_qwen3_06b_grpo.md).
 
-    torchrun --nproc_per_node=1 recipes/gsm8k_qwen3_06b.py --model_path=/models/Qwen3-0.6B --train_data=gsm8k/train.jsonl
+    torchrun --nproc_per_node=1 recipes/gsm8k_qwen3_06b.py --model_path=/models/Qwen3-0.6B
     python -m grpo.eval --model runs/gsm8k_qwen3_06b/export --task gsm8k --shots 10 --enable_thinking 0
+
+Data: the Hugging Face openai/gsm8k (train and test splits of config main), fetched once by the
+optional `datasets` library. Offline, pass local files with the same columns (JSONL, CSV or
+Parquet): --train_data=gsm8k/train.jsonl --eval_data=gsm8k/test.jsonl (grpo.data.load_examples).
 
 Reference: 10-shot greedy GSM8K test 47.5% -> 70.9% in 251 steps (about $8 on one L4, then
 one L40S). Settings as the card: inspect's MATH_PROMPT_TEMPLATE ("ANSWER: $ANSWER" last
@@ -16,7 +20,9 @@ A100, H100/H200 (grpo.config.pick_profile).
 from dataclasses import dataclass
 
 from grpo.config import Config, parse_args
+from grpo.data import DataError, load_examples
 from grpo.envs import gsm8k
+from grpo.envs.tasks import gsm8k_example
 from grpo.trainer import train
 
 
@@ -24,8 +30,10 @@ from grpo.trainer import train
 class GSM8KQwen3(Config):
     model_path: str = "Qwen/Qwen3-0.6B"   # a local HF folder, or a hub id fetched once into the HF cache
     output_dir: str = "runs/gsm8k_qwen3_06b"
-    train_data: str = "../shared/data/gsm8k/train.jsonl"
-    eval_data: str = "../shared/data/gsm8k/test.jsonl"
+    train_data: str = "openai/gsm8k:main:train"  # a JSONL, CSV or Parquet file, or name[:config[:split]]
+    eval_data: str = "openai/gsm8k:main:test"    # the same; the eval's 10 shots come from train_data
+    question_field: str = "question"
+    answer_field: str = "answer"      # GSM8K's worked solution ending in '#### 72', or the bare number
     eval_shots: int = 10              # eval protocol: 10-shot greedy (training prompts are zero-shot)
     enable_thinking: bool = False     # Qwen3 non-thinking mode, in training and eval alike
     num_steps: int = 250
@@ -39,7 +47,7 @@ class GSM8KQwen3(Config):
     beta: float = 0.0
     epsilon_high: float = 0.28        # DAPO clip-higher
     mask_truncated_completions: bool = True
-    max_prompt_len: int = 512         # zero-shot training prompts; eval (10-shot, ~2,300 tokens) sizes its own sampler
+    max_prompt_len: int = 512         # zero-shot training prompts (the 10-shot eval sizes its own sampler)
     max_completion_len: int = 768
     eval_limit: int = 1319
     eval_every: int = 50
@@ -48,10 +56,15 @@ class GSM8KQwen3(Config):
 
 def main(cls=GSM8KQwen3):
     cfg = parse_args(cls)
-    train_set, test_set = gsm8k.load(cfg.train_data), gsm8k.load(cfg.eval_data)
+    fields = dict(question_field=cfg.question_field, answer_field=cfg.answer_field, prepare=gsm8k_example)
+    try:
+        train_set, test_set = load_examples(cfg.train_data, **fields), load_examples(cfg.eval_data, **fields)
+    except DataError as e:  # one line, not a traceback: the usual cause is a missing file or no network
+        raise SystemExit(f"gsm8k recipe: {e} (--train_data=FILE --eval_data=FILE)") from None
     # eval with the harness's 10-shot system prompt, train zero-shot: two envs, one scorer
     shots = gsm8k.fewshot_examples(train_set, cfg.eval_shots) if cfg.eval_shots else []
-    train(cfg, gsm8k.GSM8KEnv(), train_set, test_set, reward_weights=gsm8k.DEFAULT_WEIGHTS, eval_env=gsm8k.GSM8KEnv(fewshot=shots))
+    train(cfg, gsm8k.GSM8KEnv(), train_set, test_set, reward_weights=gsm8k.DEFAULT_WEIGHTS,
+          eval_env=gsm8k.GSM8KEnv(fewshot=shots))
 
 
 if __name__ == "__main__":

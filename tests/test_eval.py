@@ -1,12 +1,14 @@
 """`python -m grpo.eval` end to end (issue 9): the real SmolLM2 on a few GSM8K test questions,
-and the `--data` path with JSONL and CSV files (on a tiny random model: only the plumbing counts)."""
+and the `--data` path with JSONL and CSV files (on a tiny random model: only the plumbing counts).
+The loader's own cases are in test_data.py."""
 import csv
 import json
 from pathlib import Path
 
 import pytest
 
-from grpo.eval import load_task, main, mean_ci95, paired_gain, summarize
+from grpo.envs.tasks import load_task
+from grpo.eval import main, mean_ci95, paired_gain, summarize
 
 from test_recipes import make_tiny_chat_model
 
@@ -29,41 +31,57 @@ def read_records(path) -> list[dict]:
 @pytest.mark.skipif(not (DATA / "gsm8k" / "test.jsonl").exists(), reason="../shared/data/gsm8k not found")
 def test_eval_gsm8k_on_smollm2(smollm2_path, tmp_path, capsys):
     out = tmp_path / "gsm8k.jsonl"
-    r = main(["--model", smollm2_path, "--task", "gsm8k", "--limit", "3", "--max_tokens", "32", "--out", str(out)])
+    test_file = str(DATA / "gsm8k" / "test.jsonl")
+    r = main(["--model", smollm2_path, "--task", "gsm8k", "--data", test_file, "--limit", "3",
+              "--max_tokens", "32", "--out", str(out)])
     records = read_records(out)
-    _, test = load_task("gsm8k", None, 0)
+    _, test = load_task("gsm8k", test_file)
     assert [x["question"] for x in records] == [x["question"] for x in test[:3]]
     assert [x["answer"] for x in records] == [x["answer"] for x in test[:3]]
     assert all(x["completion"] and x["finish_reason"] in ("stop", "length") for x in records)
     assert all(x["extracted"] is None or isinstance(x["extracted"], str) for x in records)
-    assert r["questions"] == 3 and (r["mean"], r["ci95"]) == pytest.approx(mean_ci95([x["correct"] for x in records]))
+    assert r["questions"] == 3
+    assert (r["mean"], r["ci95"]) == pytest.approx(mean_ci95([x["correct"] for x in records]))
     assert "| gsm8k | 3 | 1 |" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("task,fmt", [("calculator", "csv"), ("gsm8k", "jsonl"), ("math500", "jsonl")])
+@pytest.mark.parametrize("task,fmt", [("calculator", "csv"), ("gsm8k", "jsonl"), ("math500", "jsonl"),
+                                      ("aime24", "parquet")])
 def test_eval_data_file(task, fmt, tmp_path, smollm2_path):
+    if fmt == "parquet":
+        pytest.importorskip("pyarrow")
     model = make_tiny_chat_model(tmp_path / "tiny", "qwen2", smollm2_path)
     rows = {"calculator": [{"question": "What is 2 plus 3?", "answer": "5"},
                            {"question": "What is 1,200 times 3?", "answer": "3,600"}],
             # GSM8K's own format: the answer column is the worked solution ending in '#### 18'
-            "gsm8k": [{"prompt": "Janet has 16 eggs and eats 3. How many are left?", "answer": "16 - 3 = 13\n#### 13"},
+            "gsm8k": [{"prompt": "Janet has 16 eggs and eats 3. How many are left?",
+                       "answer": "16 - 3 = 13\n#### 13"},
                       {"question": "What is 9 times 2?", "answer": "18"}],
-            "math500": [{"question": "What is 1/2 + 1/3?", "answer": "\\frac{5}{6}"}]}[task]
+            "math500": [{"question": "What is 1/2 + 1/3?", "answer": "\\frac{5}{6}"}],
+            # other column names, given as flags; AIME answers as integers ('025' -> '25')
+            "aime24": [{"problem_text": "Find 5 squared.", "gold": "025"}]}[task]
+    fields = ["--question_field", "problem_text", "--answer_field", "gold"] if task == "aime24" else []
     data = tmp_path / f"questions.{fmt}"
     if fmt == "csv":
         with open(data, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=["question", "answer"])
             w.writeheader()
             w.writerows(rows)
+    elif fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        pq.write_table(pa.Table.from_pylist(rows), data)
     else:
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.jsonl"
-    r = main(["--model", model, "--task", task, "--data", str(data), "--max_tokens", "6", "--n", "2", "--out", str(out)])
+    r = main(["--model", model, "--task", task, "--data", str(data), "--max_tokens", "6", "--n", "2",
+              "--out", str(out), *fields])
     records = read_records(out)
     assert len(records) == 2 * len(rows) and r["questions"] == len(rows) and r["n"] == 2
-    questions = [x.get("question") or x["prompt"] for x in rows]
+    questions = [x.get("question") or x.get("prompt") or x["problem_text"] for x in rows]
     assert [x["question"] for x in records] == [q for q in questions for _ in range(2)]
-    want = {"calculator": ["5.0", "3600.0"], "gsm8k": ["13", "18"], "math500": ["\\frac{5}{6}"]}[task]
+    want = {"calculator": ["5.0", "3600.0"], "gsm8k": ["13", "18"], "math500": ["\\frac{5}{6}"],
+            "aime24": ["25"]}[task]
     assert [x["answer"] for x in records] == [a for a in want for _ in range(2)]
 
 

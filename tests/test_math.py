@@ -1,4 +1,4 @@
-"""Math: \\boxed extraction, math-verify equivalence, MATH-500 and AIME loaders."""
+"""Math: \\boxed extraction, math-verify equivalence, MATH-500 and AIME rows (grpo.data.load_examples)."""
 
 import threading
 import time
@@ -8,7 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from grpo.envs.math import MathEnv, is_equiv, last_boxed, load, load_aime, load_math500
+from grpo.data import load_examples
+from grpo.envs.math import MathEnv, aime_example, is_equiv, last_boxed
+from grpo.envs.tasks import load_task
 
 DATA = Path(__file__).parents[2] / "shared" / "data"
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"{DATA} absent")
@@ -57,9 +59,8 @@ def test_is_equiv_in_a_thread_never_hangs():
 
 @needs_data
 def test_math500_rows():
-    rows = load_math500(DATA / "math500" / "test.jsonl")
-    assert len(rows) == 500
-    env = MathEnv()
+    env, rows = load_task("math500", str(DATA / "math500" / "test.jsonl"))
+    assert len(rows) == 500 and isinstance(env, MathEnv)
     assert env.stop_strings == [] and env.max_turns == 1
     assert "\\boxed{}" in env.prompt(rows[0])[0]["content"]
     for row in rows[:20]:
@@ -69,8 +70,9 @@ def test_math500_rows():
 
 @needs_data
 def test_aime():
-    a24, a25 = load_aime(DATA / "aime" / "aime24.jsonl"), load_aime(DATA / "aime" / "aime25.jsonl")
-    assert len(a24) == len(a25) == 30 and load(DATA / "aime" / "aime25.jsonl", "aime25") == a25
+    a24 = load_examples(DATA / "aime" / "aime24.jsonl", prepare=aime_example)
+    a25 = load_examples(DATA / "aime" / "aime25.jsonl", prepare=aime_example)
+    assert len(a24) == len(a25) == 30 and load_task("aime25", str(DATA / "aime" / "aime25.jsonl"))[1] == a25
     assert all(r["answer"] == str(int(r["answer"])) for r in a24 + a25)  # '025' -> '25'
     assert not any("\x0c" in r["question"] or "\t" in r["question"] for r in a25)
     assert "\\frac" in next(r for r in a25 if r["id"] == "18")["question"]
