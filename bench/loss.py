@@ -19,7 +19,7 @@ import torch
 
 from grpo.kernels import linear_logprobs
 from grpo.kernels.reference import linear_logprobs_ref
-from grpo.loss import policy_loss
+from grpo.loss import LossOptions, policy_loss
 from logprobs import grid, measure, parse_args, print_table, run_cases  # bench/logprobs.py
 
 T = 512                                                           # tokens per sequence: N = B * T
@@ -29,9 +29,9 @@ def loss_fn(logprobs_fn, backend):
     def f(hidden, weight, labels, old, ref, sampler, advantages, mask):
         logprobs = logprobs_fn(hidden, weight, labels) if weight is not None else hidden
         B, T_ = old.shape
-        loss, _ = policy_loss(logprobs.view(B, T_), old, advantages, mask, aggregation="dapo", num_sequences=B,
-                              num_tokens=int(mask.sum()), max_completion_len=T_, ref_logprobs=ref, beta=0.04,
-                              sampler_logprobs=sampler, tis_cap=2.0, backend=backend)
+        opts = LossOptions(aggregation="dapo", max_completion_len=T_, beta=0.04, tis_cap=2.0, backend=backend)
+        loss, _ = policy_loss(logprobs.view(B, T_), old, advantages, mask, opts, num_sequences=B,
+                              num_tokens=int(mask.sum()), ref_logprobs=ref, sampler_logprobs=sampler)
         return loss
     return f
 

@@ -1,6 +1,6 @@
 """One GRPO step timed by phase, from the trainer's own pieces: generation (grpo.rollout.rollout
-on the sampler), old log-probs (trainer.logprobs_of, the mu > 1 pass) and the policy update
-(trainer.policy_update: forward with fused log-probs, loss, backward, optimizer step).
+on the sampler), old log-probs (update.batch_logprobs, the mu > 1 pass) and the policy update
+(update.policy_update: forward with fused log-probs, loss, backward, optimizer step).
 
     python bench/step.py                # CPU: SmolLM2-135M fp32, 4 prompts x G=4, prompt 128, 64 new tokens
     python bench/step.py --quick        # CPU: 2 prompts x G=2, prompt 64, 16 new tokens
@@ -29,7 +29,8 @@ from grpo.config import Config, pick_profile
 from grpo.model import Transformer
 from grpo.rollout import rollout
 from grpo.sampler import Sampler, SamplingParams
-from grpo.trainer import logprobs_of, policy_update
+from grpo.loss import group_advantages
+from grpo.update import batch_logprobs, policy_update, update_batches
 
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
@@ -106,11 +107,11 @@ def one_step(model, sampler, optimizer, scheduler, cfg: Config, prompts: list[li
         trajs = rollout(sampler, IdsTokenizer(), IdsEnv(), examples, params)
     sync(device)
     t1 = time.perf_counter()
-    logprobs_of(model, trajs, cfg.micro_batch_tokens, cfg.temperature, device)
+    rewards = torch.randn(B * G, generator=torch.Generator().manual_seed(seed))  # stand-in rewards: shape is what counts
+    advantages = group_advantages(rewards, G, scale="none")
+    batch_logprobs(model, update_batches(trajs, advantages, cfg, device), cfg.temperature)  # the mu > 1 pass
     sync(device)
     t2 = time.perf_counter()
-    rewards = torch.randn(B * G, generator=torch.Generator().manual_seed(seed))  # stand-in rewards: shape is what counts
-    advantages = (rewards.view(B, G) - rewards.view(B, G).mean(1, keepdim=True)).flatten()
     model.train()
     policy_update(model, None, optimizer, scheduler, trajs, advantages, cfg, device)
     sync(device)

@@ -49,7 +49,7 @@ class Config:
     tis_cap: float = 2.0              # truncated importance sampling cap C; 0 = off
     mask_truncated_completions: bool = False
     overlong_buffer: int = 0          # DAPO overlong penalty buffer L_buf; 0 = off
-    drop_zero_variance: bool = False  # dynamic sampling (DAPO): drop groups whose rewards are all equal...
+    drop_flat_groups: bool = False    # dynamic sampling (DAPO): drop flat groups (all rewards equal)...
     max_refills: int = 2              # ...and refill with fresh prompts, at most this many extra rollouts per step
     # ---- optimization
     lr: float = 1e-6

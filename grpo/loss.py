@@ -1,41 +1,72 @@
 """GRPO's math as plain functions: advantages, the clipped surrogate, KL, aggregations.
 
 Every equation of DESIGN.md "The math, pinned" is one small function here, readable beside
-the papers. These are also the references that the fused kernels in `grpo.kernels` are
-tested against. Token tensors are (B, T) for one micro-batch; a sequence's advantage is
-(B,) or already broadcast to (B, T).
+the papers. They are the references that the fused kernels in `grpo.kernels` are tested
+against, and the path that runs where those kernels do not: `group_advantages` and
+`policy_loss` call the Triton kernels for CUDA tensors and these functions elsewhere.
+Token tensors are (B, T) for one micro-batch; advantages are (B,) per sequence or (B, T)
+per token (process credit).
 
 - GRPO: DeepSeekMath, arXiv 2402.03300.   - Dr. GRPO: arXiv 2503.20783.
 - DAPO (clip-higher, token mean, overlong penalty): arXiv 2503.14476.
 - dual-clip PPO: arXiv 1912.09729.        - k3 KL estimator: J. Schulman, "Approximating KL divergence".
 """
+from dataclasses import dataclass
+
 import torch
+import torch.distributed
 from torch import Tensor
+
+from grpo import kernels
+
+_warned = set()
+
+
+def _fused(t: Tensor, backend: str | None, what: str) -> bool:
+    """Run the Triton kernel? "triton" / "torch" force it; None: on CUDA when triton imports
+    (and say once when it does not: a silent fallback would hide a slow path)."""
+    if backend is not None:
+        assert backend in ("triton", "torch"), f"{backend=}"
+        assert backend == "torch" or kernels.HAS_TRITON, "backend='triton' but triton is not importable"
+        return backend == "triton"
+    if t.is_cuda and not kernels.HAS_TRITON and what not in _warned:
+        _warned.add(what)
+        print(f"grpo.loss: triton is not importable, {what} runs its PyTorch reference on CUDA")
+    return t.is_cuda and kernels.HAS_TRITON
 
 # -----------------------------------------------------------------------------
 # advantages and reward shaping
 
-def group_advantages(rewards: Tensor, G: int, scale: str = "group") -> Tensor:
-    """(B*G,) rewards, consecutive groups of G completions of one prompt -> (B*G,) advantages.
+def group_advantages(rewards: Tensor, G: int, scale: str = "group", batch_rewards: Tensor | None = None,
+                     backend: str | None = None) -> Tensor:
+    """(B*G,) rewards, consecutive groups of G completions of one prompt -> (B*G,) fp32 advantages.
 
     scale="group": (r - mean_group) / (std_group + 1e-4)   (GRPO)
-    scale="batch": (r - mean_group) / (std_batch + 1e-4)   (std of all raw rewards in the batch)
+    scale="batch": (r - mean_group) / (std_batch + 1e-4)   (std of all raw rewards in the batch:
+                   `batch_rewards` holds every rank's rewards; required when ranks > 1)
     scale="none":  r - mean_group                          (Dr. GRPO: no std division, it
                    up-weights groups with a small reward spread)
-    std is unbiased (divides by G - 1), as in the GRPO paper's implementations.
+    std is unbiased (divides by G - 1), as in the GRPO paper's implementations. A group whose
+    rewards are all equal gets exactly 0 (its mean may not be representable: 0.1 x 8).
     """
     assert rewards.dim() == 1 and rewards.numel() % G == 0, f"{rewards.shape=} not (B*{G},)"
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"{scale=} not in group|batch|none")
+    assert scale != "group" or G > 1, "an unbiased group std needs G > 1"
+    if scale == "batch" and batch_rewards is None:
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            raise ValueError("scale='batch' on several ranks needs batch_rewards, every rank's rewards: "
+                             "the local std is not the batch's")
+        batch_rewards = rewards
+    batch_std = batch_rewards.float().std() if scale == "batch" else None
+    if _fused(rewards, backend, "group_advantages"):
+        return kernels.group_advantages(rewards, G, scale, float(batch_std) if scale == "batch" else 0.0)
     r = rewards.float().view(-1, G)                            # (B, G)
-    centered = r - r.mean(dim=1, keepdim=True)
+    flat = r.amax(1, keepdim=True) == r.amin(1, keepdim=True)  # (B, 1): all rewards equal
+    centered = torch.where(flat, 0.0, r - r.mean(dim=1, keepdim=True))
     if scale == "none":
         return centered.view(-1)
-    if scale == "group":
-        assert G > 1, "an unbiased group std needs G > 1"
-        std = r.std(dim=1, keepdim=True)                       # (B, 1)
-    elif scale == "batch":
-        std = r.std()                                          # over all B*G raw rewards
-    else:
-        raise ValueError(f"{scale=} not in group|batch|none")
+    std = r.std(dim=1, keepdim=True) if scale == "group" else batch_std   # (B, 1) or ()
     return (centered / (std + 1e-4)).view(-1)
 
 
@@ -85,18 +116,24 @@ def tis_weight(old_logprobs: Tensor, sampler_logprobs: Tensor, cap: float) -> Te
     return torch.exp(old_logprobs - sampler_logprobs).clamp(max=cap).detach()
 
 
-def token_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, *,
+def token_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor, *,
                eps_low: float = 0.2, eps_high: float = 0.2,
                delta: float | None = None, dual_clip: float | None = None,
                ref_logprobs: Tensor | None = None, beta: float = 0.0,
                sampler_logprobs: Tensor | None = None, tis_cap: float | None = None) -> Tensor:
-    """The per-token loss w_t l_t + beta k3_t, unmasked; the reference for grpo_token_loss."""
-    loss = clipped_surrogate(logprobs, old_logprobs, advantages, eps_low, eps_high, delta, dual_clip)
-    if sampler_logprobs is not None and tis_cap is not None:
-        loss = tis_weight(old_logprobs, sampler_logprobs, tis_cap) * loss
-    if ref_logprobs is not None and beta > 0:
-        loss = loss + beta * kl_k3(logprobs, ref_logprobs)
-    return loss
+    """The per-token loss w_t l_t + beta k3_t in fp32, 0 where loss_mask is 0: (B, T) -> (B, T).
+    The reference for grpo.kernels.grpo_token_loss; advantages (B, 1) or (B, T)."""
+    m = loss_mask.bool()
+    # padding may hold garbage (inf): zero every input there before any exp, or the masked
+    # positions' gradient would be 0 * inf = nan
+    clean = lambda x: None if x is None else torch.where(m, x.float(), 0.0)   # noqa: E731
+    lp, old, ref, smp = clean(logprobs), clean(old_logprobs), clean(ref_logprobs), clean(sampler_logprobs)
+    loss = clipped_surrogate(lp, old, advantages.float(), eps_low, eps_high, delta, dual_clip)
+    if smp is not None and tis_cap is not None:
+        loss = tis_weight(old, smp, tis_cap) * loss
+    if ref is not None and beta > 0:
+        loss = loss + beta * kl_k3(lp, ref)
+    return torch.where(m, loss, 0.0)
 
 # -----------------------------------------------------------------------------
 # aggregations: (B, T) token losses and mask -> scalar, for one micro-batch.
@@ -130,11 +167,28 @@ def dapo_aggregate(losses: Tensor, loss_mask: Tensor, num_tokens: int, world_siz
 # -----------------------------------------------------------------------------
 # the one entry the trainer calls per micro-batch
 
+@dataclass(frozen=True)
+class LossOptions:
+    """A run's loss settings, built once from its config (grpo.update.loss_options)."""
+    aggregation: str = "grpo"          # grpo | bnpo | dr_grpo | dapo (the *_aggregate functions)
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    delta: float | None = None         # two-sided clipping cap; None = off
+    dual_clip: float | None = None     # dual-clip c > 1; None = off
+    beta: float = 0.0                  # k3 KL weight (needs ref_logprobs)
+    tis_cap: float | None = None       # truncated IS cap (needs sampler_logprobs); None = off
+    max_completion_len: int = 1        # Dr. GRPO's constant normalizer
+    backend: str | None = None         # token loss: "triton" | "torch" | None (triton on CUDA)
+
+    def __post_init__(self):
+        if self.aggregation not in ("grpo", "bnpo", "dr_grpo", "dapo"):
+            raise ValueError(f"aggregation={self.aggregation!r} not in grpo|bnpo|dr_grpo|dapo")
+
+
 @torch.no_grad()
-def loss_metrics(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor, *,
-                 eps_low: float, eps_high: float, delta: float | None, dual_clip: float | None,
-                 ref_logprobs: Tensor | None, sampler_logprobs: Tensor | None,
-                 tis_cap: float | None) -> dict[str, Tensor]:
+def loss_metrics(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor,
+                 opts: LossOptions, ref_logprobs: Tensor | None = None,
+                 sampler_logprobs: Tensor | None = None) -> dict[str, Tensor]:
     """Detached sums over the micro-batch's mask tokens; add them over micro-batches (and
     ranks), then divide by "tokens" for means:
       tokens      number of mask tokens
@@ -149,58 +203,50 @@ def loss_metrics(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, los
     """
     m = loss_mask.bool()
     A = advantages.float().expand_as(logprobs)                 # advantages broadcastable: (B, 1) or (B, T)
-    rho = torch.exp(logprobs - old_logprobs)
     s = lambda x: torch.where(m, x.float(), 0.0).sum()         # noqa: E731  (where: padding may hold inf)
+    rho = torch.exp(logprobs - old_logprobs)
     zero = logprobs.new_zeros((), dtype=torch.float32)
     out = {"tokens": m.sum().float(), "ratio": s(rho),
-           "clip_low": s((rho < 1 - eps_low) & (A < 0)), "clip_high": s((rho > 1 + eps_high) & (A > 0))}
-    surrogate = clipped_surrogate(logprobs, old_logprobs, A, eps_low, eps_high, delta)
-    out["dual_clip"] = s((A < 0) & (surrogate > -dual_clip * A)) if dual_clip is not None else zero
+           "clip_low": s((rho < 1 - opts.eps_low) & (A < 0)), "clip_high": s((rho > 1 + opts.eps_high) & (A > 0))}
+    if opts.dual_clip is not None:
+        surrogate = clipped_surrogate(logprobs, old_logprobs, A, opts.eps_low, opts.eps_high, opts.delta)
+        out["dual_clip"] = s((A < 0) & (surrogate > -opts.dual_clip * A))
+    else:
+        out["dual_clip"] = zero
     out["kl"] = s(kl_k3(logprobs, ref_logprobs)) if ref_logprobs is not None else zero
     if sampler_logprobs is not None:
         w = torch.exp(old_logprobs - sampler_logprobs)
-        out["is_weight"] = s(w.clamp(max=tis_cap) if tis_cap is not None else w)
-        out["is_capped"] = s(w > tis_cap) if tis_cap is not None else zero
+        out["is_weight"] = s(w.clamp(max=opts.tis_cap) if opts.tis_cap is not None else w)
+        out["is_capped"] = s(w > opts.tis_cap) if opts.tis_cap is not None else zero
         out["sampler_gap"] = s((old_logprobs - sampler_logprobs).abs())
     else:
         out["is_weight"], out["is_capped"], out["sampler_gap"] = out["tokens"], zero, zero
     return out
 
 
-def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor, *,
-                aggregation: str = "grpo", num_sequences: int, num_tokens: int,
-                max_completion_len: int, world_size: int = 1, num_micro_batches: int = 1,
-                eps_low: float = 0.2, eps_high: float = 0.2,
-                delta: float | None = None, dual_clip: float | None = None,
-                ref_logprobs: Tensor | None = None, beta: float = 0.0,
-                sampler_logprobs: Tensor | None = None, tis_cap: float | None = None,
-                backend: str | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor,
+                opts: LossOptions, *, num_sequences: float, num_tokens: float, world_size: int = 1,
+                num_micro_batches: int = 1, ref_logprobs: Tensor | None = None,
+                sampler_logprobs: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """One micro-batch's loss and metrics. (B, T) token tensors, advantages (B,) or (B, T).
 
-    aggregation in grpo | bnpo | dr_grpo | dapo (see the *_aggregate functions above);
     num_sequences, num_tokens: totals over the optimizer step (all micro-batches and ranks);
-    num_micro_batches: only BNPO uses it. backend: "triton" runs the fused token-loss kernel,
-    "torch" these functions; None picks triton on CUDA. Both give the same numbers.
+    num_micro_batches: only BNPO uses it. The token loss runs the fused Triton kernel on CUDA
+    (opts.backend) and token_loss above elsewhere: the same numbers.
     """
-    from grpo.kernels.grpo_loss import grpo_token_loss  # lazy: grpo.kernels imports this module
     if advantages.dim() == 1:
         advantages = advantages[:, None]                        # (B, 1), broadcast over T
-    losses = grpo_token_loss(logprobs, old_logprobs, advantages, loss_mask,
-                             eps_low=eps_low, eps_high=eps_high, delta=delta, dual_clip=dual_clip,
-                             ref_logprobs=ref_logprobs, beta=beta, sampler_logprobs=sampler_logprobs,
-                             tis_cap=tis_cap, backend=backend)  # (B, T) fp32, 0 off the mask
+    kw = dict(eps_low=opts.eps_low, eps_high=opts.eps_high, delta=opts.delta, dual_clip=opts.dual_clip,
+              ref_logprobs=ref_logprobs, beta=opts.beta, sampler_logprobs=sampler_logprobs, tis_cap=opts.tis_cap)
+    token = kernels.grpo_token_loss if _fused(logprobs, opts.backend, "the GRPO token loss") else token_loss
+    losses = token(logprobs, old_logprobs, advantages, loss_mask, **kw)   # (B, T) fp32, 0 off the mask
     m = loss_mask.float()
-    if aggregation == "grpo":
+    if opts.aggregation == "grpo":
         loss = grpo_aggregate(losses, m, num_sequences, world_size)
-    elif aggregation == "bnpo":
+    elif opts.aggregation == "bnpo":
         loss = bnpo_aggregate(losses, m, num_micro_batches)
-    elif aggregation == "dr_grpo":
-        loss = dr_grpo_aggregate(losses, m, num_sequences, max_completion_len, world_size)
-    elif aggregation == "dapo":
-        loss = dapo_aggregate(losses, m, num_tokens, world_size)
+    elif opts.aggregation == "dr_grpo":
+        loss = dr_grpo_aggregate(losses, m, num_sequences, opts.max_completion_len, world_size)
     else:
-        raise ValueError(f"{aggregation=} not in grpo|bnpo|dr_grpo|dapo")
-    metrics = loss_metrics(logprobs, old_logprobs, advantages, loss_mask, eps_low=eps_low,
-                           eps_high=eps_high, delta=delta, dual_clip=dual_clip, ref_logprobs=ref_logprobs,
-                           sampler_logprobs=sampler_logprobs, tis_cap=tis_cap)
-    return loss, metrics
+        loss = dapo_aggregate(losses, m, num_tokens, world_size)
+    return loss, loss_metrics(logprobs, old_logprobs, advantages, loss_mask, opts, ref_logprobs, sampler_logprobs)

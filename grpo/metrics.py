@@ -6,39 +6,33 @@ import os
 import torch
 
 from grpo import dist
-from grpo.config import Config
 
 
-def step_metrics(trajs, rewards, advantages, zero_var, m: dict, cfg: Config, t_gen: float, t_update: float, lr: float) -> dict:
+def step_metrics(trajs, rewards, advantages, flat, update: dict, t_gen: float, t_update: float,
+                 lr: float) -> dict:
     """The step's metrics over the global batch: each rank holds B/world groups, so per-sequence
-    numbers are gathered and loss sums added over ranks (timings are rank 0's)."""
+    numbers are gathered; `update` holds policy_update's global means (timings are rank 0's).
+    rewards (N,) final rewards, advantages (N,) or (N, C), flat (N/G,) bool: flat groups."""
     terms = list(trajs[0].rewards)
-    per_seq = torch.tensor([[len(t.completion_ids), t.finish_reason == "length", t.num_turns] + [t.rewards[k] for k in terms]
-                            for t in trajs], dtype=torch.float64)  # (N, 3 + terms)
-    per_seq = dist.all_gather_cat(torch.cat([rewards[:, None].double(), advantages[:, None].double(), per_seq], 1))
+    per_seq = torch.tensor([[len(t.completion_ids), t.finish_reason == "length", t.num_turns]
+                            + [t.rewards[k] for k in terms] for t in trajs], dtype=torch.float64)  # (N, 3 + terms)
+    A = advantages.reshape(len(trajs), -1).double()
+    A = A.sum(1) / (A != 0).sum(1).clamp(min=1) if A.shape[1] > 1 else A[:, 0]   # (N,) mean nonzero credit
+    per_seq = dist.all_gather_cat(torch.cat([rewards[:, None].double().cpu(), A[:, None].cpu(), per_seq], 1))
     rewards, advantages, lengths, truncated, turns = per_seq[:, :5].T
-    zero_var = dist.all_gather_cat(zero_var.float())  # (B,)
+    flat = dist.all_gather_cat(torch.as_tensor(flat, dtype=torch.float64))  # (groups,)
     out = {
         "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
         "advantage/mean": advantages.mean().item(), "advantage/abs_mean": advantages.abs().mean().item(),
         "completion/len": lengths.mean().item(), "completion/truncated": truncated.mean().item(),
-        "completion/turns": turns.mean().item(), "zero_variance_groups": zero_var.float().mean().item(),
-        "time/generate": t_gen, "time/update": t_update, "tokens_per_s": lengths.sum().item() / max(t_gen + t_update, 1e-9), "lr": lr,
+        "completion/turns": turns.mean().item(), "flat_groups": flat.mean().item(),
+        "time/generate": t_gen, "time/update": t_update,
+        "tokens_per_s": lengths.sum().item() / max(t_gen + t_update, 1e-9), "lr": lr,
     }
     for i, k in enumerate(terms):
         out[f"reward/{k}"] = per_seq[:, 5 + i].mean().item()
-    if m:
-        # m holds this rank's sums over micro-batches and iterations (grpo.loss.loss_metrics), tokens
-        # too; grad_norm, skipped_updates and num_tokens are global already. The loss each rank
-        # returns is scaled by world size (FSDP averages gradients), so the global loss is the mean.
-        local = [k for k in m if k not in ("grad_norm", "skipped_updates", "num_tokens")]
-        m = m | dict(zip(local, dist.all_sum(torch.tensor([m[k] for k in local], dtype=torch.float64)).tolist()))
-        tokens = max(m["tokens"], 1.0)
-        out |= {"loss": m["loss"] / cfg.num_iterations / dist.world_size(), "grad_norm": m["grad_norm"],
-                "skipped_updates": m["skipped_updates"], "entropy": m["entropy"] * cfg.num_iterations / tokens,
-                "update/sequences": m["sequences"]}
-        for key in ("ratio", "clip_low", "clip_high", "dual_clip", "kl", "is_weight", "is_capped", "sampler_gap"):
-            out[key] = m[key] / tokens
+    out |= {k: v for k, v in update.items() if k not in ("sequences", "tokens", "num_tokens")}
+    out["update/sequences"] = update.get("sequences", 0.0)
     if torch.cuda.is_available():
         out["memory/max_gb"] = torch.cuda.max_memory_allocated() / 2**30
     return out

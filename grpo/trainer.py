@@ -1,16 +1,16 @@
-"""GRPO (arXiv 2402.03300), readable top to bottom: rollout > reward > advantage > loss > step.
+"""GRPO (arXiv 2402.03300), readable top to bottom: rollout > reward > advantage > update.
 
     train(cfg, env, train_examples, eval_examples)
 1. Sampling runs on the very weights being trained (grpo/sampler.py): no second engine, no
    weight sync. The sampler/trainer log-prob gap is logged; truncated importance sampling
    (tis_cap) corrects what remains.
-2. Old log-probs come from one no-grad pass before the mu updates; with mu = 1 they equal the
-   current log-probs detached (rho = 1) and that pass is skipped.
-3. Log-probs come from the model's `labels=` path (fused LM head: no logits tensor).
-4. All loss normalizers (sequences, tokens) are counted over the whole optimizer step, every
-   micro-batch and every rank, so accumulation and world size never change the gradient.
-5. KL to a reference model only when beta > 0 (off by default, as in DAPO and Dr. GRPO).
+2. A prompt's G samples live on one rank, so group statistics are local; only the "batch"
+   reward std is gathered.
+3. The update (grpo/update.py): packed micro-batches, mu optimizer steps, every loss
+   normalizer counted over the whole step, so accumulation and world size never change it.
+4. KL to a reference model only when beta > 0 (off by default, as in DAPO and Dr. GRPO).
 """
+import functools
 import math
 import os
 import random
@@ -23,60 +23,14 @@ from grpo import dist
 from grpo.checkpoint import Checkpointer, export
 from grpo.config import Config
 from grpo.eval import evaluate, summarize
-from grpo.loss import group_advantages, overlong_penalty, policy_loss
+from grpo.loss import group_advantages, overlong_penalty
 from grpo.metrics import Logger, step_metrics
 from grpo.model import Transformer
 from grpo.rollout import gold_trajectory, rollout, sampling_params, score
 from grpo.sampler import Sampler
+from grpo.update import collate, loss_options, policy_update
 
-
-# ----------------------------------------------------------------------------- batches
-
-def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Group sequence indices into micro-batches of at most `budget` tokens, padding included
-    (rows padded to the longest): sorting by length first keeps the padding small."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches, current = [], []
-    for i in order:
-        if current and lengths[i] * (len(current) + 1) > budget:
-            batches.append(current)
-            current = []
-        current.append(i)
-    return batches + ([current] if current else [])
-
-
-def collate(trajs: list, device) -> dict:
-    """Right-padded rows; position t scores token t+1, so completion token j of a sequence with
-    prompt length P is the label at position P-1+j. Returns (B, T) tensors."""
-    T = max(len(t.prompt_ids) + len(t.completion_ids) for t in trajs)
-    B = len(trajs)
-    input_ids = torch.zeros(B, T, dtype=torch.long)
-    labels = torch.full((B, T), -100, dtype=torch.long)
-    loss_mask = torch.zeros(B, T)
-    sampler_logprobs = torch.zeros(B, T)
-    for b, t in enumerate(trajs):
-        P, C = len(t.prompt_ids), len(t.completion_ids)
-        input_ids[b, :P + C] = torch.tensor(t.prompt_ids + t.completion_ids)
-        labels[b, P - 1:P + C - 1] = torch.tensor(t.completion_ids)
-        loss_mask[b, P - 1:P + C - 1] = torch.tensor(t.loss_mask, dtype=torch.float)
-        sampler_logprobs[b, P - 1:P + C - 1] = torch.tensor(t.sampler_logprobs)
-    labels[loss_mask == 0] = -100  # injected tokens are never scored
-    out = dict(input_ids=input_ids, labels=labels, loss_mask=loss_mask, sampler_logprobs=sampler_logprobs)
-    return {k: v.to(device) for k, v in out.items()}
-
-
-@torch.no_grad()
-def batch_logprobs(model, batches: list[dict], temperature: float) -> list[torch.Tensor]:
-    """(B, T) log-probs under `model` for already collated micro-batches (old policy, reference)."""
-    return [model(b["input_ids"], labels=b["labels"], temperature=temperature).float() for b in batches]
-
-
-def logprobs_of(model, trajs: list, budget: int, temperature: float, device) -> list[torch.Tensor]:
-    """Per-trajectory (B, T) log-probs under `model`, micro-batched as policy_update does.
-    Returns one tensor per micro-batch of micro_batches(...)."""
-    lengths = [len(t.prompt_ids) + len(t.completion_ids) for t in trajs]
-    return batch_logprobs(model, [collate([trajs[i] for i in mb], device) for mb in micro_batches(lengths, budget)], temperature)
-
+# ----------------------------------------------------------------------------- data and rollouts
 
 def lr_lambda(cfg: Config, total_steps: int):
     def f(step: int) -> float:
@@ -102,117 +56,102 @@ def prompt_batch(examples: list, step: int, B: int, seed: int) -> tuple[list, in
     return out, start
 
 
-def flat_groups(rewards: list[float], G: int) -> list[bool]:
-    """Per group of G consecutive rewards: are they all equal? Such a group has zero advantage
-    and teaches nothing. Equal values, not std == 0, which float rounding of the mean can miss."""
+def sample(sampler, tokenizer, env, params, chat_kwargs: dict, weights: dict | None,
+           examples: list, offset: int) -> list:
+    """G scored trajectories per example; `offset`, the global index of examples[0], seeds them."""
+    trajs = rollout(sampler, tokenizer, env, examples, params, prompt_offset=offset, chat_kwargs=chat_kwargs)
+    return score(env, trajs, weights)
+
+
+def final_rewards(trajs: list, cfg: Config) -> torch.Tensor:
+    """(N,) the rewards advantages come from: the env's weighted terms, plus DAPO's overlong
+    penalty when configured (it can make a group of equal env rewards informative)."""
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    if cfg.overlong_buffer > 0:
+        lengths = torch.tensor([len(t.completion_ids) for t in trajs], dtype=torch.float32)
+        rewards = rewards + overlong_penalty(lengths, cfg.max_completion_len, cfg.overlong_buffer)
+    return rewards
+
+
+def flat_groups(rewards, G: int) -> list[bool]:
+    """Per group of G consecutive rewards: are they all equal? A flat group has zero advantage
+    (exactly: grpo.loss.group_advantages) and teaches nothing."""
+    rewards = [float(r) for r in rewards]
     return [len(set(rewards[i:i + G])) == 1 for i in range(0, len(rewards), G)]
 
 
 def refill(trajs: list, share: int, G: int, step: int, cfg: Config, sample, examples: list) -> list:
-    """Dynamic sampling (DAPO, arXiv 2503.14476): groups whose G rewards are all equal have zero
-    advantage and teach nothing; keep the others and roll out fresh prompts in their place, at
-    most cfg.max_refills times. Refill prompts come from a stream seeded by (seed, step, rank)
-    and their sampler seeds from indices past any epoch's, so a resumed run draws the same ones."""
-    chunks = lambda ts: [ts[i:i + G] for i in range(0, len(ts), G)]
-    informative = lambda ts: [g for g, f in zip(chunks(ts), flat_groups([t.reward for t in ts], G)) if not f]
-    groups = informative(trajs)
+    """Dynamic sampling (DAPO, arXiv 2503.14476): flat groups teach nothing; keep the others and
+    roll out fresh prompts in their place, at most cfg.max_refills times, judged on the final
+    rewards. Refill prompts come from a stream seeded by (seed, step, rank) and their sampler
+    seeds from prompt indices past any epoch's, so a resumed run draws the same ones."""
+    chunks = lambda ts: [ts[i:i + G] for i in range(0, len(ts), G)]   # noqa: E731
+    split = lambda ts: [(g, f) for g, f in zip(chunks(ts), flat_groups(final_rewards(ts, cfg), G))]  # noqa: E731
+    groups = [g for g, f in split(trajs) if not f]
     rng = random.Random(f"refill-{cfg.seed}-{step}-{dist.rank()}")
     for attempt in range(cfg.max_refills):
         if len(groups) >= share:
             break
         exs = rng.sample(examples, min(share - len(groups), len(examples)))
         offset = 1 << 40 | (step * dist.world_size() + dist.rank()) << 16 | attempt << 12  # unique sampler seeds
-        groups += informative(sample(exs, offset))
-    # still short: top up with original zero-variance groups (zero advantage, no gradient), so that
+        groups += [g for g, f in split(sample(exs, offset)) if not f]
+    # still short: top up with the original flat groups (zero advantage, no gradient), so that
     # every rank holds exactly `share` groups for the collectives that follow
-    flat = [g for g, f in zip(chunks(trajs), flat_groups([t.reward for t in trajs], G)) if f]
+    flat = [g for g, f in split(trajs) if f]
     return [t for g in (groups[:share] + flat)[:share] for t in g]
 
 
-# ----------------------------------------------------------------------------- one optimizer step
+def advantages_of(rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """(N,) final rewards -> (N,) advantages, on the device (the Triton kernel on CUDA)."""
+    batch = dist.all_gather_cat(rewards) if cfg.scale_rewards == "batch" else None  # every rank's rewards
+    return group_advantages(rewards, cfg.group_size, cfg.scale_rewards, batch_rewards=batch)
 
-def optimizer_step(model, optimizer, scheduler, cfg: Config) -> tuple[float, bool]:
-    """Clip, then step unless the gradient is not finite (then the update is skipped and logged)."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
-    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # host sync: once per step
-    ok = math.isfinite(norm)
-    if ok:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
-    return norm, ok
+# ----------------------------------------------------------------------------- setup and eval
 
 
-def masked_out(traj, cfg: Config) -> bool:
-    return cfg.mask_truncated_completions and traj.finish_reason == "length"  # a truncated answer says nothing about its reward
+def load_models(cfg: Config, device, compute_dtype) -> tuple:
+    """The policy (fp32 master weights, sharded) and, when beta > 0, the frozen reference."""
+    model = Transformer.from_pretrained(cfg.model_path, dtype=torch.float32, device=device)
+    model.activation_checkpointing = cfg.activation_checkpointing
+    dist.shard(model, compute_dtype)
+    ref_model = None
+    if cfg.beta > 0:
+        ref_model = Transformer.from_pretrained(cfg.model_path, dtype=torch.float32, device=device)
+        ref_model.eval().requires_grad_(False)
+        dist.shard(ref_model, compute_dtype)
+    return model, ref_model
 
 
-def update_batches(trajs: list, advantages: torch.Tensor, cfg: Config, device, flat: list[bool] | None = None) -> list[dict]:
-    """The micro-batches of one update. Without a KL term, a group whose G rewards are all equal
-    has zero advantage, hence zero loss and zero gradient, and so has a sequence whose loss mask
-    is cleared (mask_truncated_completions): both are left out, which saves their forward and
-    backward and changes nothing else, since the loss normalizers still count them. BNPO keeps
-    every sequence: its per-micro-batch token mean depends on what shares the micro-batch.
-    Every rank runs the same number of micro-batches, because FSDP's all-gathers and
-    reduce-scatters pair up forward by forward across ranks: a rank short of the largest count
-    pads with fully masked micro-batches (zero loss, zero gradient), and a step with nothing to
-    learn runs one such micro-batch. `flat`: per group, flat_groups of the final rewards the
-    advantages came from (with any overlong penalty); default from each trajectory's reward."""
-    G = cfg.group_size
-    keep = list(range(len(trajs)))
-    if cfg.beta == 0 and cfg.loss_type != "bnpo":
-        flat = flat_groups([t.reward for t in trajs], G) if flat is None else flat
-        keep = [i for i in keep if not flat[i // G] and not masked_out(trajs[i], cfg)]
-    lengths = [len(trajs[i].prompt_ids) + len(trajs[i].completion_ids) for i in keep]
-    mbs = [[keep[j] for j in mb] for mb in micro_batches(lengths, cfg.micro_batch_tokens)]
-    batches = []
-    for mb in mbs:
-        b = collate([trajs[i] for i in mb], device)
-        b["advantages"] = advantages[mb].to(device)
-        b["loss_mask"][torch.tensor([masked_out(trajs[i], cfg) for i in mb], device=device)] = 0
-        batches.append(b)
-    for _ in range(max(1, dist.all_max(len(batches))) - len(batches)):  # at least one: the step's metrics come from it
-        b = collate(trajs[:1], device)
-        b["loss_mask"].zero_()
-        b["advantages"] = torch.zeros(1, device=device)
-        batches.append(b)
-    return batches
+def resume(ckpt: Checkpointer, model, optimizer, scheduler, cfg: Config) -> dict | None:
+    """The newest complete checkpoint loaded into model, optimizer and scheduler, or None."""
+    if not cfg.resume:
+        return None
+    found = ckpt.load_latest(model, optimizer, scheduler)
+    if found is None:
+        dist.print0(f"resume: no checkpoint in {ckpt.root}, starting from step 0")
+        return None
+    data = found.get("data", {})
+    if data and (data["prompts_per_step"], data["seed"]) != (cfg.prompts_per_step, cfg.seed):
+        raise ValueError(f"{found['path']} was written with {data}: the data position is a function of "
+                         "prompts_per_step and seed, so keep them (or use a new output_dir)")
+    dist.print0(f"resumed from {found['path']} at step {found['step']} "
+                f"(next prompt {found['step'] * cfg.prompts_per_step})")
+    return found
 
 
-def policy_update(model, ref_model, optimizer, scheduler, trajs: list, advantages: torch.Tensor, cfg: Config, device,
-                  flat: list[bool] | None = None):
-    """mu optimizer steps over one batch of trajectories; returns summed metrics."""
-    world = dist.world_size()
-    # the normalizers count every sequence, also those update_batches leaves out
-    num_sequences = dist.all_sum(float(len(trajs)))
-    num_tokens = dist.all_sum(float(sum(sum(t.loss_mask) for t in trajs if not masked_out(t, cfg))))
-    batches = update_batches(trajs, advantages, cfg, device, flat)
-    old = batch_logprobs(model, batches, cfg.temperature) if cfg.num_iterations > 1 else None
-    ref = batch_logprobs(ref_model, batches, cfg.temperature) if ref_model is not None else None
-    metrics = {"sequences": float(sum((b["loss_mask"].sum(1) > 0).sum() for b in batches))}  # those with gradient
-    for it in range(cfg.num_iterations):
-        for k, b in enumerate(batches):
-            logprobs, entropy = model(b["input_ids"], labels=b["labels"], temperature=cfg.temperature, return_entropy=True)
-            old_logprobs = old[k] if old is not None else logprobs.detach()
-            loss, m = policy_loss(
-                logprobs, old_logprobs, b["advantages"], b["loss_mask"], aggregation=cfg.loss_type,
-                num_sequences=num_sequences, num_tokens=num_tokens, max_completion_len=cfg.max_completion_len,
-                world_size=world, num_micro_batches=len(batches), eps_low=cfg.epsilon, eps_high=cfg.epsilon_high, delta=cfg.delta or None,
-                dual_clip=cfg.dual_clip or None, ref_logprobs=ref[k] if ref is not None else None, beta=cfg.beta,
-                sampler_logprobs=b["sampler_logprobs"], tis_cap=cfg.tis_cap or None)
-            loss.backward()
-            m["loss"] = loss.detach()
-            if it == 0:  # entropy of the sequences in the update (not the left-out groups): count it once
-                m["entropy"] = (entropy.detach() * b["loss_mask"]).sum()
-            for key, v in m.items():
-                metrics[key] = metrics.get(key, 0.0) + float(v)  # host sync: logging only
-        norm, ok = optimizer_step(model, optimizer, scheduler, cfg)
-        metrics["grad_norm"] = metrics.get("grad_norm", 0.0) + norm / cfg.num_iterations
-        metrics["skipped_updates"] = metrics.get("skipped_updates", 0) + (not ok)
-    metrics["num_tokens"] = num_tokens
-    return metrics
-
+def evaluate_on_ranks(model, tokenizer, env, examples: list, cfg: Config) -> dict:
+    """summarize(...) of the whole eval plus its records; each rank evaluates a contiguous
+    share, seeded by global question index, so any world size gives the same records."""
+    share = -(-len(examples) // dist.world_size())
+    lo, hi = min(dist.rank() * share, len(examples)), min((dist.rank() + 1) * share, len(examples))
+    with dist.gathered(model):  # its own sampler: eval prompts may be longer (few-shot)
+        r = evaluate(model, tokenizer, env, examples[lo:hi], n=cfg.eval_n, temperature=cfg.eval_temperature,
+                     max_tokens=cfg.max_completion_len, max_turns=cfg.max_turns,
+                     chat_kwargs=dict(enable_thinking=cfg.enable_thinking), gen_batch=cfg.gen_batch,
+                     kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None, progress=dist.is_main(),
+                     prompt_offset=lo)
+    records = dist.all_gather_objects(r["records"])  # every rank holds the whole eval, in question order
+    return summarize(records, cfg.eval_n) | {"records": records}
 
 # ----------------------------------------------------------------------------- warm-start
 
@@ -241,71 +180,50 @@ def warm_start(model, tokenizer, env, examples: list, cfg: Config, device, log):
 
 def train(cfg: Config, env, train_examples: list, eval_examples: list = (), reward_weights: dict | None = None,
           sft_examples: list | None = None, eval_env=None) -> dict:
-    """The whole run; returns the eval results ({phase: accuracy, interval, per-question scores}).
+    """The whole run; returns the eval results ({phase: mean, ci95, pass, per_question scores}).
     `eval_env`: a different prompt for eval (e.g. GSM8K's 10-shot protocol); default `env`."""
-    # ---- 1. setup
+    # ---- 1. setup: models, optimizer, sampler, checkpoints, logs
     cfg.check()
     dist.init()
     device = dist.device()
-    compute_dtype = torch.bfloat16 if (cfg.dtype == "bfloat16" or cfg.dtype == "auto" and device.type == "cuda") else torch.float32
+    cuda_bf16 = cfg.dtype == "auto" and device.type == "cuda"
+    compute_dtype = torch.bfloat16 if (cfg.dtype == "bfloat16" or cuda_bf16) else torch.float32
     torch.manual_seed(cfg.seed)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-    model = Transformer.from_pretrained(cfg.model_path, dtype=torch.float32, device=device)  # fp32 master weights
-    model.activation_checkpointing = cfg.activation_checkpointing
-    dist.shard(model, compute_dtype)
-    ref_model = None
-    if cfg.beta > 0:
-        ref_model = Transformer.from_pretrained(cfg.model_path, dtype=torch.float32, device=device).eval().requires_grad_(False)
-        dist.shard(ref_model, compute_dtype)
+    model, ref_model = load_models(cfg, device, compute_dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, cfg.num_steps * cfg.num_iterations))
-    with dist.gathered(model):  # the sampler sizes its KV cache in the dtype of the weights it reads (bf16 under FSDP on GPU)
+    with dist.gathered(model):  # the KV cache takes the dtype of the weights it reads (bf16 under FSDP on GPU)
         sampler = Sampler(model, tokenizer, max_batch=cfg.gen_batch, max_seq_len=cfg.max_prompt_len + cfg.max_completion_len,
                           kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
     ckpt = Checkpointer(cfg.output_dir, keep_last=cfg.keep_last)
-    start, results, found = 0, {}, None
-    if cfg.resume and (found := ckpt.load_latest(model, optimizer, scheduler)) is not None:
-        start, results = found["step"], found.get("results", {})
-        data = found.get("data", {})
-        if data and (data["prompts_per_step"], data["seed"]) != (cfg.prompts_per_step, cfg.seed):
-            raise ValueError(f"{found['path']} was written with {data}: the data position is a function of "
-                             "prompts_per_step and seed, so keep them (or use a new output_dir)")
-        dist.print0(f"resumed from {found['path']} at step {start} (next prompt {start * cfg.prompts_per_step})")
-    elif cfg.resume:
-        dist.print0(f"resume: no checkpoint in {ckpt.root}, starting from step 0")
+    found = resume(ckpt, model, optimizer, scheduler, cfg)
+    start, results = (found["step"], found.get("results", {})) if found else (0, {})
     logger = Logger(cfg.output_dir, purge_after=start if start else None) if dist.is_main() else None
-    log = (lambda m, s: logger.log(m, s)) if logger else (lambda m, s: None)
-    dist.print0(f"grpo | {cfg.model_path} | world {dist.world_size()} | {compute_dtype} | "
-                f"{cfg.num_steps} steps x {cfg.prompts_per_step} prompts x G={cfg.group_size}")
-    kw = dict(enable_thinking=cfg.enable_thinking)
+    log = logger.log if logger else (lambda m, s: None)
+    B, G, world, rank = cfg.prompts_per_step, cfg.group_size, dist.world_size(), dist.rank()
+    assert B % world == 0, f"prompts_per_step={B} must be a multiple of world size {world}"
+    dist.print0(f"grpo | {cfg.model_path} | world {world} | {compute_dtype} | {cfg.num_steps} steps x {B} prompts x G={G}")
 
     def run_eval(name: str, at_step: int):
-        if not eval_examples or name in results:
-            return
-        model.eval()
-        questions = list(eval_examples[:cfg.eval_limit])
-        share = -(-len(questions) // dist.world_size())  # each rank evaluates a contiguous share, seeded by global index
-        lo, hi = min(dist.rank() * share, len(questions)), min((dist.rank() + 1) * share, len(questions))
-        with dist.gathered(model):
-            r = evaluate(model, tokenizer, eval_env or env, questions[lo:hi], n=cfg.eval_n, temperature=cfg.eval_temperature,
-                         max_tokens=cfg.max_completion_len, max_turns=cfg.max_turns, chat_kwargs=kw, gen_batch=cfg.gen_batch,
-                         kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None, progress=dist.is_main(),
-                         prompt_offset=lo)  # its own sampler: eval prompts may be longer (few-shot)
-        records = dist.all_gather_objects(r["records"])  # every rank holds the whole eval, in question order
-        results[name] = r = summarize(records, cfg.eval_n)  # per_question: what a paired comparison pairs
-        dist.print0(f"eval {name}: mean@{cfg.eval_n} {r['mean']:.3f} ± {r['ci95']:.3f} | pass@{cfg.eval_n} {r['pass']:.3f}")
-        log({f"eval/{name}/mean": r["mean"], f"eval/{name}/pass": r["pass"]}, at_step)
-        if logger:
-            logger.dump_jsonl(f"eval_{name}.jsonl", records)
+        if eval_examples and name not in results:
+            model.eval()
+            r = evaluate_on_ranks(model, tokenizer, eval_env or env, list(eval_examples[:cfg.eval_limit]), cfg)
+            records = r.pop("records")
+            results[name] = r  # per_question: what a paired comparison pairs
+            dist.print0(f"eval {name}: mean@{cfg.eval_n} {r['mean']:.3f} ± {r['ci95']:.3f} | pass@{cfg.eval_n} {r['pass']:.3f}")
+            log({f"eval/{name}/mean": r["mean"], f"eval/{name}/pass": r["pass"]}, at_step)
+            if logger:
+                logger.dump_jsonl(f"eval_{name}.jsonl", records)
 
     def save(at_step: int):  # the data position is a function of (step, prompts_per_step, seed): saved to check
-        data = {"next_prompt": at_step * cfg.prompts_per_step, "prompts_per_step": cfg.prompts_per_step, "seed": cfg.seed}
+        data = {"next_prompt": at_step * B, "prompts_per_step": B, "seed": cfg.seed}
         dist.print0(f"checkpoint: {ckpt.save(at_step, model, optimizer, scheduler, meta={'results': results, 'data': data})}")
 
     # ---- 2. eval before, optional warm-start (a resumed run has done both: every checkpoint comes after them)
-    if start == 0 and found is None:
+    if found is None:
         run_eval("before", 0)
         if cfg.sft_steps > 0:
             warm_start(model, tokenizer, env, sft_examples or train_examples, cfg, device, log)
@@ -314,65 +232,52 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
                 save(0)  # a crash in the RL phase does not cost the warm-start
 
     # ---- 3. RL
-    B, G, world, rank = cfg.prompts_per_step, cfg.group_size, dist.world_size(), dist.rank()
-    assert B % world == 0, f"prompts_per_step={B} must be a multiple of world size {world}"
     params = sampling_params(env, tokenizer, G, cfg.temperature, cfg.max_completion_len, cfg.seed,
                              cfg.top_p, cfg.top_k, cfg.min_p, cfg.max_turns)
-    t_start = time.time()
+    rollouts = functools.partial(sample, sampler, tokenizer, env, params, dict(enable_thinking=cfg.enable_thinking),
+                                 reward_weights)
+    opts, share, t_start = loss_options(cfg), B // world, time.time()
     bar = tqdm(range(start, cfg.num_steps), desc="grpo", disable=not dist.is_main(), initial=start, total=cfg.num_steps)
     steps_done, stop = start, False
     for step in bar:
         t0 = time.time()
-        # 3a. rollouts: this rank's share of the step's prompts, G samples each
+        # 3a. rollouts: this rank's share of the step's prompts, G scored samples each
         examples, first = prompt_batch(train_examples, step, B, cfg.seed)
-        share = B // world
         model.eval()
         with dist.gathered(model):
-            trajs = score(env, rollout(sampler, tokenizer, env, examples[rank * share:(rank + 1) * share], params,
-                                       prompt_offset=first + rank * share, chat_kwargs=kw), reward_weights)
-            if cfg.drop_zero_variance:
-                trajs = refill(trajs, share, G, step, cfg, lambda exs, offset: score(env, rollout(
-                    sampler, tokenizer, env, exs, params, prompt_offset=offset, chat_kwargs=kw), reward_weights), train_examples)
+            trajs = rollouts(examples[rank * share:(rank + 1) * share], first + rank * share)
+            if cfg.drop_flat_groups:
+                trajs = refill(trajs, share, G, step, cfg, rollouts, train_examples)
         t1 = time.time()
-        # 3b. rewards -> advantages (group stats are local: a prompt's G samples live on one rank)
-        rewards = torch.tensor([t.reward for t in trajs])
-        if cfg.overlong_buffer > 0:
-            lengths = torch.tensor([len(t.completion_ids) for t in trajs], dtype=torch.float)
-            rewards = rewards + overlong_penalty(lengths, cfg.max_completion_len, cfg.overlong_buffer)
-        if cfg.scale_rewards == "batch":  # std over the global batch of raw rewards
-            all_rewards = dist.all_gather_cat(rewards)
-            advantages = (rewards.view(-1, G) - rewards.view(-1, G).mean(1, keepdim=True)).flatten() / (all_rewards.std() + 1e-4)
-        else:
-            advantages = group_advantages(rewards, G, scale=cfg.scale_rewards)
-        flat = flat_groups(rewards.tolist(), G)  # (groups,) groups that teach nothing: left out of the update
+        # 3b. rewards -> advantages
+        rewards = final_rewards(trajs, cfg).to(device)
+        advantages = advantages_of(rewards, cfg)
         # 3c. mu policy updates
         model.train()
-        m = policy_update(model, ref_model, optimizer, scheduler, trajs, advantages, cfg, device, flat)
+        update = policy_update(model, ref_model, optimizer, scheduler, trajs, advantages, cfg, device, opts)
         t2 = time.time()
         steps_done = step + 1
         # 3d. logging: one line per step on rank 0
-        metrics = step_metrics(trajs, rewards, advantages, torch.tensor(flat), m, cfg, t1 - t0, t2 - t1, scheduler.get_last_lr()[0])
-        log(metrics, step + 1)
+        metrics = step_metrics(trajs, rewards, advantages, flat_groups(rewards.tolist(), G), update,
+                               t1 - t0, t2 - t1, scheduler.get_last_lr()[0])
+        log(metrics, steps_done)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", len=f"{metrics['completion/len']:.0f}")
-        dist.print0(f"step {step + 1} | reward {metrics['reward/mean']:.3f} | len {metrics['completion/len']:.0f} | "
-                    f"loss {metrics.get('loss', 0):.4f} | gap {metrics.get('sampler_gap', 0):.2e} | {t2 - t0:.1f}s")
+        dist.print0(f"step {steps_done} | reward {metrics['reward/mean']:.3f} | len {metrics['completion/len']:.0f} | "
+                    f"loss {metrics['loss']:.4f} | gap {metrics['sampler_gap']:.2e} | {t2 - t0:.1f}s")
         if logger and cfg.log_completions_every and step % cfg.log_completions_every == 0:
-            logger.text("completions", trajs[0].text, step + 1)
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.num_steps:
-            run_eval(f"step{step + 1}", step + 1)
+            logger.text("completions", trajs[0].text, steps_done)
+        if cfg.eval_every and steps_done % cfg.eval_every == 0 and steps_done < cfg.num_steps:
+            run_eval(f"step{steps_done}", steps_done)
         stop = ckpt.should_stop()  # SIGTERM: save, then leave cleanly
-        if stop or cfg.save_every and (step + 1) % cfg.save_every == 0:
-            save(step + 1)
-        if stop:
-            dist.print0(f"SIGTERM: checkpoint written at step {step + 1}, exiting")
-            break
-        if cfg.time_budget_min and time.time() - t_start > 60 * cfg.time_budget_min:
-            dist.print0(f"time budget of {cfg.time_budget_min} min reached after {step + 1} steps")
+        if stop or cfg.save_every and steps_done % cfg.save_every == 0:
+            save(steps_done)
+        if stop or cfg.time_budget_min and time.time() - t_start > 60 * cfg.time_budget_min:
+            dist.print0(f"SIGTERM: checkpoint written at step {steps_done}, exiting" if stop else
+                        f"time budget of {cfg.time_budget_min} min reached after {steps_done} steps")
             break
     bar.close()
     if not stop and cfg.save_every and steps_done > start and steps_done % cfg.save_every:
-        # the last steps (e.g. cut by the time budget) are not lost: --resume --num_steps=... continues
-        save(steps_done)
+        save(steps_done)  # the last steps (e.g. cut by the time budget) are not lost: --resume continues
 
     # ---- 4. eval after, export (not after SIGTERM: the job is being stopped, the checkpoint is what counts)
     if not stop:

@@ -1,10 +1,20 @@
-"""Fused kernels for the log-prob, advantage and loss path; naive versions in grpo.kernels.reference.
+"""Fused kernels for the log-prob, advantage and loss path: a leaf that imports torch and
+triton, never `grpo.*`.
 
-Each kernel has a Triton version (CUDA, or CPU under TRITON_INTERPRET=1) and a PyTorch one;
-`backend=None` picks Triton on CUDA and PyTorch elsewhere.
+- linear_logprobs: LM head + log-softmax + gather without the (N, V) logits; Triton on CUDA,
+  the same chunked algorithm in PyTorch elsewhere (the CPU training path).
+- grpo_token_loss, group_advantages: Triton only. Their PyTorch references are the plain
+  functions of grpo/loss.py, which calls these kernels on CUDA and the references elsewhere.
+Naive versions for tests and benches: grpo.kernels.reference.
 """
-from grpo.kernels.advantages import group_advantages
-from grpo.kernels.grpo_loss import grpo_token_loss
-from grpo.kernels.logprobs import linear_logprobs
+from .advantages import group_advantages
+from .grpo_loss import grpo_token_loss
+from .logprobs import linear_logprobs
 
-__all__ = ["linear_logprobs", "grpo_token_loss", "group_advantages"]
+try:
+    import triton  # noqa: F401
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs: grpo/loss.py and the torch log-prob path still work
+    HAS_TRITON = False
+
+__all__ = ["linear_logprobs", "grpo_token_loss", "group_advantages", "HAS_TRITON"]

@@ -2,8 +2,8 @@
 
 One Triton kernel reads each token's log-probs once and writes both the token loss and its
 derivative d loss / d logprobs; backward is then a single multiply. The math is exactly
-grpo.loss.token_loss (the reference, and the torch backend here); aggregation over tokens
-(GRPO, BNPO, Dr. GRPO, DAPO) stays in plain PyTorch in grpo.loss.policy_loss.
+grpo.loss.token_loss, the PyTorch reference, which grpo.loss.policy_loss runs where this
+kernel does not (CPU); aggregation over tokens (GRPO, BNPO, Dr. GRPO, DAPO) stays there too.
 
 The derivative, with rho = exp(logp - old_logp) (d rho / d logp = rho):
   unclipped s1 = min(rho, delta) A   ->  rho A, or 0 where rho > delta
@@ -15,12 +15,10 @@ The derivative, with rho = exp(logp - old_logp) (d rho / d logp = rho):
 import torch
 from torch import Tensor
 
-from grpo.loss import token_loss
-
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: the torch backend still works
+except ImportError:  # CPU-only installs: grpo.loss runs the reference instead
     triton = None
 
 # -----------------------------------------------------------------------------
@@ -124,22 +122,11 @@ def grpo_token_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
                     eps_low: float = 0.2, eps_high: float = 0.2,
                     delta: float | None = None, dual_clip: float | None = None,
                     ref_logprobs: Tensor | None = None, beta: float = 0.0,
-                    sampler_logprobs: Tensor | None = None, tis_cap: float | None = None,
-                    backend: str | None = None) -> Tensor:
+                    sampler_logprobs: Tensor | None = None, tis_cap: float | None = None) -> Tensor:
     """Per-token GRPO loss w_t l_t + beta k3_t, 0 where loss_mask is 0: (B, T) -> (B, T) fp32.
 
     advantages broadcast to logprobs' shape ((B, 1) or (B, T)). Differentiable in logprobs only.
-    backend: "triton" (fused kernel), "torch" (grpo.loss.token_loss), None: triton on CUDA.
     """
-    if backend is None:
-        backend = "triton" if (logprobs.is_cuda and triton is not None) else "torch"
-    if backend == "torch":
-        loss = token_loss(logprobs.float(), old_logprobs.float(), advantages.float(),
-                          eps_low=eps_low, eps_high=eps_high, delta=delta, dual_clip=dual_clip,
-                          ref_logprobs=None if ref_logprobs is None else ref_logprobs.float(), beta=beta,
-                          sampler_logprobs=None if sampler_logprobs is None else sampler_logprobs.float(),
-                          tis_cap=tis_cap)
-        return torch.where(loss_mask.bool(), loss, 0.0)
-    assert backend == "triton" and triton is not None, f"{backend=} unavailable (triton imported: {triton is not None})"
+    assert triton is not None, "triton is not importable: use grpo.loss.token_loss"
     return GRPOTokenLoss.apply(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs, sampler_logprobs,
                                eps_low, eps_high, delta, dual_clip, beta, tis_cap)

@@ -8,9 +8,11 @@ is walked in chunks with an online logsumexp (as in flash-attention), keeping on
 statistics: lse (N,), the target logit (N,), and E_p[z] (N,) for the entropy.
 
 Backward recomputes the logits one vocab chunk at a time (N, C) instead of storing them:
-    dz = (onehot(label) - softmax(z)) * g              (g = upstream gradient of logprobs)
-    grad_hidden += dz @ weight[chunk] / T   grad_weight[chunk] = dz.T @ (hidden / T)
-The temperature is folded into hidden (N, H) rather than applied to every logit (N, V).
+    dz = (onehot(label) - softmax(z)) * g / T          (g = upstream gradient of logprobs)
+    grad_hidden += dz @ weight[chunk]       grad_weight[chunk] = dz.T @ hidden
+The logits are scaled by 1/T in fp32, in the forward and in the backward's recompute alike,
+never by scaling a bf16 hidden: that would round z/T differently from the forward's fp32
+scaling, and the backward's softmax would no longer match the forward's logsumexp.
 Chunking over the vocab (not tokens) writes each grad_weight row exactly once, instead of
 re-reading and re-adding the full (V, H) gradient once per token chunk.
 
@@ -110,15 +112,21 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return x.dtype if x.is_cuda else torch.promote_types(x.dtype, torch.float32)
 
 
-def _logits(h: Tensor, w: Tensor) -> Tensor:
-    """(N, H) @ (C, H).T -> (N, C), fp32 for half inputs: bf16 logits would be rounded by up to
-    |z| 2^-9, a few percent on exp(z - lse) for z ~ 20 (cuBLAS accumulates in fp32 either way)."""
-    if h.is_cuda and h.dtype in (torch.bfloat16, torch.float16):
-        try:
-            return torch.mm(h, w.T, out_dtype=torch.float32)
-        except (TypeError, RuntimeError):  # older PyTorch: no out_dtype; upcast the chunk instead
-            return h.float() @ w.float().T
-    return h @ w.T
+def _logits(h: Tensor, w: Tensor, inv_T: float) -> Tensor:
+    """(N, H) @ (C, H).T / T -> (N, C), fp32 for half inputs: bf16 logits would be rounded by up
+    to |z| 2^-9, a few percent on exp(z - lse) for z ~ 20 (cuBLAS accumulates in fp32 either way).
+    Half products are exact in fp32, so the upcast fallback gives cuBLAS's numbers."""
+    if h.dtype in (torch.bfloat16, torch.float16):
+        z = None
+        if h.is_cuda:
+            try:
+                z = torch.mm(h, w.T, out_dtype=torch.float32)
+            except (TypeError, RuntimeError):  # older PyTorch: no out_dtype
+                pass
+        z = h.float() @ w.float().T if z is None else z
+    else:
+        z = h @ w.T
+    return z.mul_(inv_T) if inv_T != 1.0 else z
 
 
 def _chunk_size(N: int, V: int, device: torch.device) -> int:
@@ -133,12 +141,12 @@ def _forward_torch(hidden, weight, labels, temperature, chunk, want_entropy):
     N, V = hidden.shape[0], weight.shape[0]
     dt = _compute_dtype(hidden)
     sdt = torch.promote_types(dt, torch.float32)            # dtype of the statistics
-    h = hidden.to(dt) / temperature                          # (N, H): cheaper than scaling (N, V) logits
+    h = hidden.to(dt)                                        # (N, H); logits are scaled in fp32, below
     lse = torch.full((N,), float("-inf"), dtype=sdt, device=hidden.device)
     tgt = torch.zeros(N, dtype=sdt, device=hidden.device)
     ez = torch.zeros(N, dtype=sdt, device=hidden.device)    # E_p[z], renormalized as lse grows
     for v0 in range(0, V, chunk):
-        z = _logits(h, weight[v0:v0 + chunk].to(dt)).to(sdt)  # (N, C) logits / T
+        z = _logits(h, weight[v0:v0 + chunk].to(dt), 1.0 / temperature).to(sdt)  # (N, C) logits / T
         lse_new = torch.logaddexp(lse, z.logsumexp(-1))
         if want_entropy:
             ez = ez * torch.exp(lse - lse_new) + (torch.exp(z - lse_new[:, None]) * z).sum(-1)
@@ -197,18 +205,20 @@ def _backward(hidden, weight, labels, lse, grad, temperature, chunk, dlogits, ne
     """Recompute one vocab chunk of logits at a time; each grad_weight row is written once."""
     V = weight.shape[0]
     dt = _compute_dtype(hidden)
-    h = hidden.to(dt) / temperature                          # (N, H), as in the forward
-    g = torch.where(labels >= 0, grad.to(lse.dtype), 0.0)    # ignored labels: no gradient
+    h = hidden.to(dt)                                        # (N, H), as in the forward
+    # ignored labels: no gradient; 1/T (d z/T / d z) folded into g, which scales every dz
+    g = torch.where(labels >= 0, grad.to(lse.dtype), 0.0) / temperature
     grad_h = torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device) if need_h else None
     grad_w = torch.empty_like(weight) if need_w else None
     for v0 in range(0, V, chunk):
         w = weight[v0:v0 + chunk].to(dt)                      # (C, H)
-        dz = dlogits(_logits(h, w), lse, labels, g, v0).to(dt)   # (N, C), in the matmul dtype
+        z = _logits(h, w, 1.0 / temperature)                  # (N, C) fp32+: the forward's logits / T
+        dz = dlogits(z, lse, labels, g, v0).to(dt)            # (N, C), in the matmul dtype
         if need_h:
             grad_h += dz @ w
         if need_w:
             grad_w[v0:v0 + chunk] = dz.T @ h
-    return (grad_h.div_(temperature).to(hidden.dtype) if need_h else None), grad_w
+    return (grad_h.to(hidden.dtype) if need_h else None), grad_w
 
 # -----------------------------------------------------------------------------
 # autograd.Function and the public entry

@@ -1,13 +1,10 @@
-"""The naive versions, for tests and benches: readable, and as memory-hungry as they look.
+"""The naive log-prob path, for tests and benches: readable, and as memory-hungry as it looks.
 
-The GRPO loss references are the plain functions of grpo.loss (token_loss, the aggregations,
-group_advantages); they are re-exported here so that tests find every reference in one place.
+The GRPO loss and advantage references are the plain functions of grpo/loss.py (kernels/ is
+a leaf and does not import grpo): tests import them from there.
 """
 import torch
 from torch import Tensor
-
-from grpo.loss import group_advantages as group_advantages_ref  # noqa: F401
-from grpo.loss import token_loss as grpo_token_loss_ref  # noqa: F401
 
 
 def linear_logprobs_ref(hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:

@@ -7,9 +7,8 @@ import textwrap
 import pytest
 import torch
 
-from grpo.kernels import group_advantages, grpo_token_loss, linear_logprobs
+from grpo.kernels import linear_logprobs, logprobs as logprobs_module
 from grpo.kernels.reference import entropy_ref, linear_logprobs_ref
-from grpo.loss import group_advantages as group_advantages_ref
 
 
 def make_inputs(lead, H, V, dtype, seed=0):
@@ -88,18 +87,43 @@ def test_no_grad_forward_and_weight_only_grad():
     torch.testing.assert_close(w.grad, w_ref.grad, atol=1e-5, rtol=1e-4)
 
 
-def test_grpo_token_loss_and_advantages_torch_backend():
-    """The torch backends are the references themselves; check masking and dtypes here."""
-    lp = torch.randn(3, 5, dtype=torch.bfloat16, requires_grad=True)
-    mask = torch.ones(3, 5, dtype=torch.bool)
-    mask[1] = False
-    old = torch.full((3, 5), float("-inf"))                             # garbage padding under the mask
-    old[mask] = -1.0
-    loss = grpo_token_loss(lp, old, torch.randn(3, 1), mask, backend="torch")
-    loss.sum().backward()
-    assert loss.dtype == torch.float32 and (loss[1] == 0).all() and lp.grad.dtype == torch.bfloat16
-    r = torch.randn(12)
-    torch.testing.assert_close(group_advantages(r, 4, "batch"), group_advantages_ref(r, 4, "batch"))
+def softmax_row_sums(monkeypatch) -> list:
+    """Spy on the backward's dz: the sum over the vocabulary of its softmax exp(z - lse) per
+    token, where z is the backward's recomputed logits and lse the forward's. Consistent
+    numerics give 1: the backward then differentiates the function the forward computed."""
+    sums = []
+    real = logprobs_module._dlogits_torch
+
+    def spy(z, lse, labels, g, v0):
+        sums.append(torch.exp(z.double() - lse.double()[:, None]).sum(1))
+        return real(z, lse, labels, g, v0)
+    monkeypatch.setattr(logprobs_module, "_dlogits_torch", spy)
+    return sums
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_bf16_matmuls_scale_the_fp32_logits(monkeypatch, temperature):
+    """The CUDA path runs the matmuls in bf16 (fp32 accumulation); emulated here by keeping the
+    compute dtype. Scaling a bf16 hidden by 1/T would round z/T by up to |z| 2^-9 (log-probs off
+    by ~1e-2 at T 0.7); the logits must be scaled in fp32, in the forward and in the backward's
+    recompute alike."""
+    monkeypatch.setattr(logprobs_module, "_compute_dtype", lambda x: x.dtype)
+    sums = softmax_row_sums(monkeypatch)
+    hidden, weight, labels = make_inputs((4, 50), 64, 3000, torch.bfloat16, seed=5)
+    weight = weight * 3                                                 # logits of std ~6: rounding shows
+    g = torch.randn(4, 50)
+    lp, gh, gw = grads(lambda h, w, y, T: linear_logprobs(h, w, y, T, backend="torch", chunk_size=1024),
+                       hidden, weight, labels, temperature, g)
+    lp64, gh64, gw64 = grads(linear_logprobs_ref, hidden.double(), weight.double(), labels, temperature, g.double())
+    # products of bf16 values are exact in fp32: only fp32 accumulation error remains
+    torch.testing.assert_close(lp.double(), lp64, atol=1e-4, rtol=1e-5)
+    row_sums = sum(sums)                                                # over the 3 vocab chunks
+    valid = labels.reshape(-1) >= 0
+    torch.testing.assert_close(row_sums[valid], torch.ones_like(row_sums[valid]), atol=1e-5, rtol=0)
+    # gradients pass through a bf16 dz and come back in bf16 (8-bit mantissa, relative rounding
+    # 2^-9 = 2e-3 per element): compare in norm, where that rounding averages out
+    for ours, exact in ((gh, gh64), (gw, gw64)):
+        assert (ours.double() - exact).norm() / exact.norm() < 3e-3
 
 
 MEMORY_SCRIPT = textwrap.dedent("""

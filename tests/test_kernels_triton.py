@@ -29,11 +29,12 @@ def test_triton_kernels_under_interpreter():
 # the kernel tests below run only in that process (the test tensors live on the CPU)
 interpreted = pytest.mark.skipif(not INTERPRET, reason="run by test_triton_kernels_under_interpreter")
 
-from grpo.kernels.advantages import group_advantages  # noqa: E402
+from grpo.kernels import logprobs as logprobs_module  # noqa: E402
 from grpo.kernels.grpo_loss import grpo_token_loss  # noqa: E402
 from grpo.kernels.logprobs import linear_logprobs  # noqa: E402
 from grpo.kernels.reference import entropy_ref, linear_logprobs_ref  # noqa: E402
-from grpo.loss import policy_loss  # noqa: E402
+from grpo.loss import LossOptions, group_advantages, policy_loss, token_loss  # noqa: E402
+from test_loss import active_batch  # noqa: E402
 
 
 # (leading shape, H, V, backward chunk, temperature, dtype): V not a multiple of BLOCK_V=32 nor
@@ -70,51 +71,77 @@ def test_linear_logprobs_triton(lead, H, V, chunk, temperature, dtype):
     torch.testing.assert_close(lp, linear_logprobs(hidden, weight, labels, temperature, backend="torch"), atol=1e-5, rtol=1e-5)
 
 
-# each option at least once, and in pairs: (delta, dual_clip, kl, tis, eps_high)
-OPTIONS = [(None, None, False, False, 0.2), (1.5, None, True, False, 0.28), (None, 3.0, False, True, 0.2),
-           (1.5, 3.0, False, True, 0.28), (None, 3.0, True, False, 0.28), (1.5, 3.0, True, True, 0.2)]
+@interpreted
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_triton_forward_and_bf16_backward_agree(monkeypatch, temperature):
+    """The Triton forward scales fp32 logits by 1/T; the backward recomputes them with bf16
+    matmuls on CUDA (emulated: the compute dtype kept). Its softmax must sum to 1 against the
+    forward's logsumexp, or the gradient is of another function (rows were off by up to 9e-3
+    when the backward scaled a bf16 hidden instead)."""
+    monkeypatch.setattr(logprobs_module, "_compute_dtype", lambda x: x.dtype)
+    sums, real = [], logprobs_module._dlogits_triton
+
+    def spy(z, lse, labels, g, v0):
+        sums.append(torch.exp(z.double() - lse.double()[:, None]).sum(1))
+        return real(z, lse, labels, g, v0)
+    monkeypatch.setattr(logprobs_module, "_dlogits_triton", spy)
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(3, 21, 48, generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(700, 48, generator=g) * 6 / 48**0.5).bfloat16().requires_grad_()  # logits std ~6
+    labels = torch.randint(0, 700, (3, 21), generator=g)
+    lp = linear_logprobs(hidden, weight, labels, temperature, backend="triton", chunk_size=256)
+    gh, gw = torch.autograd.grad(lp.sum(), (hidden, weight))
+    row_sums = sum(sums)
+    torch.testing.assert_close(row_sums, torch.ones_like(row_sums), atol=1e-5, rtol=0)
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    gh64, gw64 = torch.autograd.grad(linear_logprobs_ref(h64, w64, labels, temperature).sum(), (h64, w64))
+    for ours, exact in ((gh, gh64), (gw, gw64)):  # bf16 dz and bf16 output: compare in norm
+        assert (ours.double() - exact).norm() / exact.norm() < 3e-3
+
+
+OPTIONS = [dict(), dict(delta=4.0), dict(dual_clip=3.0), dict(kl=True), dict(tis=True), dict(eps_high=0.28),
+           dict(delta=4.0, dual_clip=3.0, kl=True, tis=True, eps_high=0.28)]
+
+
+def token_loss_inputs(delta=None, dual_clip=None, kl=False, tis=False, eps_high=0.2, dtype=torch.float32):
+    """tests/test_loss.py's active batch (every option changes its loss), padding made garbage."""
+    lp, old, A, mask, ref, sampler = (x.float() for x in active_batch())
+    garbage = lambda x: torch.where(mask.bool(), x, float("inf"))  # noqa: E731  padding may hold anything
+    kw = dict(eps_low=0.2, eps_high=eps_high, delta=delta, dual_clip=dual_clip,
+              ref_logprobs=garbage(ref) if kl else None, beta=0.05 if kl else 0.0,
+              sampler_logprobs=garbage(sampler) if tis else None, tis_cap=2.0 if tis else None)
+    return garbage(lp).to(dtype), garbage(old), A[:, None], mask, kw
 
 
 @interpreted
-@pytest.mark.parametrize("delta,dual,kl,tis,eps_high", OPTIONS)
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "+".join(o) or "plain")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grpo_token_loss_triton(delta, dual, kl, tis, eps_high, dtype):
-    g = torch.Generator().manual_seed(1)
-    B, T = 5, 301                                                       # 1505 tokens: 2 blocks, the last partial
-    old = -torch.rand(B, T, generator=g) * 3
-    lp = (old + torch.randn(B, T, generator=g) * 0.4).to(dtype)
-    mask = torch.rand(B, T, generator=g) > 0.3
-    mask[2] = False                                                     # a fully masked row
-    A = torch.randn(B, 1, generator=g)
-    kw = dict(eps_low=0.2, eps_high=eps_high, delta=delta, dual_clip=dual,
-              ref_logprobs=old + torch.randn(B, T, generator=g) * 0.3 if kl else None, beta=0.04 if kl else 0.0,
-              sampler_logprobs=old + torch.randn(B, T, generator=g) * 0.3 if tis else None,
-              tis_cap=2.0 if tis else None)
-    grad_out = torch.randn(B, T, generator=g)
+def test_grpo_token_loss_triton(options, dtype):
+    lp, old, A, mask, kw = token_loss_inputs(**options, dtype=dtype)
+    grad_out = torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))
     out = {}
-    for backend in ("triton", "torch"):
+    for name, fn in (("triton", grpo_token_loss), ("reference", token_loss)):
         x = lp.detach().clone().requires_grad_()
-        loss = grpo_token_loss(x, old, A, mask, backend=backend, **kw)
+        loss = fn(x, old, A, mask, **kw)
         (loss * grad_out).sum().backward()
-        out[backend] = loss, x.grad
-    # same fp32 formulas in both: agreement to a few fp32 ulps
-    torch.testing.assert_close(out["triton"][0], out["torch"][0], atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(out["triton"][1], out["torch"][1], atol=1e-6, rtol=1e-5)
-    assert out["triton"][1].dtype == dtype and (out["triton"][1][2] == 0).all()
+        out[name] = loss, x.grad
+    # the same fp32 formulas: agreement to a few fp32 ulps
+    torch.testing.assert_close(out["triton"][0], out["reference"][0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out["triton"][1].float(), out["reference"][1].float(), atol=1e-6, rtol=1e-5)
+    assert out["triton"][1].dtype == dtype and (out["triton"][1][mask == 0] == 0).all()
 
 
 @interpreted
 @pytest.mark.parametrize("aggregation", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_policy_loss_triton_backend(aggregation):
-    g = torch.Generator().manual_seed(2)
-    old = -torch.rand(4, 9, generator=g) * 3
-    lp = old + torch.randn(4, 9, generator=g) * 0.4
-    mask, A = (torch.rand(4, 9, generator=g) > 0.2).float(), torch.randn(4, generator=g)
+    lp, old, A, mask, kw = token_loss_inputs(delta=4.0, dual_clip=3.0, kl=True, tis=True, eps_high=0.28)
     res = {}
     for backend in ("triton", "torch"):
+        opts = LossOptions(aggregation=aggregation, eps_high=0.28, delta=4.0, dual_clip=3.0, beta=0.05, tis_cap=2.0,
+                           max_completion_len=12, backend=backend)
         x = lp.clone().requires_grad_()
-        loss, metrics = policy_loss(x, old, A, mask, aggregation=aggregation, num_sequences=8, num_tokens=50,
-                                    max_completion_len=12, dual_clip=3.0, backend=backend)
+        loss, metrics = policy_loss(x, old, A, mask, opts, num_sequences=8, num_tokens=50,
+                                    ref_logprobs=kw["ref_logprobs"], sampler_logprobs=kw["sampler_logprobs"])
         loss.backward()
         res[backend] = loss, x.grad, metrics
     torch.testing.assert_close(res["triton"][0], res["torch"][0])
@@ -126,5 +153,9 @@ def test_policy_loss_triton_backend(aggregation):
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_group_advantages_triton(scale):
     rewards = torch.randn(30, generator=torch.Generator().manual_seed(3))   # G=6: not a power of 2
-    torch.testing.assert_close(group_advantages(rewards, 6, scale, backend="triton"),
-                               group_advantages(rewards, 6, scale, backend="torch"))
+    rewards[6:12] = 0.1                                                     # a flat group, mean not exact
+    everyone = torch.cat([rewards, torch.arange(6.0)])                      # another rank's rewards too
+    kw = dict(batch_rewards=everyone) if scale == "batch" else {}
+    ours = group_advantages(rewards, 6, scale, backend="triton", **kw)
+    torch.testing.assert_close(ours, group_advantages(rewards, 6, scale, backend="torch", **kw))
+    assert (ours[6:12] == 0).all()

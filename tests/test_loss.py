@@ -2,12 +2,13 @@
 and gradient accumulation: micro-batches and ranks must not change the gradient."""
 import itertools
 import math
+import statistics
 
 import pytest
 import torch
 
-from grpo.loss import (clipped_surrogate, group_advantages, kl_k3, overlong_penalty, policy_loss,
-                       tis_weight)
+from grpo.loss import (LossOptions, clipped_surrogate, group_advantages, kl_k3, overlong_penalty, policy_loss,
+                       tis_weight, token_loss)
 
 # -----------------------------------------------------------------------------
 # hand-written numbers
@@ -19,9 +20,29 @@ def test_group_advantages_by_hand():
     expected = torch.tensor([0.5 / (std + 1e-4), -0.5 / (std + 1e-4), 0.0, 0.0])
     torch.testing.assert_close(group_advantages(r, 2, "group"), expected)
     torch.testing.assert_close(group_advantages(r, 2, "none"), torch.tensor([0.5, -0.5, 0.0, 0.0]))
-    batch_std = r.std().item()                            # std of all raw rewards: 1.5
-    torch.testing.assert_close(group_advantages(r, 2, "batch"),
+    # std of all raw rewards, here of another rank's rewards too: (1, 0, 3, 3, 0, 0, 0, 4)
+    everyone = torch.cat([r, torch.tensor([0.0, 0.0, 0.0, 4.0])])
+    batch_std = statistics.stdev(everyone.tolist())       # unbiased, independent of torch
+    torch.testing.assert_close(group_advantages(r, 2, "batch", batch_rewards=everyone),
                                torch.tensor([0.5, -0.5, 0.0, 0.0]) / (batch_std + 1e-4))
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("value", [0.1, 1 / 3, 0.7, -2.3])
+def test_flat_groups_get_exactly_zero(scale, value):
+    """A group of equal rewards whose mean is not exactly representable must not leave a tiny
+    advantage of one sign (it would be trained on with a KL term or BNPO)."""
+    r = torch.tensor([value] * 8 + [0.0, 1.0] * 4)        # a flat group of 8, then an informative one
+    A = group_advantages(r, 8, scale)
+    assert (A[:8] == 0).all(), A[:8]
+    assert (A[8:] != 0).all()
+
+
+def test_batch_scale_on_several_ranks_needs_every_ranks_rewards(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    with pytest.raises(ValueError, match="batch_rewards"):
+        group_advantages(torch.tensor([0.0, 1.0]), 2, "batch")
 
 
 def test_overlong_penalty_by_hand():
@@ -77,6 +98,27 @@ def naive_policy_loss(lp, old, A, mask, agg, num_seq, num_tok, L, eps_low, eps_h
             "bnpo": total / mask.sum()}[agg]
 
 
+def active_batch(dtype=torch.float64):
+    """A batch where every option changes the loss: ratios below 1 - eps_low, between the two
+    clip-higher bounds (1.2, 1.28), above delta (4) and above dual-clip (3), for both signs of
+    the advantage; TIS weights above the cap (2); a reference that differs; rows of unequal
+    length and a fully masked one (its values finite: the float64 formula multiplies by 0)."""
+    log_rho = torch.log(torch.tensor([0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.5, 3.5, 5.0, 8.0], dtype=dtype))
+    T = len(log_rho)
+    old = -torch.linspace(0.2, 3.0, T, dtype=dtype).repeat(5, 1)                     # (5, T)
+    lp = old + log_rho.roll(1) * torch.tensor([1.0, 1.0, 0.5, 1.0, 1.0], dtype=dtype)[:, None]  # shuffled per row
+    lp[0] = old[0] + log_rho                                                          # row 0: every ratio, A > 0
+    lp[1] = old[1] + log_rho.flip(0)                                                  # row 1: every ratio, A < 0
+    A = torch.tensor([1.3, -0.7, 0.4, -2.0, 0.9], dtype=dtype)
+    mask = torch.ones(5, T, dtype=dtype)
+    mask[2, 7:] = 0                                                                   # unequal lengths
+    mask[3, :2] = 0
+    mask[4] = 0                                                                       # a fully masked row
+    ref = old + torch.linspace(-0.5, 0.6, T, dtype=dtype)
+    sampler = old - torch.tensor([-1.0, 0.3, 0.9, 2.0, 0.0, 1.2, -0.4, 0.8, 1.5, 0.1, 0.7], dtype=dtype)  # w up to e^2
+    return lp, old, A, mask, ref, sampler
+
+
 def make_batch(B=3, T=7, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(B, T, generator=g, dtype=dtype) * 3
@@ -89,35 +131,70 @@ def make_batch(B=3, T=7, seed=0, dtype=torch.float32):
     return lp, old, A, mask, ref, sampler
 
 
-OPTIONS = list(itertools.product(["grpo", "bnpo", "dr_grpo", "dapo"], [None, 1.5], [None, 3.0], [False, True], [False, True]))
+OPTIONS = list(itertools.product(["grpo", "bnpo", "dr_grpo", "dapo"], [None, 4.0], [None, 3.0], [False, True],
+                                 [False, True], [0.2, 0.28]))
 
 
-@pytest.mark.parametrize("agg,delta,dual,kl,tis", OPTIONS)
-def test_policy_loss_every_option(agg, delta, dual, kl, tis):
-    lp, old, A, mask, ref, sampler = make_batch(dtype=torch.float64)
-    kw = dict(eps_low=0.2, eps_high=0.28, delta=delta, dual_clip=dual, ref_logprobs=ref if kl else None,
-              beta=0.05 if kl else 0.0, sampler_logprobs=sampler if tis else None, tis_cap=2.0 if tis else None)
-    lp32 = lp.float().requires_grad_()
-    loss, metrics = policy_loss(lp32, old.float(), A.float(), mask.float(), aggregation=agg, num_sequences=5,
-                                num_tokens=20, max_completion_len=9, backend="torch",
-                                **{k: (v.float() if torch.is_tensor(v) else v) for k, v in kw.items()})
+def run_policy_loss(agg, delta, dual, kl, tis, eps_high, dtype=torch.float32):
+    """(loss, gradient, metrics) of policy_loss on the active batch, and the float64 reference's."""
+    lp, old, A, mask, ref, sampler = active_batch()
+    opts = LossOptions(aggregation=agg, eps_low=0.2, eps_high=eps_high, delta=delta, dual_clip=dual,
+                       beta=0.05 if kl else 0.0, tis_cap=2.0 if tis else None, max_completion_len=13, backend="torch")
+    x = lp.to(dtype).requires_grad_()
+    loss, metrics = policy_loss(x, old.to(dtype), A.to(dtype), mask.to(dtype), opts, num_sequences=6, num_tokens=40,
+                                ref_logprobs=ref.to(dtype) if kl else None,
+                                sampler_logprobs=sampler.to(dtype) if tis else None)
     loss.backward()
     lp64 = lp.clone().requires_grad_()
-    expected = naive_policy_loss(lp64, old, A, mask, agg, 5, 20, 9, kw["eps_low"], kw["eps_high"], delta, dual,
-                                 kw["ref_logprobs"], kw["beta"], kw["sampler_logprobs"], kw["tis_cap"])
+    expected = naive_policy_loss(lp64, old, A, mask, agg, 6, 40, 13, 0.2, eps_high, delta, dual,
+                                 ref if kl else None, 0.05 if kl else 0.0, sampler if tis else None, 2.0)
     expected.backward()
-    # fp32 inputs against float64: relative error of a few fp32 ulps per token, summed over 21
+    return (loss, x.grad, metrics), (expected, lp64.grad)
+
+
+@pytest.mark.parametrize("agg,delta,dual,kl,tis,eps_high", OPTIONS)
+def test_policy_loss_every_option(agg, delta, dual, kl, tis, eps_high):
+    (loss, grad, metrics), (expected, expected_grad) = run_policy_loss(agg, delta, dual, kl, tis, eps_high)
+    # fp32 inputs against float64: relative error of a few fp32 ulps per token, summed over 44
     torch.testing.assert_close(loss.double(), expected, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(lp32.grad.double(), lp64.grad, atol=1e-6, rtol=1e-5)
-    assert lp32.grad[-1].abs().sum() == 0, "a fully masked row must get no gradient"
-    assert metrics["tokens"] == mask.sum() and all(v.dim() == 0 and not v.requires_grad for v in metrics.values())
+    torch.testing.assert_close(grad.double(), expected_grad, atol=1e-6, rtol=1e-5)
+    assert grad[4].abs().sum() == 0, "a fully masked row must get no gradient"
+    assert all(v.dim() == 0 and not v.requires_grad for v in metrics.values())
+
+
+@pytest.mark.parametrize("option,on,off", [
+    ("delta", dict(delta=4.0), {}), ("dual", dict(dual=3.0), {}), ("kl", dict(kl=True), {}),
+    ("tis", dict(tis=True), {}), ("eps_high", dict(eps_high=0.28), {}),
+    ("delta under dual-clip", dict(delta=2.0, dual=3.0), dict(dual=3.0))])
+def test_every_option_is_active_in_the_batch(option, on, off):
+    """Guards the test above: each option alone changes the gradient of the active batch, so a
+    code path that ignored it would fail there."""
+    base = dict(agg="dapo", delta=None, dual=None, kl=False, tis=False, eps_high=0.2)
+    (_, with_option, _), _ = run_policy_loss(**{**base, **on})
+    (_, without, _), _ = run_policy_loss(**{**base, **off})
+    assert (with_option - without).abs().max() > 1e-3, option
+
+
+def test_token_loss_ignores_garbage_under_the_mask():
+    """Padding may hold inf or nan log-probs: the masked positions get loss 0 and gradient 0,
+    not nan (exp's backward would give 0 * inf there)."""
+    lp, old, A, mask, ref, sampler = active_batch(torch.float32)
+    for garbage in (float("inf"), float("-inf"), float("nan")):
+        x = torch.where(mask.bool(), lp, garbage).requires_grad_()
+        kw = dict(delta=4.0, dual_clip=3.0, ref_logprobs=torch.where(mask.bool(), ref, garbage), beta=0.05,
+                  sampler_logprobs=torch.where(mask.bool(), sampler, garbage), tis_cap=2.0)
+        loss = token_loss(x, torch.where(mask.bool(), old, garbage), A[:, None], mask, **kw)
+        loss.sum().backward()
+        assert torch.isfinite(loss).all() and (loss[mask == 0] == 0).all()
+        assert torch.isfinite(x.grad).all() and (x.grad[mask == 0] == 0).all(), garbage
 
 
 def test_metrics_by_hand():
     lp = torch.log(torch.tensor([[0.5, 1.5, 1.0]]))                # rho = 0.5, 1.5, 1.0 against old 0
     old, mask = torch.zeros(1, 3), torch.ones(1, 3)
-    _, m = policy_loss(lp, old, torch.tensor([-1.0]), mask, num_sequences=1, num_tokens=3, max_completion_len=3,
-                       dual_clip=1.2, sampler_logprobs=torch.tensor([[0.0, 0.0, 1.0]]), tis_cap=1.0)
+    opts = LossOptions(dual_clip=1.2, tis_cap=1.0, max_completion_len=3)
+    _, m = policy_loss(lp, old, torch.tensor([-1.0]), mask, opts, num_sequences=1, num_tokens=3,
+                       sampler_logprobs=torch.tensor([[0.0, 0.0, 1.0]]))
     assert m["clip_low"] == 1 and m["clip_high"] == 0           # rho 0.5 < 0.8 with A < 0
     assert m["dual_clip"] == 1                                    # rho 1.5: loss 1.5 > 1.2 |A|
     torch.testing.assert_close(m["ratio"], torch.tensor(3.0))
@@ -133,9 +210,9 @@ def step_grad(parts, agg, num_sequences, num_tokens, world_size=1, num_micro_bat
     grads = []
     for lp, old, A, mask in parts:
         lp = lp.clone().requires_grad_()
-        loss, _ = policy_loss(lp, old, A, mask, aggregation=agg, num_sequences=num_sequences,
-                              num_tokens=num_tokens, max_completion_len=16, world_size=world_size,
-                              num_micro_batches=num_micro_batches, backend="torch")
+        opts = LossOptions(aggregation=agg, max_completion_len=16, backend="torch")
+        loss, _ = policy_loss(lp, old, A, mask, opts, num_sequences=num_sequences, num_tokens=num_tokens,
+                              world_size=world_size, num_micro_batches=num_micro_batches)
         loss.backward()
         grads.append(lp.grad)
     return torch.cat(grads)
@@ -157,12 +234,20 @@ def test_gradient_accumulation(agg):
 
 
 def test_bnpo_is_per_micro_batch():
-    lp, old, A, mask, _, _ = make_batch(B=4, T=8, seed=2)
+    """BNPO: each micro-batch's own token mean, averaged over micro-batches (the float64 formula
+    per micro-batch, halved)."""
+    lp, old, A, mask, _, _ = make_batch(B=4, T=8, seed=2, dtype=torch.float64)
+    mask = torch.zeros(4, 8, dtype=torch.float64)
+    mask[0, :3], mask[1, :1], mask[2:, :6] = 1, 1, 1                # 4 tokens, then 12: unequal counts
     parts = [(lp[:2], old[:2], A[:2], mask[:2]), (lp[2:], old[2:], A[2:], mask[2:])]
     grads = step_grad(parts, "bnpo", num_sequences=4, num_tokens=1, num_micro_batches=2)
-    for (lp_i, old_i, A_i, m_i), g in zip(parts, grads.split(2)):  # each: its own token mean, halved
+    for (lp_i, old_i, A_i, m_i), g in zip(parts, grads.split(2)):
         lp_i = lp_i.clone().requires_grad_()
-        loss, _ = policy_loss(lp_i, old_i, A_i, m_i, aggregation="bnpo", num_sequences=4, num_tokens=1,
-                              max_completion_len=8, backend="torch")
-        (loss / 2).backward()
+        expected = naive_policy_loss(lp_i, old_i, A_i, m_i, "bnpo", 4, 1, 16, 0.2, 0.2, None, None, None, 0.0,
+                                     None, None) / 2
+        expected.backward()
         torch.testing.assert_close(g, lp_i.grad)
+    # and not the token mean of the whole step (which is what a split-independent loss would give)
+    whole = lp.clone().requires_grad_()
+    naive_policy_loss(whole, old, A, mask, "bnpo", 4, 1, 16, 0.2, 0.2, None, None, None, 0.0, None, None).backward()
+    assert (whole.grad - grads).abs().max() > 1e-3

@@ -12,9 +12,11 @@ from grpo.config import Config, parse_args
 from grpo.model import Transformer
 from grpo.rollout import rollout, sampling_params, score
 from grpo.sampler import Sampler
-from grpo.loss import group_advantages, policy_loss
-from grpo import trainer
-from grpo.trainer import collate, flat_groups, logprobs_of, micro_batches, policy_update, prompt_batch, train, update_batches
+from grpo.loss import LossOptions, group_advantages, policy_loss
+from grpo import trainer, update
+from grpo.sampling import request_key
+from grpo.trainer import flat_groups, prompt_batch, refill, train
+from grpo.update import batch_logprobs, collate, micro_batches, policy_update, update_batches
 
 from toy import ToyEnv, make_toy_dir
 
@@ -66,9 +68,8 @@ def test_old_logprobs_equal_the_samplers(tmp_path):
         params = sampling_params(ToyEnv(), tok, 4, temperature, 8, seed=3)
         trajs = rollout(Sampler(model, tok, max_batch=8), tok, ToyEnv(), EXAMPLES[:5], params)
         lengths = [len(t.prompt_ids) + len(t.completion_ids) for t in trajs]
-        mbs = micro_batches(lengths, 64)
-        for mb, lp in zip(mbs, logprobs_of(model, trajs, 64, temperature, "cpu")):
-            b = collate([trajs[i] for i in mb], "cpu")
+        batches = [collate([trajs[i] for i in mb], "cpu") for mb in micro_batches(lengths, 64)]
+        for b, lp in zip(batches, batch_logprobs(model, batches, temperature)):
             torch.testing.assert_close(lp * b["loss_mask"], b["sampler_logprobs"], atol=1e-4, rtol=0)
 
 
@@ -96,18 +97,15 @@ def test_update_leaves_out_flat_groups_and_pads_micro_batches(tmp_path, monkeypa
     b = collate(trajs, "cpu")
     b["loss_mask"][torch.tensor(truncated)] = 0
     logprobs = model(b["input_ids"], labels=b["labels"], temperature=cfg.temperature)
-    loss, _ = policy_loss(logprobs, logprobs.detach(), adv, b["loss_mask"], aggregation=loss_type,
-                          num_sequences=len(trajs), num_tokens=int(b["loss_mask"].sum()),
-                          max_completion_len=cfg.max_completion_len, sampler_logprobs=b["sampler_logprobs"])
+    opts = LossOptions(aggregation=loss_type, max_completion_len=cfg.max_completion_len)
+    loss, _ = policy_loss(logprobs, logprobs.detach(), adv, b["loss_mask"], opts, num_sequences=len(trajs),
+                          num_tokens=int(b["loss_mask"].sum()), sampler_logprobs=b["sampler_logprobs"])
     grads = torch.autograd.grad(loss, list(model.parameters()))
 
     batches = update_batches(trajs, adv, cfg, "cpu")
     kept = sum(len(b["input_ids"]) for b in batches)
-    assert kept == (len(trajs) if loss_type == "bnpo" else 12 - sum(truncated[:4] + truncated[8:]))
-    if loss_type != "bnpo":  # the final rewards decide (an overlong penalty can make a flat group informative)
-        penalized = [t.reward - 0.001 * i for i, t in enumerate(trajs)]
-        again = update_batches(trajs, adv, cfg, "cpu", flat=flat_groups(penalized, cfg.group_size))
-        assert sum(len(b["input_ids"]) for b in again) == kept + 4 - sum(truncated[4:8])
+    trained = 12 - sum(truncated[:4] + truncated[8:])  # the informative groups' finished sequences
+    assert kept == (len(trajs) if loss_type == "bnpo" else trained)
     pad = 2
     monkeypatch.setattr(dist, "all_max", lambda n: n + pad)  # as if another rank had 2 more micro-batches
     padded = update_batches(trajs, adv, cfg, "cpu")
@@ -115,12 +113,45 @@ def test_update_leaves_out_flat_groups_and_pads_micro_batches(tmp_path, monkeypa
     if loss_type == "bnpo":  # its per-micro-batch mean depends on the grouping: compare without padding
         monkeypatch.setattr(dist, "all_max", lambda n: n)
         cfg.micro_batch_tokens = 10_000  # one micro-batch, as the reference
+    rows = []  # rows the update runs forward on, padding micro-batches aside
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda ids, *a, **k: rows.append(len(ids)) or forward(ids, *a, **k))
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     policy_update(model, None, optimizer, scheduler, trajs, adv, cfg, "cpu")
     for p, p0, g in zip(model.parameters(), before, grads):
         torch.testing.assert_close(p0 - p.detach(), g, atol=1e-6, rtol=1e-4)
+    # the left-out sequences were not trained on: a zero-advantage sequence adds no gradient, so
+    # only counting the rows forwarded can tell
+    assert sum(rows) - pad * (loss_type != "bnpo") == (len(trajs) if loss_type == "bnpo" else trained), rows
+
+
+def test_first_of_mu_iterations_has_ratio_exactly_one(tmp_path, monkeypatch):
+    """mu = 2: the old log-probs come from the policy before this batch's updates, so the first
+    iteration's ratio is exactly 1 on every token, and the second's is not."""
+    cfg = toy_config(tmp_path, num_iterations=2, group_size=4, lr=3e-2)
+    from transformers import AutoTokenizer
+    model = Transformer.from_pretrained(cfg.model_path)
+    tok = AutoTokenizer.from_pretrained(cfg.model_path)
+    params = sampling_params(ToyEnv(), tok, 4, cfg.temperature, cfg.max_completion_len, seed=2)
+    trajs = score(ToyEnv(), rollout(Sampler(model, tok, max_batch=16), tok, ToyEnv(), EXAMPLES[:4], params))
+    adv = group_advantages(torch.tensor([t.reward for t in trajs]), 4)
+    assert (adv != 0).any()
+    ratios = []  # (iteration-ordered) rho of every mask token, per policy_loss call
+    real = update.policy_loss
+
+    def spy(logprobs, old_logprobs, advantages, loss_mask, *a, **k):
+        ratios.append(torch.exp(logprobs - old_logprobs).detach()[loss_mask.bool()])
+        return real(logprobs, old_logprobs, advantages, loss_mask, *a, **k)
+    monkeypatch.setattr(update, "policy_loss", spy)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    m = policy_update(model, None, optimizer, scheduler, trajs, adv, cfg, "cpu")
+    first, second = torch.cat(ratios[:len(ratios) // 2]), torch.cat(ratios[len(ratios) // 2:])
+    assert len(first) > 0 and (first == 1).all(), first
+    assert (second - 1).abs().max() > 1e-3, "the second iteration should see the first's update"
+    assert m["ratio"] != 1.0
 
 
 def test_a_step_where_every_group_is_flat_changes_nothing(tmp_path):
@@ -175,11 +206,10 @@ def test_parse_args_overrides_and_help():
     assert out.returncode == 0 and "--group_size=8" in out.stdout and "--loss_type='grpo'" in out.stdout
 
 
-def test_refill_replaces_zero_variance_groups():
+def test_refill_replaces_flat_groups():
     from types import SimpleNamespace as T
-    from grpo.trainer import refill
     cfg = Config(seed=0, max_refills=2)
-    group = lambda r, q: [T(reward=x, q=q) for x in r]
+    group = lambda r, q: [T(reward=x, q=q, completion_ids=[0] * 5) for x in r]  # noqa: E731
     trajs = group([1, 1], "a") + group([0, 1], "b") + group([0, 0], "c")  # groups a and c teach nothing
     calls = []
 
@@ -189,6 +219,12 @@ def test_refill_replaces_zero_variance_groups():
     out = refill(trajs, 3, 2, step=5, cfg=cfg, sample=sample, examples=EXAMPLES)
     assert len(out) == 6 and all(len({t.reward for t in out[i:i + 2]}) == 2 for i in range(0, 6, 2))
     assert calls[0][0] == 2 and len(calls) == 1  # one refill of the two missing groups
+    assert [t.q for t in out[:2]] == ["b", "b"] and {t.q for t in out[2:]} <= {e["question"] for e in EXAMPLES}
+    # the refill's sampler seeds are not any regular prompt's (prompt ids past 2^32 once collided)
+    ids = [calls[0][1] + i for i in range(2)]
+    assert min(ids) >= 1 << 32  # past any epoch's prompt ids, and past 32 bits: the low bits must not decide
+    regular = {request_key(cfg.seed, i & 0xFFFFFFFF, j) for i in ids for j in range(8)}
+    assert not regular & {request_key(cfg.seed, i, j) for i in ids for j in range(8)}
     again = refill(trajs, 3, 2, step=5, cfg=cfg, sample=sample, examples=EXAMPLES)
     assert [t.q for t in again] == [t.q for t in out]
     # nothing informative comes back: the batch is topped up with the original flat groups
@@ -197,8 +233,32 @@ def test_refill_replaces_zero_variance_groups():
     assert len(out) == 6 and [t.q for t in out[:2]] == ["b", "b"]
 
 
-def test_dynamic_sampling_runs_in_the_loop(tmp_path):
-    cfg = toy_config(tmp_path, num_steps=3, drop_zero_variance=True, num_iterations=2, loss_type="dapo")
+def test_refill_judges_the_final_rewards():
+    """With DAPO's overlong penalty, equal env rewards of unequal lengths are not flat: refill
+    keeps such a group, as the update trains on it."""
+    from types import SimpleNamespace as T
+    cfg = Config(seed=0, max_refills=2, max_completion_len=10, overlong_buffer=4)
+    trajs = [T(reward=1.0, completion_ids=[0] * n, q="a") for n in (4, 9)]  # penalties 0 and -0.75
+    trajs += [T(reward=1.0, completion_ids=[0] * 4, q="b") for _ in range(2)]  # flat: same length
+    out = refill(trajs, 2, 2, step=0, cfg=cfg, sample=lambda exs, off: [T(reward=r, completion_ids=[0], q="new")
+                                                                         for ex in exs for r in (0.0, 1.0)],
+                 examples=EXAMPLES)
+    assert [t.q for t in out] == ["a", "a", "new", "new"]
+
+
+def test_dynamic_sampling_runs_in_the_loop(tmp_path, monkeypatch):
+    cfg = toy_config(tmp_path, num_steps=3, drop_flat_groups=True, num_iterations=2, loss_type="dapo",
+                     group_size=2, temperature=0.3)  # G=2 at a low temperature: flat groups are common
+    refills = []
+    real = trainer.refill
+
+    def spy(trajs, *a, **k):
+        out = real(trajs, *a, **k)
+        refills.append(sum(x is not y for x, y in zip(out, trajs)))  # trajectories replaced
+        return out
+    monkeypatch.setattr(trainer, "refill", spy)
     train(cfg, ToyEnv(), EXAMPLES, [])
     rows = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "reward/mean" in r]
     assert len(rows) == 3 and all(r["skipped_updates"] == 0 for r in rows)
+    assert len(refills) == 3 and sum(refills) > 0, f"no refill happened: {refills}"
+    assert all(r["flat_groups"] < 1 for r in rows)

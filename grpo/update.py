@@ -1,0 +1,176 @@
+"""The policy update: trajectories -> packed micro-batches -> mu optimizer steps.
+
+    policy_update(model, ref_model, optimizer, scheduler, trajs, advantages, cfg, device)
+1. Old log-probs come from one no-grad pass before the mu updates; with mu = 1 they equal the
+   current log-probs detached (rho = 1) and that pass is skipped.
+2. Log-probs come from the model's `labels=` path (fused LM head: no logits tensor).
+3. All loss normalizers (sequences, tokens) are counted over the whole optimizer step, every
+   micro-batch and every rank, so accumulation and world size never change the gradient.
+4. A sequence whose advantages are all zero has zero loss and zero gradient (without a KL
+   term, and not under BNPO): it is left out of the forward and backward, and still counted.
+"""
+import math
+
+import torch
+
+from grpo import dist
+from grpo.config import Config
+from grpo.loss import LossOptions, policy_loss
+
+# ----------------------------------------------------------------------------- micro-batches
+
+
+def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Group sequence indices into micro-batches of at most `budget` tokens, padding included
+    (rows padded to the longest): sorting by length first keeps the padding small."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches, current = [], []
+    for i in order:
+        if current and lengths[i] * (len(current) + 1) > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    return batches + ([current] if current else [])
+
+
+def collate(trajs: list, device) -> dict:
+    """Right-padded rows; position t scores token t+1, so completion token j of a sequence with
+    prompt length P is the label at position P-1+j. Returns (B, T) tensors."""
+    T = max(len(t.prompt_ids) + len(t.completion_ids) for t in trajs)
+    B = len(trajs)
+    input_ids = torch.zeros(B, T, dtype=torch.long)
+    labels = torch.full((B, T), -100, dtype=torch.long)
+    loss_mask = torch.zeros(B, T)
+    sampler_logprobs = torch.zeros(B, T)
+    for b, t in enumerate(trajs):
+        P, C = len(t.prompt_ids), len(t.completion_ids)
+        input_ids[b, :P + C] = torch.tensor(t.prompt_ids + t.completion_ids)
+        labels[b, P - 1:P + C - 1] = torch.tensor(t.completion_ids)
+        loss_mask[b, P - 1:P + C - 1] = torch.tensor(t.loss_mask, dtype=torch.float)
+        sampler_logprobs[b, P - 1:P + C - 1] = torch.tensor(t.sampler_logprobs)
+    labels[loss_mask == 0] = -100  # injected tokens are never scored
+    out = dict(input_ids=input_ids, labels=labels, loss_mask=loss_mask, sampler_logprobs=sampler_logprobs)
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def token_advantages(trajs: list, advantages: torch.Tensor) -> torch.Tensor:
+    """(N,) per sequence or (N, C) per completion token -> (N, T) aligned with collate's rows."""
+    if advantages.dim() == 1:
+        return advantages[:, None]                      # (N, 1): broadcast over T
+    T = max(len(t.prompt_ids) + len(t.completion_ids) for t in trajs)
+    out = advantages.new_zeros(len(trajs), T)
+    for b, t in enumerate(trajs):
+        P, C = len(t.prompt_ids), len(t.completion_ids)
+        out[b, P - 1:P + C - 1] = advantages[b, :C]
+    return out
+
+
+@torch.no_grad()
+def batch_logprobs(model, batches: list[dict], temperature: float) -> list[torch.Tensor]:
+    """(B, T) log-probs under `model` for already collated micro-batches (old policy, reference)."""
+    return [model(b["input_ids"], labels=b["labels"], temperature=temperature).float() for b in batches]
+
+
+def masked_out(traj, cfg: Config) -> bool:
+    """A truncated answer says nothing about its reward: masked when the config says so."""
+    return cfg.mask_truncated_completions and traj.finish_reason == "length"
+
+
+def update_batches(trajs: list, advantages: torch.Tensor, cfg: Config, device) -> list[dict]:
+    """The micro-batches of one update. `advantages`: (N,) or (N, C) per completion token.
+
+    Without a KL term a sequence whose advantages are all zero (a flat group: grpo.loss makes
+    them exactly 0) has zero loss and zero gradient, and so has a sequence whose loss mask is
+    cleared (mask_truncated_completions): both are left out, which saves their forward and
+    backward and changes nothing else, since the loss normalizers still count them. BNPO keeps
+    every sequence: its per-micro-batch token mean depends on what shares the micro-batch.
+    Every rank runs the same number of micro-batches, because FSDP's all-gathers and
+    reduce-scatters pair up forward by forward across ranks: a rank short of the largest count
+    pads with fully masked micro-batches (zero loss, zero gradient), and a step with nothing to
+    learn runs one such micro-batch."""
+    keep = list(range(len(trajs)))
+    if cfg.beta == 0 and cfg.loss_type != "bnpo":
+        zero = (advantages.reshape(len(trajs), -1) == 0).all(1).tolist()
+        keep = [i for i in keep if not zero[i] and not masked_out(trajs[i], cfg)]
+    lengths = [len(trajs[i].prompt_ids) + len(trajs[i].completion_ids) for i in keep]
+    batches = []
+    for mb in micro_batches(lengths, cfg.micro_batch_tokens):
+        mb = [keep[j] for j in mb]
+        rows = [trajs[i] for i in mb]
+        b = collate(rows, device)
+        b["advantages"] = token_advantages(rows, advantages[mb]).to(device)
+        b["loss_mask"][torch.tensor([masked_out(t, cfg) for t in rows], device=device)] = 0
+        batches.append(b)
+    for _ in range(max(1, dist.all_max(len(batches))) - len(batches)):  # the step's metrics need one
+        b = collate(trajs[:1], device)
+        b["loss_mask"].zero_()
+        b["advantages"] = torch.zeros(1, 1, device=device)
+        batches.append(b)
+    return batches
+
+# ----------------------------------------------------------------------------- the update
+
+
+def loss_options(cfg: Config) -> LossOptions:
+    """The config's loss fields, once per run (0 turns an option off in the config)."""
+    return LossOptions(aggregation=cfg.loss_type, eps_low=cfg.epsilon, eps_high=cfg.epsilon_high,
+                       delta=cfg.delta or None, dual_clip=cfg.dual_clip or None, beta=cfg.beta,
+                       tis_cap=cfg.tis_cap or None, max_completion_len=cfg.max_completion_len)
+
+
+def optimizer_step(model, optimizer, scheduler, cfg: Config) -> tuple[float, bool]:
+    """Clip, then step unless the gradient is not finite (then the update is skipped and logged)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # host sync: once per step
+    ok = math.isfinite(norm)
+    if ok:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return norm, ok
+
+
+def policy_update(model, ref_model, optimizer, scheduler, trajs: list, advantages: torch.Tensor, cfg: Config,
+                  device, opts: LossOptions | None = None) -> dict:
+    """mu optimizer steps over one batch of trajectories. Returns the update's metrics over the
+    global batch: per-token means (ratio, clip and IS rates, kl, entropy, sampler_gap), the loss,
+    the mean grad norm, skipped updates, and counts (tokens, sequences trained on)."""
+    opts = opts or loss_options(cfg)
+    world = dist.world_size()
+    # the normalizers count every sequence, also those update_batches leaves out
+    num_sequences = dist.all_sum(float(len(trajs)))
+    num_tokens = dist.all_sum(float(sum(sum(t.loss_mask) for t in trajs if not masked_out(t, cfg))))
+    batches = update_batches(trajs, advantages, cfg, device)
+    old = batch_logprobs(model, batches, cfg.temperature) if cfg.num_iterations > 1 else None
+    ref = batch_logprobs(ref_model, batches, cfg.temperature) if ref_model is not None else None
+    sums, grad_norm, skipped = {}, 0.0, 0
+    for it in range(cfg.num_iterations):
+        for k, b in enumerate(batches):
+            logprobs, entropy = model(b["input_ids"], labels=b["labels"], temperature=cfg.temperature,
+                                      return_entropy=True)
+            old_logprobs = old[k] if old is not None else logprobs.detach()
+            loss, m = policy_loss(logprobs, old_logprobs, b["advantages"], b["loss_mask"], opts,
+                                  num_sequences=num_sequences, num_tokens=num_tokens, world_size=world,
+                                  num_micro_batches=len(batches), sampler_logprobs=b["sampler_logprobs"],
+                                  ref_logprobs=ref[k] if ref is not None else None)
+            loss.backward()
+            m["loss"] = loss.detach()
+            if it == 0:  # what the update trains on, counted once (not per iteration)
+                m["entropy"] = (entropy.detach() * b["loss_mask"]).sum()
+                m["sequences"] = (b["loss_mask"].sum(1) > 0).sum().float()
+            for key, v in m.items():
+                sums[key] = sums.get(key, 0.0) + v.float()          # on device: no sync per micro-batch
+        norm, ok = optimizer_step(model, optimizer, scheduler, cfg)
+        grad_norm, skipped = grad_norm + norm / cfg.num_iterations, skipped + (not ok)
+    keys = sorted(sums)
+    total = dict(zip(keys, dist.all_sum(torch.stack([sums[k] for k in keys]).double()).tolist()))  # host sync
+    per_token_iter = total["tokens"]                      # mask tokens summed over iterations
+    out = {k: total[k] / max(per_token_iter, 1.0) for k in
+           ("ratio", "clip_low", "clip_high", "dual_clip", "kl", "is_weight", "is_capped", "sampler_gap")}
+    out |= {"entropy": total["entropy"] * cfg.num_iterations / max(per_token_iter, 1.0),
+            # each rank's loss is scaled by world size (FSDP averages gradients): the mean is the global loss
+            "loss": total["loss"] / cfg.num_iterations / world,
+            "grad_norm": grad_norm, "skipped_updates": skipped, "sequences": total["sequences"],
+            "tokens": per_token_iter / cfg.num_iterations, "num_tokens": num_tokens}
+    return out
