@@ -162,7 +162,8 @@ def dr_grpo_aggregate(losses: Tensor, loss_mask: Tensor, num_sequences: int,
 def dapo_aggregate(losses: Tensor, loss_mask: Tensor, num_tokens: int, world_size: int = 1) -> Tensor:
     """DAPO: global token mean; num_tokens counts the mask tokens of the whole optimizer step
     (dividing by the micro-batch's own count is the usual gradient-accumulation bug)."""
-    return (losses * loss_mask).sum() * world_size / max(num_tokens, 1)  # a step with every token masked: 0, not NaN
+    # max: a step with every token masked gives 0, not NaN
+    return (losses * loss_mask).sum() * world_size / max(num_tokens, 1)
 
 # -----------------------------------------------------------------------------
 # the one entry the trainer calls per micro-batch
@@ -206,8 +207,8 @@ def loss_metrics(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, los
     s = lambda x: torch.where(m, x.float(), 0.0).sum()         # noqa: E731  (where: padding may hold inf)
     rho = torch.exp(logprobs - old_logprobs)
     zero = logprobs.new_zeros((), dtype=torch.float32)
-    out = {"tokens": m.sum().float(), "ratio": s(rho),
-           "clip_low": s((rho < 1 - opts.eps_low) & (A < 0)), "clip_high": s((rho > 1 + opts.eps_high) & (A > 0))}
+    out = {"tokens": m.sum().float(), "ratio": s(rho), "clip_low": s((rho < 1 - opts.eps_low) & (A < 0)),
+           "clip_high": s((rho > 1 + opts.eps_high) & (A > 0))}
     if opts.dual_clip is not None:
         surrogate = clipped_surrogate(logprobs, old_logprobs, A, opts.eps_low, opts.eps_high, opts.delta)
         out["dual_clip"] = s((A < 0) & (surrogate > -opts.dual_clip * A))
@@ -237,7 +238,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss
     if advantages.dim() == 1:
         advantages = advantages[:, None]                        # (B, 1), broadcast over T
     kw = dict(eps_low=opts.eps_low, eps_high=opts.eps_high, delta=opts.delta, dual_clip=opts.dual_clip,
-              ref_logprobs=ref_logprobs, beta=opts.beta, sampler_logprobs=sampler_logprobs, tis_cap=opts.tis_cap)
+              ref_logprobs=ref_logprobs, beta=opts.beta, sampler_logprobs=sampler_logprobs,
+              tis_cap=opts.tis_cap)
     token = kernels.grpo_token_loss if _fused(logprobs, opts.backend, "the GRPO token loss") else token_loss
     losses = token(logprobs, old_logprobs, advantages, loss_mask, **kw)   # (B, T) fp32, 0 off the mask
     m = loss_mask.float()
@@ -249,4 +251,5 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss
         loss = dr_grpo_aggregate(losses, m, num_sequences, opts.max_completion_len, world_size)
     else:
         loss = dapo_aggregate(losses, m, num_tokens, world_size)
-    return loss, loss_metrics(logprobs, old_logprobs, advantages, loss_mask, opts, ref_logprobs, sampler_logprobs)
+    return loss, loss_metrics(logprobs, old_logprobs, advantages, loss_mask, opts,
+                              ref_logprobs, sampler_logprobs)

@@ -86,14 +86,15 @@ def refill(trajs: list, share: int, G: int, step: int, cfg: Config, sample, exam
     rewards. Refill prompts come from a stream seeded by (seed, step, rank) and their sampler
     seeds from prompt indices past any epoch's, so a resumed run draws the same ones."""
     chunks = lambda ts: [ts[i:i + G] for i in range(0, len(ts), G)]   # noqa: E731
-    split = lambda ts: [(g, f) for g, f in zip(chunks(ts), flat_groups(final_rewards(ts, cfg), G))]  # noqa: E731
+    split = lambda ts: list(zip(chunks(ts), flat_groups(final_rewards(ts, cfg), G)))  # noqa: E731
     groups = [g for g, f in split(trajs) if not f]
     rng = random.Random(f"refill-{cfg.seed}-{step}-{dist.rank()}")
     for attempt in range(cfg.max_refills):
         if len(groups) >= share:
             break
         exs = rng.sample(examples, min(share - len(groups), len(examples)))
-        offset = 1 << 40 | (step * dist.world_size() + dist.rank()) << 16 | attempt << 12  # unique sampler seeds
+        # sampler seeds: prompt ids past any epoch's, unique per (step, rank, attempt)
+        offset = 1 << 40 | (step * dist.world_size() + dist.rank()) << 16 | attempt << 12
         groups += [g for g, f in split(sample(exs, offset)) if not f]
     # still short: top up with the original flat groups (zero advantage, no gradient), so that
     # every rank holds exactly `share` groups for the collectives that follow
@@ -106,11 +107,18 @@ def advantages_of(rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
     batch = dist.all_gather_cat(rewards) if cfg.scale_rewards == "batch" else None  # every rank's rewards
     return group_advantages(rewards, cfg.group_size, cfg.scale_rewards, batch_rewards=batch)
 
-# ----------------------------------------------------------------------------- setup and eval
+# ----------------------------------------------------------------------------- setup, resume, eval
 
 
-def load_models(cfg: Config, device, compute_dtype) -> tuple:
-    """The policy (fp32 master weights, sharded) and, when beta > 0, the frozen reference."""
+def build(cfg: Config, device) -> tuple:
+    """Tokenizer, policy (fp32 master weights, sharded; bf16 compute on CUDA), the frozen
+    reference when beta > 0, AdamW, the lr schedule, and the sampler over the policy's weights."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+    bf16 = cfg.dtype == "bfloat16" or cfg.dtype == "auto" and device.type == "cuda"
+    compute_dtype = torch.bfloat16 if bf16 else torch.float32
+    dist.print0(f"grpo | {cfg.model_path} | world {dist.world_size()} | {compute_dtype} | "
+                f"{cfg.num_steps} steps x {cfg.prompts_per_step} prompts x G={cfg.group_size}")
     model = Transformer.from_pretrained(cfg.model_path, dtype=torch.float32, device=device)
     model.activation_checkpointing = cfg.activation_checkpointing
     dist.shard(model, compute_dtype)
@@ -119,7 +127,16 @@ def load_models(cfg: Config, device, compute_dtype) -> tuple:
         ref_model = Transformer.from_pretrained(cfg.model_path, dtype=torch.float32, device=device)
         ref_model.eval().requires_grad_(False)
         dist.shard(ref_model, compute_dtype)
-    return model, ref_model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  weight_decay=cfg.weight_decay)
+    total_steps = cfg.num_steps * cfg.num_iterations
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+    # the KV cache takes the dtype of the weights it reads (bf16 under FSDP on GPU)
+    with dist.gathered(model):
+        sampler = Sampler(model, tokenizer, max_batch=cfg.gen_batch,
+                          max_seq_len=cfg.max_prompt_len + cfg.max_completion_len,
+                          kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
+    return tokenizer, model, ref_model, optimizer, scheduler, sampler
 
 
 def resume(ckpt: Checkpointer, model, optimizer, scheduler, cfg: Config) -> dict | None:
@@ -178,26 +195,16 @@ def warm_start(model, tokenizer, env, examples: list, cfg: Config, device, log):
 
 # ----------------------------------------------------------------------------- the run
 
-def train(cfg: Config, env, train_examples: list, eval_examples: list = (), reward_weights: dict | None = None,
-          sft_examples: list | None = None, eval_env=None) -> dict:
+def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
+          reward_weights: dict | None = None, sft_examples: list | None = None, eval_env=None) -> dict:
     """The whole run; returns the eval results ({phase: mean, ci95, pass, per_question scores}).
     `eval_env`: a different prompt for eval (e.g. GSM8K's 10-shot protocol); default `env`."""
     # ---- 1. setup: models, optimizer, sampler, checkpoints, logs
     cfg.check()
     dist.init()
     device = dist.device()
-    cuda_bf16 = cfg.dtype == "auto" and device.type == "cuda"
-    compute_dtype = torch.bfloat16 if (cfg.dtype == "bfloat16" or cuda_bf16) else torch.float32
     torch.manual_seed(cfg.seed)
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-    model, ref_model = load_models(cfg, device, compute_dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, cfg.num_steps * cfg.num_iterations))
-    with dist.gathered(model):  # the KV cache takes the dtype of the weights it reads (bf16 under FSDP on GPU)
-        sampler = Sampler(model, tokenizer, max_batch=cfg.gen_batch, max_seq_len=cfg.max_prompt_len + cfg.max_completion_len,
-                          kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
+    tokenizer, model, ref_model, optimizer, scheduler, sampler = build(cfg, device)
     ckpt = Checkpointer(cfg.output_dir, keep_last=cfg.keep_last)
     found = resume(ckpt, model, optimizer, scheduler, cfg)
     start, results = (found["step"], found.get("results", {})) if found else (0, {})
@@ -205,24 +212,25 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
     log = logger.log if logger else (lambda m, s: None)
     B, G, world, rank = cfg.prompts_per_step, cfg.group_size, dist.world_size(), dist.rank()
     assert B % world == 0, f"prompts_per_step={B} must be a multiple of world size {world}"
-    dist.print0(f"grpo | {cfg.model_path} | world {world} | {compute_dtype} | {cfg.num_steps} steps x {B} prompts x G={G}")
 
     def run_eval(name: str, at_step: int):
         if eval_examples and name not in results:
             model.eval()
-            r = evaluate_on_ranks(model, tokenizer, eval_env or env, list(eval_examples[:cfg.eval_limit]), cfg)
-            records = r.pop("records")
-            results[name] = r  # per_question: what a paired comparison pairs
-            dist.print0(f"eval {name}: mean@{cfg.eval_n} {r['mean']:.3f} ± {r['ci95']:.3f} | pass@{cfg.eval_n} {r['pass']:.3f}")
+            questions = list(eval_examples[:cfg.eval_limit])
+            r = evaluate_on_ranks(model, tokenizer, eval_env or env, questions, cfg)
+            records, results[name] = r.pop("records"), r  # per_question: what a paired comparison pairs
+            dist.print0(f"eval {name}: mean@{cfg.eval_n} {r['mean']:.3f} ± {r['ci95']:.3f} | "
+                        f"pass@{cfg.eval_n} {r['pass']:.3f}")
             log({f"eval/{name}/mean": r["mean"], f"eval/{name}/pass": r["pass"]}, at_step)
             if logger:
                 logger.dump_jsonl(f"eval_{name}.jsonl", records)
 
-    def save(at_step: int):  # the data position is a function of (step, prompts_per_step, seed): saved to check
+    def save(at_step: int):  # the data position is a function of (step, B, seed): saved to be checked
         data = {"next_prompt": at_step * B, "prompts_per_step": B, "seed": cfg.seed}
-        dist.print0(f"checkpoint: {ckpt.save(at_step, model, optimizer, scheduler, meta={'results': results, 'data': data})}")
+        meta = {"results": results, "data": data}
+        dist.print0(f"checkpoint: {ckpt.save(at_step, model, optimizer, scheduler, meta=meta)}")
 
-    # ---- 2. eval before, optional warm-start (a resumed run has done both: every checkpoint comes after them)
+    # ---- 2. eval before, optional warm-start (a resumed run did both: every checkpoint comes after)
     if found is None:
         run_eval("before", 0)
         if cfg.sft_steps > 0:
@@ -234,11 +242,11 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
     # ---- 3. RL
     params = sampling_params(env, tokenizer, G, cfg.temperature, cfg.max_completion_len, cfg.seed,
                              cfg.top_p, cfg.top_k, cfg.min_p, cfg.max_turns)
-    rollouts = functools.partial(sample, sampler, tokenizer, env, params, dict(enable_thinking=cfg.enable_thinking),
-                                 reward_weights)
-    opts, share, t_start = loss_options(cfg), B // world, time.time()
-    bar = tqdm(range(start, cfg.num_steps), desc="grpo", disable=not dist.is_main(), initial=start, total=cfg.num_steps)
-    steps_done, stop = start, False
+    rollouts = functools.partial(sample, sampler, tokenizer, env, params,
+                                 dict(enable_thinking=cfg.enable_thinking), reward_weights)
+    opts, share, t_start, steps_done, stop = loss_options(cfg), B // world, time.time(), start, False
+    bar = tqdm(range(start, cfg.num_steps), desc="grpo", disable=not dist.is_main(), initial=start,
+               total=cfg.num_steps)
     for step in bar:
         t0 = time.time()
         # 3a. rollouts: this rank's share of the step's prompts, G scored samples each
@@ -255,15 +263,15 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (), rewa
         # 3c. mu policy updates
         model.train()
         update = policy_update(model, ref_model, optimizer, scheduler, trajs, advantages, cfg, device, opts)
-        t2 = time.time()
-        steps_done = step + 1
-        # 3d. logging: one line per step on rank 0
+        t2, steps_done = time.time(), step + 1
+        # 3d. logging (one line per step on rank 0), eval, checkpoints, stops
         metrics = step_metrics(trajs, rewards, advantages, flat_groups(rewards.tolist(), G), update,
                                t1 - t0, t2 - t1, scheduler.get_last_lr()[0])
         log(metrics, steps_done)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", len=f"{metrics['completion/len']:.0f}")
-        dist.print0(f"step {steps_done} | reward {metrics['reward/mean']:.3f} | len {metrics['completion/len']:.0f} | "
-                    f"loss {metrics['loss']:.4f} | gap {metrics['sampler_gap']:.2e} | {t2 - t0:.1f}s")
+        dist.print0(f"step {steps_done} | reward {metrics['reward/mean']:.3f} | "
+                    f"len {metrics['completion/len']:.0f} | loss {metrics['loss']:.4f} | "
+                    f"gap {metrics['sampler_gap']:.2e} | {t2 - t0:.1f}s")
         if logger and cfg.log_completions_every and step % cfg.log_completions_every == 0:
             logger.text("completions", trajs[0].text, steps_done)
         if cfg.eval_every and steps_done % cfg.eval_every == 0 and steps_done < cfg.num_steps:

@@ -121,7 +121,8 @@ def loss_options(cfg: Config) -> LossOptions:
 def optimizer_step(model, optimizer, scheduler, cfg: Config) -> tuple[float, bool]:
     """Clip, then step unless the gradient is not finite (then the update is skipped and logged)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+    max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # host sync: once per step
     ok = math.isfinite(norm)
     if ok:

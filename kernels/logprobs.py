@@ -191,7 +191,8 @@ def _dlogits_torch(z, lse, labels, g, v0):
     y = labels - v0
     hit = (y >= 0) & (y < z.shape[1])
     dz = z.sub_(lse[:, None].to(z.dtype)).exp_().mul_(-g.to(z.dtype)[:, None])   # -p * g
-    return dz.scatter_add_(1, y.clamp(0, z.shape[1] - 1)[:, None], torch.where(hit, g, 0.0).to(z.dtype)[:, None])
+    onehot_g = torch.where(hit, g, 0.0).to(z.dtype)[:, None]                     # + g at the label
+    return dz.scatter_add_(1, y.clamp(0, z.shape[1] - 1)[:, None], onehot_g)
 
 
 def _dlogits_triton(z, lse, labels, g, v0):
@@ -266,7 +267,8 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature:
     assert backend == "torch" or triton is not None, "backend='triton' but triton is not importable"
     lead = labels.shape
     H, V = hidden.shape[-1], weight.shape[0]
-    assert hidden.shape[:-1] == lead and weight.shape[1] == H, f"{hidden.shape=} {weight.shape=} {labels.shape=}"
+    assert hidden.shape[:-1] == lead and weight.shape[1] == H, \
+        f"{hidden.shape=} {weight.shape=} {labels.shape=}"
     hidden = hidden.reshape(-1, H).contiguous()               # (N, H)
     labels = labels.reshape(-1).contiguous()                  # (N,)
     chunk = chunk_size or _chunk_size(hidden.shape[0], V, hidden.device)
