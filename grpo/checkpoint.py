@@ -9,6 +9,9 @@ unreadable folders are skipped with a message. The data position is a function o
 (trainer.prompt_batch) and sampling is seeded per prompt, so step + weights + optimizer +
 scheduler + RNG is the whole state. Every rank must see the same `out_dir` (multi-node: a
 shared filesystem).
+Past STYLE.md's ~100 lines because a resume must be safe as well as exact (the atomic rename,
+the fallback past unreadable folders, the SIGTERM flag, a new world size), and each of those
+only makes sense next to the save or load it protects.
 """
 import json
 import os
@@ -64,7 +67,8 @@ class Checkpointer:
         if os.environ.get(HANG_ENV) == str(step):
             time.sleep(3600)
         if dist.is_main():
-            info = {"step": step, "world_size": dist.world_size(), "scheduler": scheduler.state_dict(), **(meta or {})}
+            info = {"step": step, "world_size": dist.world_size(), "scheduler": scheduler.state_dict(),
+                    **(meta or {})}
             (tmp / "meta.json").write_text(json.dumps(info))
             if final.exists():
                 _remove(final)
@@ -98,11 +102,13 @@ class Checkpointer:
                 model_sd, optim_sd = get_state_dict(model, optimizer)
                 state = {"model": model_sd, "optimizer": optim_sd}
                 dcp.load(state, checkpoint_id=str(path))  # errors reach every rank (DCP gathers them)
-                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+                set_state_dict(model, optimizer, model_state_dict=state["model"],
+                               optim_state_dict=state["optimizer"])
                 scheduler.load_state_dict(meta["scheduler"])
                 rng_file = path / f"rng_{dist.rank()}.pt"  # absent for new ranks after a change of world size
                 rng = torch.load(rng_file, weights_only=False) if rng_file.exists() else None
-            except (Exception, CheckpointException) as e:  # a corrupt folder: say so, fall back to an older one
+            except (Exception, CheckpointException) as e:
+                # a corrupt folder: say so, fall back to an older one
                 error = _describe(e)
             if dist.all_sum(float(error is not None)) > 0:
                 dist.print0(f"checkpoint: skipping {path} (unreadable: {error or 'failed on another rank'})")
@@ -110,8 +116,9 @@ class Checkpointer:
             if rng is not None:
                 _set_rng_state(rng)
             if meta.get("world_size") != dist.world_size():
-                dist.print0(f"checkpoint: {path} was written by {meta.get('world_size')} ranks, resuming on "
-                            f"{dist.world_size()} (weights and optimizer reshard; sampling is seeded per prompt)")
+                dist.print0(f"checkpoint: {path} was written by {meta.get('world_size')} ranks, "
+                            f"resuming on {dist.world_size()} "
+                            "(weights and optimizer reshard; sampling is seeded per prompt)")
             return {**meta, "path": str(path)}
         if tried:  # a failed load may have written part of the weights: never train from that
             raise RuntimeError(f"no loadable checkpoint in {self.root} (tried {', '.join(tried)}); "

@@ -11,6 +11,9 @@ the same line on every node, with `output_dir` on a filesystem that every node s
              --output_dir=/shared/runs/calc3b --resume
 On SIGTERM torchrun passes the signal to the ranks, which save at the end of the current step;
 it SIGKILLs them after --shutdown-timeout seconds (default 30), so give it a step and a save.
+Past STYLE.md's ~100 lines because it also holds the collectives that make losses and logged
+means global, and `gathered` for sampling; STYLE.md keeps parallelism in this one file, so a
+reader finds the process-group primitives the trainer uses in one place.
 """
 import contextlib
 import os

@@ -15,7 +15,8 @@ def step_metrics(trajs, rewards, advantages, flat, update: dict, t_gen: float, t
     rewards (N,) final rewards, advantages (N,) or (N, C), flat (N/G,) bool: flat groups."""
     terms = list(trajs[0].rewards)
     per_seq = torch.tensor([[len(t.completion_ids), t.finish_reason == "length", t.num_turns]
-                            + [t.rewards[k] for k in terms] for t in trajs], dtype=torch.float64)  # (N, 3 + terms)
+                            + [t.rewards[k] for k in terms] for t in trajs],
+                           dtype=torch.float64)  # (N, 3 + terms)
     A = advantages.reshape(len(trajs), -1).double()
     A = A.sum(1) / (A != 0).sum(1).clamp(min=1) if A.shape[1] > 1 else A[:, 0]   # (N,) mean nonzero credit
     per_seq = dist.all_gather_cat(torch.cat([rewards[:, None].double().cpu(), A[:, None].cpu(), per_seq], 1))
@@ -50,7 +51,8 @@ class Logger:
         if purge_after is not None and os.path.exists(path):
             rows = [r for r in open(path) if _logged_step(r) <= purge_after]
             open(path, "w").writelines(rows)
-        self.tb = SummaryWriter(os.path.join(out_dir, "tb"), purge_step=None if purge_after is None else purge_after + 1)
+        self.tb = SummaryWriter(os.path.join(out_dir, "tb"),
+                                purge_step=None if purge_after is None else purge_after + 1)
         self.jsonl = open(os.path.join(out_dir, "metrics.jsonl"), "a")
 
     def log(self, metrics: dict, step: int):

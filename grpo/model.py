@@ -12,6 +12,11 @@ instead, computed from the final hidden states by the fused LM-head kernel, so t
 (tokens x vocab) logits never exist. Inside forward is where FSDP has the LM-head weight
 unsharded. The attention takes an optional KV-cache object: the sampler (grpo/sampler.py)
 runs these very blocks, so there is one set of weights and one attention.
+
+Past STYLE.md's ~350 lines because it also holds packed-document attention (doc_mask,
+flash_attention, _varlen) and the checks that turn a config or checkpoint we would misread
+into a one-line error; each sits beside the code it guards, and moved out it would send a
+reader of the attention or the loader to a second file.
 """
 import json
 import math
@@ -29,8 +34,9 @@ except ImportError:
     flash_attn_varlen_func = None
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json")
 
 
 @dataclass
@@ -78,8 +84,8 @@ class ModelArgs:
         if head_dim % 2:
             raise ValueError(f"unsupported head_dim={head_dim}: rotary embeddings need an even head_dim")
         return cls(
-            model_type=mt, vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
-            n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+            model_type=mt, vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"],
+            n_layers=cfg["num_hidden_layers"], n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
             ffn_dim=cfg["intermediate_size"], norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
             rope_scaling=rope if rope_type == "llama3" else None,
             qkv_bias=(mt == "qwen2") or bool(cfg.get("attention_bias", False)),
@@ -90,15 +96,19 @@ class ModelArgs:
 # ----------------------------------------------------------------------------- rotary
 
 def rope_inv_freq(args: ModelArgs, device=None) -> Tensor:  # (D/2,) fp32
-    inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, args.head_dim, 2, device=device, dtype=torch.float32) / args.head_dim)
+    inv_freq = 1.0 / args.rope_theta ** (
+        torch.arange(0, args.head_dim, 2, device=device, dtype=torch.float32) / args.head_dim)
     s = args.rope_scaling
-    if s:  # llama3: long wavelengths divided by `factor`, short kept, a smooth ramp between (Llama 3.1 report)
+    # llama3: long wavelengths divided by `factor`, short kept, a smooth ramp between (Llama 3.1 report)
+    if s:
         lo_wl = s["original_max_position_embeddings"] / s["low_freq_factor"]
         hi_wl = s["original_max_position_embeddings"] / s["high_freq_factor"]
         wavelen = 2 * math.pi / inv_freq
-        smooth = (s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+        smooth = ((s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"])
+                  / (s["high_freq_factor"] - s["low_freq_factor"]))
         mixed = (1 - smooth) * inv_freq / s["factor"] + smooth * inv_freq
-        inv_freq = torch.where(wavelen > lo_wl, inv_freq / s["factor"], torch.where(wavelen < hi_wl, inv_freq, mixed))
+        inv_freq = torch.where(wavelen > lo_wl, inv_freq / s["factor"],
+                               torch.where(wavelen < hi_wl, inv_freq, mixed))
     return inv_freq
 
 
@@ -136,7 +146,8 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
-        self.layer_idx, self.n_heads, self.n_kv_heads, self.head_dim = layer_idx, args.n_heads, args.n_kv_heads, args.head_dim
+        self.layer_idx, self.n_heads, self.n_kv_heads, self.head_dim = (
+            layer_idx, args.n_heads, args.n_kv_heads, args.head_dim)
         self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
@@ -145,7 +156,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache=None, varlen=None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache=None,
+                varlen=None) -> Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
@@ -156,7 +168,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if varlen is not None and cache is None:  # flash-attn on packed rows, CUDA only
             y = flash_attention(q, k, v, varlen)
-        elif getattr(cache, "attend", None) is not None:  # the cache runs its own kernel (flash-attn's KV-cache decode)
+        elif getattr(cache, "attend", None) is not None:
+            # the cache runs its own kernel (flash-attn's KV-cache decode)
             y = cache.attend(self.layer_idx, q, k, v)
         else:
             if cache is not None:
@@ -174,7 +187,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, varlen: tuple) -> Tensor:
     cu_seqlens, max_len = varlen
     B, nh, T, D = q.shape
     flat = lambda t: t.transpose(1, 2).reshape(B * T, t.shape[1], D)  # (B*T, nh, D)
-    y = flash_attn_varlen_func(flat(q), flat(k), flat(v), cu_seqlens, cu_seqlens, max_len, max_len, causal=True)
+    y = flash_attn_varlen_func(flat(q), flat(k), flat(v), cu_seqlens, cu_seqlens, max_len, max_len,
+                               causal=True)
     return y.view(B, T, nh, D).transpose(1, 2)
 
 
@@ -197,7 +211,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache=None, varlen=None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache=None,
+                varlen=None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, varlen)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -215,7 +230,8 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(args, self.embed_tokens.weight.device), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(args, self.embed_tokens.weight.device),
+                             persistent=False)
         self.generation_config: dict = {}
         self.source_path: str | None = None  # tokenizer files are copied from here on save
         self.activation_checkpointing = False
@@ -237,17 +253,20 @@ class Transformer(nn.Module):
             mask = doc_mask(position_ids)  # a cache over history replaces it with its own
         freqs = position_ids[:, None, :, None].float() * self.inv_freq  # (B, 1, T, D/2) fp32
         cos, sin = freqs.cos(), freqs.sin()
-        varlen = self._varlen(position_ids) if (flash_attn_varlen_func and input_ids.is_cuda and cache is None) else None
+        varlen = (self._varlen(position_ids)
+                  if (flash_attn_varlen_func and input_ids.is_cuda and cache is None) else None)
         x = self.embed_tokens(input_ids)  # (B, T, H)
         for block in self.layers:
             if self.activation_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, None, varlen, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, None, varlen,
+                                                      use_reentrant=False)
             else:
                 x = block(x, cos, sin, mask, cache, varlen)
         h = self.norm(x)  # (B, T, H)
         if labels is not None:
             from grpo.kernels import linear_logprobs  # Triton on CUDA, chunked torch elsewhere
-            return linear_logprobs(h, self.lm_head.weight, labels, temperature=temperature, return_entropy=return_entropy)
+            return linear_logprobs(h, self.lm_head.weight, labels, temperature=temperature,
+                                   return_entropy=return_entropy)
         if output_index is not None:
             h = h.gather(1, output_index[..., None].expand(-1, -1, h.shape[-1]))  # (B, K, H)
         return self.lm_head(h)
@@ -266,7 +285,8 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------------- load / save
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "Transformer":
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> "Transformer":
         """Load a HF checkpoint folder (config.json + model.safetensors, or shards + index).
         The model is built on the meta device, so no random weights are ever allocated."""
         from safetensors import safe_open
@@ -276,7 +296,8 @@ class Transformer(nn.Module):
         config = json.loads((path / "config.json").read_text())
         with torch.device("meta"):
             model = cls(config)
-        expected = {k: v for k, v in model.state_dict().items() if not (k == "lm_head.weight" and model.args.tie_embeddings)}
+        expected = {k: v for k, v in model.state_dict().items()
+                    if not (k == "lm_head.weight" and model.args.tie_embeddings)}
         state = {}
         for file in _weight_files(path):
             with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -285,7 +306,8 @@ class Transformer(nn.Module):
                     if name not in expected:
                         if name == "lm_head.weight" and model.args.tie_embeddings or "rotary_emb" in name:
                             continue  # a tied copy, or a buffer we recompute
-                        raise ValueError(f"{file.name}: unexpected weight {key!r} for a {model.args.model_type} model")
+                        raise ValueError(f"{file.name}: unexpected weight {key!r} "
+                                         f"for a {model.args.model_type} model")
                     t = f.get_tensor(key)
                     if tuple(t.shape) != tuple(expected[name].shape):
                         raise ValueError(f"{file.name}: weight {key!r} has shape {tuple(t.shape)}, "
@@ -316,7 +338,8 @@ class Transformer(nn.Module):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = state_dict if state_dict is not None else self.state_dict()
-        state = {"model." + k if k != "lm_head.weight" else k: v.detach().contiguous() for k, v in state.items()
+        state = {"model." + k if k != "lm_head.weight" else k: v.detach().contiguous()
+                 for k, v in state.items()
                  if not (k == "lm_head.weight" and self.args.tie_embeddings) and k != "inv_freq"}
         shards, size = [{}], 0
         for k, v in state.items():
@@ -352,10 +375,12 @@ def _local_or_hub(path) -> Path:
         return local
     from huggingface_hub import snapshot_download
     try:
-        return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
+        return Path(snapshot_download(
+            str(path), allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
     except Exception as e:  # offline, unknown repo, gated model: say what was tried
-        raise FileNotFoundError(f"{path!r} is not a local folder and could not be fetched from the Hugging Face "
-                                f"hub ({type(e).__name__}); pass --model_path=/path/to/checkpoint") from e
+        raise FileNotFoundError(f"{path!r} is not a local folder and could not be fetched from the "
+                                f"Hugging Face hub ({type(e).__name__}); "
+                                "pass --model_path=/path/to/checkpoint") from e
 
 
 def _weight_files(path: Path) -> list[Path]:

