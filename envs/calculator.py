@@ -6,6 +6,22 @@ gets <output>value</output> back as the next user message, and ends with a last 
 parsed without constructing Python objects, bounded in size, depth and magnitude,
 evaluated exactly with Fraction, and every failure comes back as an observation.
 
+What is covered (each is an `<output>Error: ...</output>` within a second, never an exception;
+tests/test_hostile.py times them and throws thousands of mutated calls at run_tool):
+- Size: more than MAX_CHARS of YAML, MAX_NODES numbers and operations, or MAX_DEPTH levels
+  (brackets are counted before PyYAML sees them, as it recurses per bracket, slowly).
+- YAML: anchors and aliases are refused outright (a few hundred characters of them describe
+  billions of nodes, a mapping key included); no tags beyond the core schema; compose builds
+  nodes, never Python objects.
+- Numbers: ASCII digits only (Arabic-Indic or fullwidth digits, which int() and Fraction
+  accept, are "not a number"); at most MAX_DIGITS digits; the whole exponent, leading zeros
+  included, is read as a number and bounded before 10**e is built; every literal and every
+  intermediate result is at most MAX_ABS.
+- The text around the call: blocks are found with str.find, linear in any number of unclosed
+  tags, and the reward regexes have no overlapping quantifiers, so they are linear too.
+What is not covered: PyYAML's own time on MAX_CHARS of text (milliseconds) and the memory of
+the trajectory text itself; this runs in the trainer's process, with no CPU or memory limit.
+
 Rewards (weights in DEFAULT_WEIGHTS): `correct` (the final answer matches), `tool_use`
 (at least one tool call and none failed), `format` (the final turn ends on an Answer
 line), and an optional `judge` from an OpenAI-compatible LLM endpoint, off by default.
@@ -56,15 +72,17 @@ DEFAULT_WEIGHTS = {"correct": 1.0, "tool_use": 0.2, "format": 0.1, "judge": 0.0}
 # limits on one tool call: each error is found in microseconds, long before any of them
 # could cost memory or time (the tests time hostile inputs)
 MAX_CHARS = 2000  # YAML text, checked before parsing
-MAX_NODES = 200  # numbers + operations, counted while walking, so aliases count every time
+MAX_NODES = 200  # numbers + operations, counted while walking (aliases would count each time)
 MAX_DEPTH = 16
 MAX_DIGITS = 40  # digits in one number literal
-MAX_EXPONENT = 100  # |e| in a literal such as 1.5e20; checked before the number is built
+MAX_EXPONENT = 100  # |e| in a literal such as 1.5e20; the whole exponent, before the number is built
 MAX_ABS = 10**100  # any literal or intermediate result
 SIG_DIGITS = 10  # non-integer results are rounded to this many significant digits
 
-_BLOCK = re.compile(r"<calculator>(.*?)</calculator>", re.DOTALL)
-_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)(?:[eE]([-+]?\d+))?")
+OPEN, CLOSE = "<calculator>", "</calculator>"
+# [0-9], not \d: \d (and int(), Fraction, float) take any Unicode digit, such as '١٢' or '１２'
+_LITERAL = re.compile(r"[-+]?([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([-+]?[0-9]+))?")
+_THOUSANDS = re.compile(r"[-+]?[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?")
 
 
 class ToolError(ValueError):
@@ -77,15 +95,17 @@ class ToolError(ValueError):
 
 def _number(text: str) -> Fraction:
     s = text.strip().replace("_", "")
-    if re.fullmatch(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?", s):
+    if _THOUSANDS.fullmatch(s):
         s = s.replace(",", "")  # 1,234.5
     m = _LITERAL.fullmatch(s)
     if not m:
         raise ToolError(f"not a number: {text[:40]!r}")
-    if sum(c.isdigit() for c in m.group(1)) > MAX_DIGITS:
+    if len(m.group(1).replace(".", "")) > MAX_DIGITS:
         raise ToolError(f"number has more than {MAX_DIGITS} digits")
-    if m.group(2) and abs(int(m.group(2)[:6])) > MAX_EXPONENT:  # before 10**e is ever built
-        raise ToolError("number too large")
+    # the whole exponent, not a prefix of it: '1e000000999999999' has 9 digits after its zeros
+    exponent = (m.group(2) or "0").lstrip("+-").lstrip("0")
+    if len(exponent) > 3 or int(exponent or "0") > MAX_EXPONENT:  # before 10**e is ever built
+        raise ToolError(f"exponent out of range (at most {MAX_EXPONENT} either way)")
     return _bounded(Fraction(s))
 
 
@@ -96,8 +116,8 @@ def _bounded(x: Fraction) -> Fraction:
 
 
 def _eval_node(node, depth: int, count: list) -> Fraction:
-    """Evaluate a yaml.compose node graph. The count is shared by the whole walk: an
-    alias reached twice is counted twice, so a 'billion laughs' stops at MAX_NODES."""
+    """Evaluate a yaml.compose node tree. The count is shared by the whole walk, so even
+    a node reached twice (an alias, were _Loader to let one through) counts twice."""
     count[0] += 1
     if count[0] > MAX_NODES:
         raise ToolError(f"expression too big (more than {MAX_NODES} numbers and operations)")
@@ -111,8 +131,10 @@ def _eval_node(node, depth: int, count: list) -> Fraction:
         raise ToolError("expected a number or a mapping with 'operation' and 'operands'")
     fields = {}
     for key, value in node.value:
-        if not isinstance(key, yaml.ScalarNode) or key.value not in ("operation", "operands"):
-            raise ToolError(f"unexpected key {str(getattr(key, 'value', key))[:40]!r}")
+        if not isinstance(key, yaml.ScalarNode):  # never str() a node: it expands the graph
+            raise ToolError("unexpected key (a list or mapping); the keys are 'operation' and 'operands'")
+        if key.value not in ("operation", "operands"):
+            raise ToolError(f"unexpected key {key.value[:40]!r}")
         fields[key.value] = value
     if set(fields) != {"operation", "operands"}:
         raise ToolError("each operation needs both 'operation' and 'operands'")
@@ -160,6 +182,16 @@ def _flow_depth(text: str) -> int:
     return deepest
 
 
+class _Loader(yaml.SafeLoader):
+    """SafeLoader refusing anchors and aliases: a tool call never needs them, and with them
+    a few hundred characters describe a graph of billions of nodes."""
+
+    def compose_node(self, parent, index):
+        if getattr(self.peek_event(), "anchor", None) is not None:  # &name, or an alias *name
+            raise ToolError("YAML anchors and aliases (&name, *name) are not allowed; write each operand out")
+        return super().compose_node(parent, index)
+
+
 def calculate(yaml_text: str) -> Fraction:
     """The exact value of one tool call's YAML; ToolError says what is wrong."""
     text = yaml_text.strip()
@@ -171,7 +203,7 @@ def calculate(yaml_text: str) -> Fraction:
     try:
         # compose, not load: the node graph only, no Python objects and no tags run;
         # numbers are read from their text, so 0.1 is exactly 1/10
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=_Loader)
     except yaml.YAMLError as e:
         raise ToolError(f"invalid YAML ({getattr(e, 'problem', None) or type(e).__name__})") from None
     if root is None:
@@ -179,14 +211,25 @@ def calculate(yaml_text: str) -> Fraction:
     return _eval_node(root, 0, [0])
 
 
+def last_block(text: str) -> str | None:
+    """The text of the last <calculator>...</calculator> block, the one that
+    re.findall(r"<calculator>(.*?)</calculator>", re.DOTALL) would list last, or None.
+    str.find keeps it linear: that regex rescans the rest of the text from every
+    unclosed tag, so 100k of them never finish."""
+    block, pos = None, 0
+    while (start := text.find(OPEN, pos)) >= 0 and (end := text.find(CLOSE, start + len(OPEN))) >= 0:
+        block, pos = text[start + len(OPEN):end], end + len(CLOSE)
+    return block
+
+
 def run_tool(text: str) -> str:
     """The observation for a turn ending in a tool call: <output>value</output> or
     <output>Error: reason</output>. Never raises."""
     try:
-        blocks = _BLOCK.findall(text)
-        if not blocks:
+        block = last_block(text)
+        if block is None:
             raise ToolError("no <calculator>...</calculator> block found")
-        value = format_number(calculate(blocks[-1]))
+        value = format_number(calculate(block))
     except ToolError as e:
         value = f"Error: {e}"
     except RecursionError:  # hostile nesting inside the YAML parser itself
@@ -237,10 +280,13 @@ def gold_messages(example: dict) -> list[dict]:
 # rewards
 
 
-_NUMBER = re.compile(r"-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\$?\.\d+")
+# ASCII digits only, as in the tool: '١٢' or '１２' is not an answer (float() would take it)
+_NUMBER = re.compile(r"-?\$?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?"
+                     r"|-?\$?\.[0-9]+")
 _ANSWER_LINE = re.compile(r"answer\s*[:=]\s*(.*)", re.IGNORECASE)
-# the format reward's last line: "Answer: 1,234.5", markdown bold and a final period allowed
-_FORMAT_LINE = re.compile(rf"\**answer\**\s*:\s*\**\s*(?:{_NUMBER.pattern})\s*\**\.?", re.IGNORECASE)
+# the format reward's last line: "Answer: 1,234.5", markdown bold and a final period allowed;
+# `\s*(?:\*+\s*)?`, not `\s*\**\s*`: two \s* around an empty \** split a run of n spaces n ways
+_FORMAT_LINE = re.compile(rf"\**answer\**\s*:\s*(?:\*+\s*)?(?:{_NUMBER.pattern})\s*\**\.?", re.IGNORECASE)
 
 
 def parse_number(text: str) -> float | None:
@@ -309,7 +355,7 @@ class CalculatorEnv:
 
     def step(self, text: str) -> str | None:
         # a complete block means a tool call; anything else is the final answer
-        return run_tool(text) if _BLOCK.search(text) else None
+        return run_tool(text) if last_block(text) is not None else None
 
     def gold_messages(self, example: dict) -> list[dict]:
         return gold_messages(example)  # the supervised warm-start's turns

@@ -60,7 +60,7 @@ def to_infix(tree) -> str:
     return f"{l} {SYMBOL[op]} {r}"
 
 
-_TOKEN = re.compile(r"\s*(?:(\d+(?:\.\d*)?|\.\d+)|(.))")
+_TOKEN = re.compile(r"\s*(?:([0-9]+(?:\.[0-9]*)?|\.[0-9]+)|(.))")  # ASCII digits only, as the tool reads them
 
 
 def parse_expression(text: str):
@@ -100,7 +100,7 @@ def parse_expression(text: str):
             if isinstance(inner, str):
                 return inner[1:] if inner.startswith("-") else "-" + inner
             return ("subtract", "0", inner)
-        if token is None or not (token[0].isdigit() or token[0] == "."):
+        if token is None or token[0] not in "0123456789.":
             raise ValueError(f"unexpected {token!r} in expression {text!r}")
         return token
 

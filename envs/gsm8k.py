@@ -4,6 +4,11 @@ The prompt is inspect_evals' GSM8K `MATH_PROMPT_TEMPLATE` (UKGovernmentBEIS/insp
 src/inspect_evals/gsm8k/gsm8k.py), as the card quotes it. `score` re-implements the
 benchmark's scorer, inspect_ai's `match(numeric=True, location="end")`, the way the card
 describes it. The 10-shot evaluation prompt picks its examples as that harness does.
+
+Completions are hostile input, so scoring them stays linear in their length: the regexes have
+no overlapping quantifiers (`[0-9]+[.]?[0-9]*` tried 20k digits n^2 ways: 7 s a completion).
+A number is made of ASCII digits only: '١٢' or '１２' is not an answer. Here we differ from
+the harness, whose str.isnumeric() takes them (and '½', on which its float() then raises).
 """
 
 import json
@@ -38,8 +43,8 @@ def load(path) -> list[dict]:
 # the benchmark's scorer
 
 _STRIP = re.compile(r"[$,£€*_]")  # currency, thousands commas, markdown emphasis
-_PERIOD = re.compile(r"\.(?=\s|$|\D)")  # a period not followed by a digit: "18." -> "18"
-_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?")
+_PERIOD = re.compile(r"\.(?![0-9])")  # a period not followed by a digit: "18." -> "18"
+_NUMBER = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e[-+]?[0-9]+)?")  # 18, 18., 18.5, .5, 1e3
 
 
 def _normalize(token: str) -> str | None:
@@ -63,7 +68,8 @@ def score(completion: str, target: str) -> float:
     return float(got is not None and _normalize(got) == want)
 
 
-_ANSWER_LINE = re.compile(r"answer:\s*[-+]?[$£€]?[\d,]*\.?\d+\.?", re.IGNORECASE)
+# 'ANSWER: $1,234.50.': [0-9,]* then a digit or a decimal part, so no digit can go either way
+_ANSWER_LINE = re.compile(r"answer:\s*[-+]?[$£€]?[0-9,]*(?:[0-9]|\.[0-9]+)\.?", re.IGNORECASE)
 
 
 def format_reward(completion: str) -> float:

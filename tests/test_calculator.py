@@ -64,9 +64,6 @@ def test_run_tool_values(yaml_text, out):
     assert call(yaml_text) == f"<output>{out}</output>"
 
 
-BILLION_LAUGHS = """operation: add
-operands: &a9 [&a8 {operation: add, operands: &a7 [&a6 {operation: add, operands: &a5 [1, 1, 1, 1, 1, 1, 1, 1, 1]}, *a6, *a6, *a6, *a6, *a6, *a6, *a6, *a6]}, *a8, *a8, *a8, *a8, *a8, *a8, *a8, *a8]"""
-
 ERRORS = {  # input -> a word the error message must contain
     "missing block": ("<calculator>operation: add", "no <calculator>"),
     "bad yaml": (call("operation: add\noperands: [1, 2"), "invalid YAML"),
@@ -90,32 +87,7 @@ def test_run_tool_errors(name):
     assert out.startswith("<output>Error: ") and word in out, out
 
 
-HOSTILE = {  # each is answered with an error, quickly, and nothing is raised
-    "billion laughs": BILLION_LAUGHS,  # 9**3 leaves through aliases
-    "self alias": "&a {operation: add, operands: [*a, *a]}",
-    "huge document": "operation: add\noperands: [" + "1, " * 200_000 + "1]",
-    "deep flow nesting": "[" * 5000 + "]" * 5000,
-    "deep block nesting": "- " * 900 + "1",
-    "deep operations": "operation: add\noperands: [" + "{operation: add, operands: [1, " * 30 + "1" + "]}" * 30 + "]",
-    "huge exponent": "operation: add\noperands: [1e999999999, 1]",
-    "huge float exponent": "operation: add\noperands: [1.0e+999999999, 1]",
-    "many digits": "operation: add\noperands: [" + "9" * 1500 + ", 1]",
-    "100000 digits": "operation: add\noperands: [" + "9" * 100_000 + ", 1]",
-    "growing product": "operation: multiply\noperands: [" + ", ".join(["1e99"] * 150) + "]",
-    "python object": "!!python/object/apply:os.system ['echo pwned']",
-    "python tag inside": "operation: add\noperands: [!!python/name:os.system '', 1]",
-    "infinity": "operation: add\noperands: [.inf, 1]",
-    "nan": "operation: add\noperands: [.nan, 1]",
-}
-
-
-@pytest.mark.parametrize("name", HOSTILE)
-def test_hostile_yaml_answered_fast(name):
-    t0 = time.perf_counter()
-    out = call(HOSTILE[name])
-    dt = time.perf_counter() - t0
-    assert out.startswith("<output>Error: "), out[:200]
-    assert dt < 1.0, f"{name}: {dt:.2f}s"
+# hostile input (alias bombs, huge numbers, deep nesting, unclosed tags...): tests/test_hostile.py
 
 
 # ----------------------------------------------------------------------------

@@ -29,6 +29,8 @@ needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"{DATA} absent")
     ("ANSWER: -5", "-5", 1.0),
     ("ANSWER: nan", "5", 0.0),
     ("ANSWER: 5%", "5", 0.0),  # '5%' is not a number token
+    ("ANSWER: \u0661\u0668", "18", 0.0),  # ASCII digits only (the module header): not Arabic-Indic 18
+    ("ANSWER: \uff11\uff18", "18", 0.0),  # nor fullwidth 18
 ])
 def test_score(completion, target, expected):
     assert score(completion, target) == expected
@@ -41,6 +43,7 @@ def test_score(completion, target, expected):
     ("ANSWER: 18\nHope that helps!", 0.0),
     ("The answer is 18", 0.0),
     ("ANSWER: eighteen", 0.0),
+    ("ANSWER: \u0661\u0668", 0.0),  # Arabic-Indic digits
 ])
 def test_format_reward(completion, expected):
     assert format_reward(completion) == expected
