@@ -97,7 +97,7 @@ def sync(device):
 
 def one_step(model, sampler, optimizer, scheduler, cfg: Config, prompts: list[list[int]], new: int, device, seed: int) -> dict:
     """Generation, old log-probs, update; seconds per phase and the trajectories' lengths."""
-    B, G = len(prompts), cfg.group_size
+    B, G = len(prompts), cfg.num_generations
     params = SamplingParams(n=G, temperature=cfg.temperature, max_tokens=new, stop_token_ids=[], seed=seed)
     examples = [{"ids": p} for p in prompts]
     sync(device)
@@ -122,9 +122,9 @@ def one_step(model, sampler, optimizer, scheduler, cfg: Config, prompts: list[li
 
 
 def bench(name: str, model, B: int, G: int, plen: int, new: int, device, repeat: int, profile: dict) -> dict:
-    cfg = Config(group_size=G, prompts_per_step=B, max_prompt_len=plen, max_completion_len=new, temperature=1.0,
-                 num_iterations=1, loss_type="grpo", lr=1e-6, tis_cap=2.0, **profile)
-    model.activation_checkpointing = cfg.activation_checkpointing
+    cfg = Config(num_generations=G, prompts_per_step=B, max_prompt_length=plen, max_completion_length=new, temperature=1.0,
+                 num_iterations=1, loss_type="grpo", learning_rate=1e-6, tis_cap=2.0, **profile)
+    model.activation_checkpointing = cfg.gradient_checkpointing
     n_matmul = matmul_params(model)  # before sharding: full sizes
     flops_model = lambda lengths: update_flops(model, lengths)
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -132,7 +132,7 @@ def bench(name: str, model, B: int, G: int, plen: int, new: int, device, repeat:
     with dist.gathered(model):
         sampler = Sampler(model, None, max_batch=max(cfg.gen_batch, B * G) if device.type == "cpu" else cfg.gen_batch,
                           max_seq_len=plen + new, kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(100, model.args.vocab_size, (B, plen), generator=g).tolist()

@@ -1,169 +1,281 @@
 """The trainer's one flat config, its command line, and per-GPU profiles.
 
 A recipe subclasses `Config` with its own defaults and fields; precedence is
-    Config defaults < recipe defaults < GPU profile (pick_profile) < command line.
-    python recipes/calculator_smollm2_cpu.py --group_size=8 --lr=1e-6
-Field names follow TRL's GRPOConfig where the meaning is the same (num_iterations = mu,
-epsilon / epsilon_high, beta, loss_type, scale_rewards, mask_truncated_completions).
+    Config defaults < recipe defaults < --config YAML file < GPU profile < command line.
+    python recipes/calculator_smollm2_cpu.py --num_generations=8 --learning_rate 1e-6
+Field names are TRL's GRPOConfig names where the idea is the same (num_generations,
+learning_rate, max_prompt_length, max_completion_length, max_steps, num_iterations = mu,
+epsilon / epsilon_high, beta, loss_type, scale_rewards, mask_truncated_completions,
+gradient_checkpointing, save_steps, save_total_limit, eval_steps, lr_scheduler_type). One
+difference of meaning: `prompts_per_step` counts prompts over all ranks, where TRL's
+per_device_train_batch_size counts completions per device (ours x G / ranks).
+A field's trailing comment is its description in `--help`.
 """
 import dataclasses
+import inspect
+import re
 import sys
+import types
 import typing
 from dataclasses import dataclass
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALES = ("group", "batch", "none")
+# names before TRL's vocabulary (one vocabulary: no aliases, but a pointer in the error)
+RENAMED = {"lr": "learning_rate", "num_steps": "max_steps", "group_size": "num_generations",
+           "max_prompt_len": "max_prompt_length", "max_completion_len": "max_completion_length",
+           "save_every": "save_steps", "keep_last": "save_total_limit", "eval_every": "eval_steps",
+           "lr_schedule": "lr_scheduler_type", "activation_checkpointing": "gradient_checkpointing",
+           "log_completions_every": "log_completions_steps", "sft_lr": "sft_learning_rate",
+           "drop_zero_variance": "drop_flat_groups"}
+CHOICES = {"loss_type": LOSS_TYPES, "scale_rewards": SCALES, "lr_scheduler_type": ("constant", "cosine"),
+           "dtype": ("auto", "float32", "bfloat16")}
 
 
 @dataclass
 class Config:
+    """GRPO trainer settings (grpo.trainer.train); a recipe subclasses it with its own defaults."""
     # ---- run
-    model_path: str = ""              # HF checkpoint folder (config.json + safetensors)
+    model_path: str = ""              # HF checkpoint folder (config.json + safetensors) or hub id
     output_dir: str = "runs/grpo"     # checkpoints, metrics.jsonl, TensorBoard, export
-    seed: int = 0
-    num_steps: int = 100              # optimizer steps of RL (each: sample, score, mu updates)
-    prompts_per_step: int = 8         # B: prompts per step (global, over all ranks)
-    group_size: int = 8               # G: completions per prompt
+    seed: int = 0                     # seeds the data order, the sampler and the init
+    max_steps: int = 100              # optimizer steps of RL (each: sample, score, mu updates)
+    prompts_per_step: int = 8         # B: prompts per step over all ranks (TRL counts completions per device)
+    num_generations: int = 8          # G: completions per prompt
     dtype: str = "auto"               # compute dtype: auto = bf16 on CUDA, fp32 on CPU
-    profile: str = "auto"             # GPU profile for batch sizes and budgets; "none" = off
+    profile: str = "auto"             # GPU profile (PROFILES): sizes and budgets; auto = detect, none = off
     # ---- sampling
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0          # sampling temperature of the rollouts (log-probs use it too)
+    top_p: float = 1.0                # nucleus sampling; 1 = off
     top_k: int = 0                    # 0 = off
-    min_p: float = 0.0
-    max_prompt_len: int = 1024
-    max_completion_len: int = 512     # all completion tokens, sampled and injected
+    min_p: float = 0.0                # 0 = off
+    max_prompt_length: int = 1024     # prompt tokens (the sampler's cache holds prompt + completion)
+    max_completion_length: int = 512  # all completion tokens, sampled and injected
     max_turns: int = 0                # assistant turns per episode; 0 = the env's own limit (env.max_turns)
     enable_thinking: bool = True      # passed to the chat template (Qwen3: False = non-thinking mode)
     gen_batch: int = 64               # sampler slots (rows decoded together)
     kv_budget_gb: float = 0.0         # sampler KV-cache budget; 0 = sized from gen_batch
     # ---- GRPO
     num_iterations: int = 1           # mu: policy updates per batch of rollouts
-    loss_type: str = "grpo"           # grpo | bnpo | dr_grpo | dapo (DESIGN.md, "The math, pinned")
+    loss_type: str = "grpo"           # aggregation over tokens (DESIGN.md, "The math, pinned")
     scale_rewards: str = "group"      # advantage std: group | batch | none (Dr. GRPO)
     epsilon: float = 0.2              # eps_low of the clip range
-    epsilon_high: float = 0.2         # eps_high (DAPO's clip-higher: 0.28)
+    epsilon_high: float | None = None  # eps_high; unset = epsilon (DAPO's clip-higher: 0.28)
     delta: float = 0.0                # two-sided clipping: cap rho at delta; 0 = off
     dual_clip: float = 0.0            # dual-clip c > 1 for A < 0; 0 = off
     beta: float = 0.0                 # k3 KL weight; 0 = no reference model is loaded
     tis_cap: float = 2.0              # truncated importance sampling cap C; 0 = off
-    mask_truncated_completions: bool = False
+    mask_truncated_completions: bool = False  # no loss on completions cut at max_completion_length
     overlong_buffer: int = 0          # DAPO overlong penalty buffer L_buf; 0 = off
-    drop_flat_groups: bool = False    # dynamic sampling (DAPO): drop flat groups (all rewards equal)...
-    max_refills: int = 2              # ...and refill with fresh prompts, at most this many extra rollouts per step
+    drop_flat_groups: bool = False    # dynamic sampling (DAPO): drop groups whose rewards are all equal...
+    max_refills: int = 2              # ...and refill them with fresh prompts, at most this many times a step
     # ---- optimization
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"     # constant | cosine (after warmup)
+    learning_rate: float = 1e-6       # AdamW peak learning rate
+    weight_decay: float = 0.0         # AdamW weight decay
+    adam_beta1: float = 0.9           # AdamW beta1
+    adam_beta2: float = 0.99          # AdamW beta2
+    warmup_steps: int = 0             # linear warmup steps
+    lr_scheduler_type: str = "constant"  # after warmup
     max_grad_norm: float = 1.0        # 0 = no clipping
     micro_batch_tokens: int = 8192    # token budget of one packed micro-batch (padding included)
-    activation_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # recompute each block's activations in backward
     # ---- supervised warm-start (before RL; 0 steps = off)
-    sft_steps: int = 0
-    sft_batch: int = 8
-    sft_lr: float = 1e-5
+    sft_steps: int = 0                # supervised steps on the env's gold trajectories before RL
+    sft_batch: int = 8                # examples per warm-start step
+    sft_learning_rate: float = 1e-5   # warm-start AdamW learning rate
     # ---- logging, eval, checkpoints
-    log_completions_every: int = 10   # sample completions to TensorBoard as text
-    eval_every: int = 0               # 0 = only before and after training
+    log_completions_steps: int = 10   # sample completions to TensorBoard as text every N steps; 0 = off
+    eval_steps: int = 0               # eval every N steps; 0 = only before and after training
     eval_limit: int = 200             # eval questions
     eval_n: int = 1                   # samples per eval question (mean@k, pass@k)
     eval_temperature: float = 0.0     # 0 = greedy
-    save_every: int = 50              # checkpoint every N steps (and on SIGTERM); 0 = off
-    keep_last: int = 2                # checkpoints kept
+    save_steps: int = 50              # checkpoint every N steps (and on SIGTERM); 0 = off
+    save_total_limit: int = 2         # checkpoints kept
     resume: bool = False              # continue from the newest complete checkpoint
     export: bool = True               # Hugging Face export at the end
     time_budget_min: float = 0.0      # stop RL after this many minutes; 0 = no limit
 
     def check(self):
-        """Clear errors before any work starts."""
+        """Clear errors before any work starts; resolves epsilon_high (unset = epsilon)."""
         def need(ok: bool, msg: str):
             if not ok:
                 raise ValueError(f"bad config: {msg}")
-        need(self.loss_type in LOSS_TYPES, f"loss_type={self.loss_type!r}, expected one of {LOSS_TYPES}")
-        need(self.scale_rewards in SCALES, f"scale_rewards={self.scale_rewards!r}, expected one of {SCALES}")
-        need(self.lr_schedule in ("constant", "cosine"), f"lr_schedule={self.lr_schedule!r}")
-        need(self.dtype in ("auto", "float32", "bfloat16"), f"dtype={self.dtype!r}")
-        need(self.group_size >= 2, f"group_size={self.group_size}: GRPO needs at least 2 completions per prompt")
-        need(self.prompts_per_step >= 1 and self.num_steps >= 0, "prompts_per_step >= 1 and num_steps >= 0")
-        need(self.lr > 0 and self.sft_lr > 0, "learning rates must be > 0")
-        need(0 <= self.epsilon < 1 and self.epsilon_high >= 0, f"epsilon={self.epsilon}, epsilon_high={self.epsilon_high}")
-        need(self.delta == 0 or self.delta > 1 + self.epsilon_high, f"delta={self.delta} must exceed 1 + epsilon_high")
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            need(value in choices, f"{name}={value!r}, expected one of {', '.join(choices)}")
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        need(self.num_generations >= 2,
+             f"num_generations={self.num_generations}: GRPO needs at least 2 completions per prompt")
+        need(self.prompts_per_step >= 1 and self.max_steps >= 0, "prompts_per_step >= 1 and max_steps >= 0")
+        need(self.learning_rate > 0 and self.sft_learning_rate > 0, "learning rates must be > 0")
+        need(0 <= self.epsilon < 1 and self.epsilon_high >= 0,
+             f"epsilon={self.epsilon}, epsilon_high={self.epsilon_high}")
+        need(self.delta == 0 or self.delta > 1 + self.epsilon_high,
+             f"delta={self.delta} must exceed 1 + epsilon_high")
         need(self.dual_clip == 0 or self.dual_clip > 1, f"dual_clip={self.dual_clip} must be > 1")
         need(self.beta >= 0 and self.tis_cap >= 0, "beta and tis_cap must be >= 0")
         need(self.temperature > 0, f"temperature={self.temperature} must be > 0 (use top_k=1 for greedy)")
-        need(0 < self.top_p <= 1 and self.top_k >= 0 and 0 <= self.min_p < 1, "top_p in (0, 1], top_k >= 0, min_p in [0, 1)")
-        need(self.max_completion_len >= 1 and self.max_prompt_len >= 1 and self.max_turns >= 0, "lengths >= 1 and max_turns >= 0")
-        need(self.overlong_buffer < self.max_completion_len, "overlong_buffer must be < max_completion_len")
-        need(self.num_iterations >= 1 and self.micro_batch_tokens >= 1, "num_iterations and micro_batch_tokens >= 1")
-        need(self.micro_batch_tokens >= self.max_prompt_len + self.max_completion_len,
+        need(0 < self.top_p <= 1 and self.top_k >= 0 and 0 <= self.min_p < 1,
+             "top_p in (0, 1], top_k >= 0, min_p in [0, 1)")
+        need(self.max_completion_length >= 1 and self.max_prompt_length >= 1 and self.max_turns >= 0,
+             "lengths >= 1 and max_turns >= 0")
+        need(self.overlong_buffer < self.max_completion_length,
+             "overlong_buffer must be < max_completion_length")
+        need(self.num_iterations >= 1 and self.micro_batch_tokens >= 1,
+             "num_iterations and micro_batch_tokens >= 1")
+        need(self.micro_batch_tokens >= self.max_prompt_length + self.max_completion_length,
              f"micro_batch_tokens={self.micro_batch_tokens} cannot hold one sequence of "
-             f"{self.max_prompt_len}+{self.max_completion_len} tokens")
+             f"{self.max_prompt_length}+{self.max_completion_length} tokens")
+        need(self.gen_batch >= 1 and self.kv_budget_gb >= 0, "gen_batch >= 1 and kv_budget_gb >= 0")
+        need(self.eval_n >= 1 and self.eval_limit >= 0 and self.eval_temperature >= 0,
+             "eval_n >= 1, eval_limit >= 0, eval_temperature >= 0")
+        need(min(self.sft_steps, self.sft_batch - 1, self.save_steps, self.eval_steps, self.warmup_steps,
+                 self.log_completions_steps, self.max_refills, self.time_budget_min) >= 0,
+             "step counts, sft_batch, max_refills and time_budget_min must not be negative")
         return self
 
 
 # ----------------------------------------------------------------------------- command line
 
-def _convert(name: str, text: str, typ):
-    if typ is bool:
-        if text.lower() in ("1", "true", "yes", "on"):
+def _base(typ):
+    """float | None -> float (None is spelled "none" on the command line)."""
+    args = [a for a in typing.get_args(typ) if a is not type(None)]
+    return args[0] if isinstance(typ, types.UnionType) and len(args) == 1 else typ
+
+
+def _convert(name: str, value, typ):
+    """A command-line string (or a YAML value) as the field's type; one-line errors."""
+    base = _base(typ)
+    if value is None or base is not typ and str(value).lower() == "none":
+        if base is typ:
+            raise ValueError(f"--{name}: a value is required")
+        return None
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("1", "true", "yes", "on"):
             return True
-        if text.lower() in ("0", "false", "no", "off"):
+        if str(value).lower() in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"--{name}={text!r}: expected true or false")
+        raise ValueError(f"--{name}={value!r}: expected true or false")
     try:
-        return typ(text)
-    except ValueError:
-        raise ValueError(f"--{name}={text!r}: expected {typ.__name__}") from None
+        if base is int and isinstance(value, float) or base is not str and isinstance(value, bool):
+            raise ValueError
+        return base(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"--{name}={value!r}: expected {base.__name__}") from None
+
+
+def descriptions(cls) -> dict[str, str]:
+    """Each field's trailing comment in its class source (recipes' fields too): --help's text."""
+    out = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        for m in re.finditer(r"^\s+(\w+):[^=\n]+=[^#\n]*#\s*(.+)$", source, re.M):
+            out[m.group(1)] = m.group(2).strip()
+    return out
+
+
+def print_help(cls):
+    defaults, hints, text = cls(), typing.get_type_hints(cls), descriptions(cls)
+    profile = pick_profile()
+    doc = cls.__doc__ or ""
+    if doc.startswith(cls.__name__ + "("):  # dataclass's generated signature: the recipe's own text instead
+        doc = (sys.modules[cls.__module__].__doc__ or "").strip().split("\n\n")[0]
+    print(doc.strip() + "\n\nflags: --name=value or --name value; --config FILE.yaml (flags win)\n")
+    for f in dataclasses.fields(cls):
+        typ = _base(hints[f.name])
+        line = f"  --{f.name} ({typ.__name__}, default {getattr(defaults, f.name)!r})"
+        if f.name in CHOICES:
+            line += f" {{{' | '.join(CHOICES[f.name])}}}"
+        if f.name in profile:
+            line += f" [this machine's profile sets {profile[f.name]!r}]"
+        print(line + (f"\n      {text[f.name]}" if f.name in text else ""))
 
 
 def parse_args(cls=Config, argv: list[str] | None = None):
-    """`--field=value` (or `--flag` for a bool) over cls's defaults and the GPU profile.
-    Unknown fields and values of the wrong type are errors; `--help` lists every field."""
-    argv = sys.argv[1:] if argv is None else argv
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    """--name=value or --name value (a bare --flag sets a bool), over cls's defaults, an optional
+    --config YAML file and the GPU profile. Unknown fields and bad values are one-line errors
+    (ValueError; from the real command line, an exit with that line)."""
+    if argv is None:
+        try:
+            return parse_args(cls, sys.argv[1:])
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     if "--help" in argv or "-h" in argv:
-        print((cls.__doc__ or "").strip() + "\n\nfields (--name=value):")
-        defaults = cls()
-        for name in fields:
-            print(f"  --{name}={getattr(defaults, name)!r}  ({hints[name].__name__})")
+        print_help(cls)
         raise SystemExit(0)
-    given = {}
-    for arg in argv:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    given, config_file, k = {}, None, 0
+    while k < len(argv):
+        arg, k = argv[k], k + 1
         if not arg.startswith("--"):
-            raise ValueError(f"unexpected argument {arg!r}: use --field=value")
+            raise ValueError(f"unexpected argument {arg!r}: use --name=value or --name value")
         name, eq, text = arg[2:].partition("=")
+        takes_value = name == "config" or name in fields and _base(hints[name]) is not bool
+        if not eq and takes_value and k < len(argv) and not argv[k].startswith("--"):
+            text, eq, k = argv[k], "=", k + 1          # --name value
+        if name == "config":
+            config_file = text
+            continue
         if name not in fields:
-            close = [f for f in fields if name.split("_")[0] in f]
-            raise ValueError(f"unknown field --{name}" + (f" (did you mean {', '.join('--' + c for c in close[:4])}?)" if close else ""))
-        if not eq and hints[name] is not bool:
-            raise ValueError(f"--{name} needs a value: --{name}=...")
+            close = [RENAMED[name]] if RENAMED.get(name) in fields else \
+                [f for f in fields if name.split("_")[0] in f][:4]
+            hint = f" (did you mean {', '.join('--' + c for c in close)}?)" if close else ""
+            raise ValueError(f"unknown field --{name}{hint}")
+        if not eq and _base(hints[name]) is not bool:
+            raise ValueError(f"--{name} needs a value: --{name}=... or --{name} ...")
         given[name] = _convert(name, text, hints[name]) if eq else True
+    from_file = load_yaml(config_file, fields, hints) if config_file else {}
     cfg = cls()
-    profile = pick_profile() if given.get("profile", cfg.profile) == "auto" else {}
-    for name, value in {**profile, **given}.items():
-        if name in fields:  # a profile may name fields a recipe does not use
-            setattr(cfg, name, value)
+    name = given.get("profile", from_file.get("profile", cfg.profile))
+    profile = {} if name == "none" else pick_profile(None if name == "auto" else name)
+    for key, value in {**from_file, **profile, **given}.items():
+        if key in fields:  # a profile may name fields a recipe does not use
+            setattr(cfg, key, value)
     return cfg.check()
+
+
+def load_yaml(path: str, fields: set, hints: dict) -> dict:
+    """A YAML mapping of field names to values (the same names as the flags)."""
+    import yaml
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ValueError(f"--config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of field: value")
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ValueError(f"--config {path}: unknown field(s) {', '.join(unknown)}")
+    return {k: _convert(k, v, hints[k]) for k, v in data.items()}
 
 
 # ----------------------------------------------------------------------------- GPU profiles
 
 # Per GPU: sampler slots, KV-cache budget and packed micro-batch size for a ~0.5-4B model in
 # bf16 with fp32 master weights under FSDP. Chosen from memory size; the recipes' own
-# batch shapes (prompts_per_step, group_size) stay as the reference runs set them.
+# batch shapes (prompts_per_step, num_generations) stay as the reference runs set them.
 PROFILES = {
     "B200":     dict(gen_batch=256, kv_budget_gb=60, micro_batch_tokens=65536),
     "H200":     dict(gen_batch=256, kv_budget_gb=50, micro_batch_tokens=49152),
     "H100":     dict(gen_batch=256, kv_budget_gb=24, micro_batch_tokens=32768),
     "A100-80":  dict(gen_batch=256, kv_budget_gb=24, micro_batch_tokens=32768),
     "A100-40":  dict(gen_batch=128, kv_budget_gb=10, micro_batch_tokens=16384),
-    "RTX 6000 Ada": dict(gen_batch=128, kv_budget_gb=12, micro_batch_tokens=16384, activation_checkpointing=True),
-    "L40S":     dict(gen_batch=128, kv_budget_gb=12, micro_batch_tokens=16384, activation_checkpointing=True),
-    "L4":       dict(gen_batch=64, kv_budget_gb=5, micro_batch_tokens=8192, activation_checkpointing=True),
+    "RTX 6000 Ada": dict(gen_batch=128, kv_budget_gb=12, micro_batch_tokens=16384,
+                         gradient_checkpointing=True),
+    "L40S":     dict(gen_batch=128, kv_budget_gb=12, micro_batch_tokens=16384, gradient_checkpointing=True),
+    "L4":       dict(gen_batch=64, kv_budget_gb=5, micro_batch_tokens=8192, gradient_checkpointing=True),
     "cpu":      dict(dtype="float32"),
 }
 

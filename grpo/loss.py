@@ -154,9 +154,9 @@ def bnpo_aggregate(losses: Tensor, loss_mask: Tensor, num_micro_batches: int = 1
 
 
 def dr_grpo_aggregate(losses: Tensor, loss_mask: Tensor, num_sequences: int,
-                      max_completion_len: int, world_size: int = 1) -> Tensor:
+                      max_completion_length: int, world_size: int = 1) -> Tensor:
     """Dr. GRPO: sum / (sequences x max completion tokens), a constant, so no length bias."""
-    return (losses * loss_mask).sum() * world_size / (num_sequences * max_completion_len)
+    return (losses * loss_mask).sum() * world_size / (num_sequences * max_completion_length)
 
 
 def dapo_aggregate(losses: Tensor, loss_mask: Tensor, num_tokens: int, world_size: int = 1) -> Tensor:
@@ -178,7 +178,7 @@ class LossOptions:
     dual_clip: float | None = None     # dual-clip c > 1; None = off
     beta: float = 0.0                  # k3 KL weight (needs ref_logprobs)
     tis_cap: float | None = None       # truncated IS cap (needs sampler_logprobs); None = off
-    max_completion_len: int = 1        # Dr. GRPO's constant normalizer
+    max_completion_length: int = 1        # Dr. GRPO's constant normalizer
     backend: str | None = None         # token loss: "triton" | "torch" | None (triton on CUDA)
 
     def __post_init__(self):
@@ -248,7 +248,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss
     elif opts.aggregation == "bnpo":
         loss = bnpo_aggregate(losses, m, num_micro_batches)
     elif opts.aggregation == "dr_grpo":
-        loss = dr_grpo_aggregate(losses, m, num_sequences, opts.max_completion_len, world_size)
+        loss = dr_grpo_aggregate(losses, m, num_sequences, opts.max_completion_length, world_size)
     else:
         loss = dapo_aggregate(losses, m, num_tokens, world_size)
     return loss, loss_metrics(logprobs, old_logprobs, advantages, loss_mask, opts,

@@ -36,7 +36,7 @@ def lr_lambda(cfg: Config, total_steps: int):
     def f(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
-        if cfg.lr_schedule == "cosine":
+        if cfg.lr_scheduler_type == "cosine":
             progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
             return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         return 1.0
@@ -69,7 +69,7 @@ def final_rewards(trajs: list, cfg: Config) -> torch.Tensor:
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
     if cfg.overlong_buffer > 0:
         lengths = torch.tensor([len(t.completion_ids) for t in trajs], dtype=torch.float32)
-        rewards = rewards + overlong_penalty(lengths, cfg.max_completion_len, cfg.overlong_buffer)
+        rewards = rewards + overlong_penalty(lengths, cfg.max_completion_length, cfg.overlong_buffer)
     return rewards
 
 
@@ -105,7 +105,7 @@ def refill(trajs: list, share: int, G: int, step: int, cfg: Config, sample, exam
 def advantages_of(rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
     """(N,) final rewards -> (N,) advantages, on the device (the Triton kernel on CUDA)."""
     batch = dist.all_gather_cat(rewards) if cfg.scale_rewards == "batch" else None  # every rank's rewards
-    return group_advantages(rewards, cfg.group_size, cfg.scale_rewards, batch_rewards=batch)
+    return group_advantages(rewards, cfg.num_generations, cfg.scale_rewards, batch_rewards=batch)
 
 # ----------------------------------------------------------------------------- setup, resume, eval
 
@@ -118,23 +118,23 @@ def build(cfg: Config, device) -> tuple:
     bf16 = cfg.dtype == "bfloat16" or cfg.dtype == "auto" and device.type == "cuda"
     compute_dtype = torch.bfloat16 if bf16 else torch.float32
     dist.print0(f"grpo | {cfg.model_path} | world {dist.world_size()} | {compute_dtype} | "
-                f"{cfg.num_steps} steps x {cfg.prompts_per_step} prompts x G={cfg.group_size}")
+                f"{cfg.max_steps} steps x {cfg.prompts_per_step} prompts x G={cfg.num_generations}")
     model = Transformer.from_pretrained(cfg.model_path, dtype=torch.float32, device=device)
-    model.activation_checkpointing = cfg.activation_checkpointing
+    model.activation_checkpointing = cfg.gradient_checkpointing
     dist.shard(model, compute_dtype)
     ref_model = None
     if cfg.beta > 0:
         ref_model = Transformer.from_pretrained(cfg.model_path, dtype=torch.float32, device=device)
         ref_model.eval().requires_grad_(False)
         dist.shard(ref_model, compute_dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   weight_decay=cfg.weight_decay)
-    total_steps = cfg.num_steps * cfg.num_iterations
+    total_steps = cfg.max_steps * cfg.num_iterations
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
     # the KV cache takes the dtype of the weights it reads (bf16 under FSDP on GPU)
     with dist.gathered(model):
         sampler = Sampler(model, tokenizer, max_batch=cfg.gen_batch,
-                          max_seq_len=cfg.max_prompt_len + cfg.max_completion_len,
+                          max_seq_len=cfg.max_prompt_length + cfg.max_completion_length,
                           kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
     return tokenizer, model, ref_model, optimizer, scheduler, sampler
 
@@ -163,7 +163,7 @@ def evaluate_on_ranks(model, tokenizer, env, examples: list, cfg: Config) -> dic
     lo, hi = min(dist.rank() * share, len(examples)), min((dist.rank() + 1) * share, len(examples))
     with dist.gathered(model):  # its own sampler: eval prompts may be longer (few-shot)
         r = evaluate(model, tokenizer, env, examples[lo:hi], n=cfg.eval_n, temperature=cfg.eval_temperature,
-                     max_tokens=cfg.max_completion_len, max_turns=cfg.max_turns,
+                     max_tokens=cfg.max_completion_length, max_turns=cfg.max_turns,
                      chat_kwargs=dict(enable_thinking=cfg.enable_thinking), gen_batch=cfg.gen_batch,
                      kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None, progress=dist.is_main(),
                      prompt_offset=lo)
@@ -175,7 +175,7 @@ def evaluate_on_ranks(model, tokenizer, env, examples: list, cfg: Config) -> dic
 def warm_start(model, tokenizer, env, examples: list, cfg: Config, device, log):
     """Supervised cross-entropy on the sampled-token positions of gold trajectories rendered in
     the rollout layout, so RL starts from a model that knows the tool format."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft_learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2))
     eos = model.eos_token_ids()[0]
     kw = dict(enable_thinking=cfg.enable_thinking)
     rng = random.Random(cfg.seed)
@@ -205,12 +205,12 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
     device = dist.device()
     torch.manual_seed(cfg.seed)
     tokenizer, model, ref_model, optimizer, scheduler, sampler = build(cfg, device)
-    ckpt = Checkpointer(cfg.output_dir, keep_last=cfg.keep_last)
+    ckpt = Checkpointer(cfg.output_dir, keep_last=cfg.save_total_limit)
     found = resume(ckpt, model, optimizer, scheduler, cfg)
     start, results = (found["step"], found.get("results", {})) if found else (0, {})
     logger = Logger(cfg.output_dir, purge_after=start if start else None) if dist.is_main() else None
     log = logger.log if logger else (lambda m, s: None)
-    B, G, world, rank = cfg.prompts_per_step, cfg.group_size, dist.world_size(), dist.rank()
+    B, G, world, rank = cfg.prompts_per_step, cfg.num_generations, dist.world_size(), dist.rank()
     assert B % world == 0, f"prompts_per_step={B} must be a multiple of world size {world}"
 
     def run_eval(name: str, at_step: int):
@@ -236,17 +236,17 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
         if cfg.sft_steps > 0:
             warm_start(model, tokenizer, env, sft_examples or train_examples, cfg, device, log)
             run_eval("warmstart", 0)
-            if cfg.save_every:
+            if cfg.save_steps:
                 save(0)  # a crash in the RL phase does not cost the warm-start
 
     # ---- 3. RL
-    params = sampling_params(env, tokenizer, G, cfg.temperature, cfg.max_completion_len, cfg.seed,
+    params = sampling_params(env, tokenizer, G, cfg.temperature, cfg.max_completion_length, cfg.seed,
                              cfg.top_p, cfg.top_k, cfg.min_p, cfg.max_turns)
     rollouts = functools.partial(sample, sampler, tokenizer, env, params,
                                  dict(enable_thinking=cfg.enable_thinking), reward_weights)
     opts, share, t_start, steps_done, stop = loss_options(cfg), B // world, time.time(), start, False
-    bar = tqdm(range(start, cfg.num_steps), desc="grpo", disable=not dist.is_main(), initial=start,
-               total=cfg.num_steps)
+    bar = tqdm(range(start, cfg.max_steps), desc="grpo", disable=not dist.is_main(), initial=start,
+               total=cfg.max_steps)
     for step in bar:
         t0 = time.time()
         # 3a. rollouts: this rank's share of the step's prompts, G scored samples each
@@ -272,19 +272,19 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
         dist.print0(f"step {steps_done} | reward {metrics['reward/mean']:.3f} | "
                     f"len {metrics['completion/len']:.0f} | loss {metrics['loss']:.4f} | "
                     f"gap {metrics['sampler_gap']:.2e} | {t2 - t0:.1f}s")
-        if logger and cfg.log_completions_every and step % cfg.log_completions_every == 0:
+        if logger and cfg.log_completions_steps and step % cfg.log_completions_steps == 0:
             logger.text("completions", trajs[0].text, steps_done)
-        if cfg.eval_every and steps_done % cfg.eval_every == 0 and steps_done < cfg.num_steps:
+        if cfg.eval_steps and steps_done % cfg.eval_steps == 0 and steps_done < cfg.max_steps:
             run_eval(f"step{steps_done}", steps_done)
         stop = ckpt.should_stop()  # SIGTERM: save, then leave cleanly
-        if stop or cfg.save_every and steps_done % cfg.save_every == 0:
+        if stop or cfg.save_steps and steps_done % cfg.save_steps == 0:
             save(steps_done)
         if stop or cfg.time_budget_min and time.time() - t_start > 60 * cfg.time_budget_min:
             dist.print0(f"SIGTERM: checkpoint written at step {steps_done}, exiting" if stop else
                         f"time budget of {cfg.time_budget_min} min reached after {steps_done} steps")
             break
     bar.close()
-    if not stop and cfg.save_every and steps_done > start and steps_done % cfg.save_every:
+    if not stop and cfg.save_steps and steps_done > start and steps_done % cfg.save_steps:
         save(steps_done)  # the last steps (e.g. cut by the time budget) are not lost: --resume continues
 
     # ---- 4. eval after, export (not after SIGTERM: the job is being stopped, the checkpoint is what counts)

@@ -113,9 +113,10 @@ def update_batches(trajs: list, advantages: torch.Tensor, cfg: Config, device) -
 
 def loss_options(cfg: Config) -> LossOptions:
     """The config's loss fields, once per run (0 turns an option off in the config)."""
-    return LossOptions(aggregation=cfg.loss_type, eps_low=cfg.epsilon, eps_high=cfg.epsilon_high,
+    eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high  # unset: symmetric clip
+    return LossOptions(aggregation=cfg.loss_type, eps_low=cfg.epsilon, eps_high=eps_high,
                        delta=cfg.delta or None, dual_clip=cfg.dual_clip or None, beta=cfg.beta,
-                       tis_cap=cfg.tis_cap or None, max_completion_len=cfg.max_completion_len)
+                       tis_cap=cfg.tis_cap or None, max_completion_length=cfg.max_completion_length)
 
 
 def optimizer_step(model, optimizer, scheduler, cfg: Config) -> tuple[float, bool]:

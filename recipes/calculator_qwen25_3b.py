@@ -31,7 +31,7 @@ from grpo.trainer import train
 class CalculatorQwen(Config):
     model_path: str = "Qwen/Qwen2.5-3B-Instruct"  # a local HF folder, or a hub id fetched once into its cache
     output_dir: str = "runs/calculator_qwen25_3b"
-    train_questions: int = 1500       # one epoch: num_steps = train_questions / prompts_per_step
+    train_questions: int = 1500       # one epoch: max_steps = train_questions / prompts_per_step
     eval_questions: int = 200
     train_data: str = ""              # your own questions instead of generated ones: a file or a dataset id
     eval_data: str = ""               # the same, for eval
@@ -41,20 +41,20 @@ class CalculatorQwen(Config):
     judge_model: str = ""
     judge_weight: float = 0.5
     prompts_per_step: int = 8         # 8 GPUs x 8 generations / G = 8
-    group_size: int = 8
-    num_steps: int = 0                # 0 = one epoch
+    num_generations: int = 8
+    max_steps: int = 0                # 0 = one epoch
     temperature: float = 0.9
-    lr: float = 1e-6
+    learning_rate: float = 1e-6
     num_iterations: int = 2           # mu
     max_grad_norm: float = 0.1
-    max_prompt_len: int = 1024
-    max_completion_len: int = 500
+    max_prompt_length: int = 1024
+    max_completion_length: int = 500
     max_turns: int = 4
     loss_type: str = "grpo"
     beta: float = 0.0
     eval_limit: int = 200
-    eval_every: int = 50
-    save_every: int = 25
+    eval_steps: int = 50
+    save_steps: int = 25
     dtype: str = "auto"               # bf16 compute on GPU, fp32 master weights
 
 
@@ -69,8 +69,8 @@ def main(cls=CalculatorQwen):
                    else generate_questions(cfg.eval_questions, cfg.seed + 1, "eval"))
     except DataError as e:  # one line, not a traceback
         raise SystemExit(f"calculator recipe: {e}") from None
-    if cfg.num_steps == 0:
-        cfg.num_steps = max(1, len(questions) // cfg.prompts_per_step)
+    if cfg.max_steps == 0:
+        cfg.max_steps = max(1, len(questions) // cfg.prompts_per_step)
     env = CalculatorEnv(judge_base_url=cfg.judge_base_url or None, judge_model=cfg.judge_model or None,
                         judge_api_key=os.environ.get("JUDGE_API_KEY"))  # not a flag: flags land in logs
     weights = {**DEFAULT_WEIGHTS, "judge": cfg.judge_weight if cfg.judge_base_url else 0.0}

@@ -52,22 +52,22 @@ class CalculatorCPU(Config):
     # warm-start: ~15 minutes on 2 cores (~14.5 s a step)
     sft_steps: int = 60
     sft_batch: int = 8
-    sft_lr: float = 3e-5
+    sft_learning_rate: float = 3e-5
     # GRPO: as many steps as fit in the time budget
-    num_steps: int = 60
+    max_steps: int = 60
     time_budget_min: float = 15.0
     prompts_per_step: int = 8         # 8 x G=6: more questions per step than 4 x 8; about half the groups
-    group_size: int = 6               # are all right or all wrong, and the update leaves those out
+    num_generations: int = 6               # are all right or all wrong, and the update leaves those out
     temperature: float = 1.0          # the warm-started model is sharp (entropy ~0.03/token): 0.9 left 5 groups in 8 flat
     rl_min_ops: int = 2               # GRPO draws questions of 2 to 4 operations: the warm-started model solves
     rl_max_ops: int = 4               # ~95% of 1-op ones and ~3% of 5-6-op ones, so their groups are nearly always flat
-    lr: float = 2e-5                  # with warmup: a first Adam step of 5e-5 (a sign step) broke the model
+    learning_rate: float = 2e-5                  # with warmup: a first Adam step of 5e-5 (a sign step) broke the model
     warmup_steps: int = 3
     num_iterations: int = 1
     max_grad_norm: float = 1.0
     loss_type: str = "dr_grpo"
-    max_prompt_len: int = 512
-    max_completion_len: int = 224     # gold answers to the eval questions take up to 188 tokens (160 cut 18% of them)
+    max_prompt_length: int = 512
+    max_completion_length: int = 224     # gold answers to the eval questions take up to 188 tokens (160 cut 18% of them)
     max_turns: int = 4                # a tool call and the answer take 2; room for a second call
     gen_batch: int = 128              # eval decodes 128 rows at a time (~30% faster a sequence than 64); GRPO's
                                       # 48 completions fit in one wave (its 2 GiB KV budget holds 60 rows)
@@ -76,22 +76,22 @@ class CalculatorCPU(Config):
     eval_limit: int = 200
     eval_n: int = 2
     eval_temperature: float = 1.0
-    save_every: int = 10
+    save_steps: int = 10
     dtype: str = "float32"
 
 
 def main():
     cfg = parse_args(CalculatorCPU)
     if cfg.smoke:
-        cfg.train_questions, cfg.sft_steps, cfg.sft_batch, cfg.num_steps = 64, 3, 4, 2
-        cfg.prompts_per_step, cfg.group_size, cfg.eval_limit, cfg.max_completion_len = 2, 4, 8, 96
+        cfg.train_questions, cfg.sft_steps, cfg.sft_batch, cfg.max_steps = 64, 3, 4, 2
+        cfg.prompts_per_step, cfg.num_generations, cfg.eval_limit, cfg.max_completion_length = 2, 4, 8, 96
         cfg.output_dir = cfg.output_dir.rstrip("/") + "_smoke"
     cfg.model_path = cfg.model_path or local_path()
     env = CalculatorEnv(system_prompt=SHORT_SYSTEM_PROMPT)  # 51 tokens, not 246: every forward is cheaper
     train_qs = generate_questions(cfg.train_questions, seed=cfg.seed, split="train")
     eval_qs = generate_questions(cfg.eval_limit, seed=cfg.seed + 1, split="eval")
-    print(f"plan: warm-start {cfg.sft_steps} steps x {cfg.sft_batch} | GRPO up to {cfg.num_steps} steps "
-          f"x {cfg.prompts_per_step} prompts x G={cfg.group_size} ({cfg.rl_min_ops}-{cfg.rl_max_ops} operations), budget {cfg.time_budget_min or 'none'} min | "
+    print(f"plan: warm-start {cfg.sft_steps} steps x {cfg.sft_batch} | GRPO up to {cfg.max_steps} steps "
+          f"x {cfg.prompts_per_step} prompts x G={cfg.num_generations} ({cfg.rl_min_ops}-{cfg.rl_max_ops} operations), budget {cfg.time_budget_min or 'none'} min | "
           f"eval {len(eval_qs)} held-out questions x {cfg.eval_n} samples x 3 phases | output {cfg.output_dir}")
     t0 = time.time()
     rl_qs = [q for q in train_qs if cfg.rl_min_ops <= q["ops"] <= cfg.rl_max_ops]  # eval keeps every size

@@ -36,22 +36,22 @@ class GSM8KQwen3(Config):
     answer_field: str = "answer"      # GSM8K's worked solution ending in '#### 72', or the bare number
     eval_shots: int = 10              # eval protocol: 10-shot greedy (training prompts are zero-shot)
     enable_thinking: bool = False     # Qwen3 non-thinking mode, in training and eval alike
-    num_steps: int = 250
+    max_steps: int = 250
     prompts_per_step: int = 16
-    group_size: int = 16
+    num_generations: int = 16
     temperature: float = 1.1
-    lr: float = 3e-6
+    learning_rate: float = 3e-6
     warmup_steps: int = 10
     loss_type: str = "dapo"
     scale_rewards: str = "group"
     beta: float = 0.0
     epsilon_high: float = 0.28        # DAPO clip-higher
     mask_truncated_completions: bool = True
-    max_prompt_len: int = 512         # zero-shot training prompts (the 10-shot eval sizes its own sampler)
-    max_completion_len: int = 768
+    max_prompt_length: int = 512         # zero-shot training prompts (the 10-shot eval sizes its own sampler)
+    max_completion_length: int = 768
     eval_limit: int = 1319
-    eval_every: int = 50
-    save_every: int = 25
+    eval_steps: int = 50
+    save_steps: int = 25
 
 
 def main(cls=GSM8KQwen3):

@@ -101,5 +101,5 @@ if __name__ == "__main__":
     if cfg.check_fsdp:
         check_fsdp(cfg.check_fsdp, os.path.join(cfg.output_dir, "check_export"))
     world = int(os.environ.get("WORLD_SIZE", 1))
-    env = SigtermEnv(cfg.sigterm_at_step, cfg.prompts_per_step // world * cfg.group_size)
+    env = SigtermEnv(cfg.sigterm_at_step, cfg.prompts_per_step // world * cfg.num_generations)
     train(cfg, env, EXAMPLES, EXAMPLES[:4], eval_env=ToyEnv())  # eval's rewards stay out of the count

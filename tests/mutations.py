@@ -18,7 +18,7 @@ MUTATIONS = {  # name: (text in grpo/loss.py, what replaces it)
                        "return (losses * loss_mask).sum() * world_size / num_sequences"),
     "bnpo_aggregate": ("return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1) / num_micro_batches",
                        "return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)"),
-    "dr_grpo_aggregate": ("return (losses * loss_mask).sum() * world_size / (num_sequences * max_completion_len)",
+    "dr_grpo_aggregate": ("return (losses * loss_mask).sum() * world_size / (num_sequences * max_completion_length)",
                           "return (losses * loss_mask).sum() * world_size / num_sequences"),
     "dapo_aggregate": ("return (losses * loss_mask).sum() * world_size / max(num_tokens, 1)",
                        "return (losses * loss_mask).sum() * world_size / loss_mask.sum().clamp(min=1)"),

@@ -32,8 +32,8 @@ from grpo.model import Transformer
 from toy import make_toy_dir
 
 WORKER = str(Path(__file__).with_name("dist_worker.py"))
-TRAIN = dict(num_steps=4, prompts_per_step=4, group_size=4, lr=1e-3, max_prompt_len=16, max_completion_len=8,
-             micro_batch_tokens=64, gen_batch=16, eval_limit=4, eval_n=2, eval_temperature=1.0, save_every=0,
+TRAIN = dict(max_steps=4, prompts_per_step=4, num_generations=4, learning_rate=1e-3, max_prompt_length=16, max_completion_length=8,
+             micro_batch_tokens=64, gen_batch=16, eval_limit=4, eval_n=2, eval_temperature=1.0, save_steps=0,
              max_grad_norm=1.0, tis_cap=2.0, beta=0.04, num_iterations=2, loss_type="dapo", scale_rewards="batch")
 TIMING = ("time/generate", "time/update", "tokens_per_s")
 
@@ -183,7 +183,7 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint(straight, toy, tmp_p
     """Two ranks save every step; the save of step 3 hangs after every shard is written, before
     the commit (the HANG_ENV hook), and torchrun and both ranks get SIGKILL."""
     ckpts = tmp_path / "checkpoints"
-    p = subprocess.Popen(command(2, tmp_path, model_path=toy, save_every=1), env=environ(**{HANG_ENV: "3"}),
+    p = subprocess.Popen(command(2, tmp_path, model_path=toy, save_steps=1), env=environ(**{HANG_ENV: "3"}),
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 180
@@ -201,7 +201,7 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint(straight, toy, tmp_p
             assert time.time() < deadline, f"ranks {pids} survived SIGKILL"
             time.sleep(0.1)
     assert sorted(x.name for x in ckpts.iterdir()) == ["step_000001", "step_000002", "step_000003.tmp"]
-    log = launch(2, tmp_path, model_path=toy, save_every=1, resume=True)
+    log = launch(2, tmp_path, model_path=toy, save_steps=1, resume=True)
     assert f"skipping {ckpts / 'step_000003.tmp'} (an interrupted save" in log
     assert f"resumed from {ckpts / 'step_000002'} at step 2" in log
     assert sorted(x.name for x in ckpts.iterdir()) == ["step_000003", "step_000004"]  # keep_last=2

@@ -139,7 +139,7 @@ def run_policy_loss(agg, delta, dual, kl, tis, eps_high, dtype=torch.float32):
     """(loss, gradient, metrics) of policy_loss on the active batch, and the float64 reference's."""
     lp, old, A, mask, ref, sampler = active_batch()
     opts = LossOptions(aggregation=agg, eps_low=0.2, eps_high=eps_high, delta=delta, dual_clip=dual,
-                       beta=0.05 if kl else 0.0, tis_cap=2.0 if tis else None, max_completion_len=13, backend="torch")
+                       beta=0.05 if kl else 0.0, tis_cap=2.0 if tis else None, max_completion_length=13, backend="torch")
     x = lp.to(dtype).requires_grad_()
     loss, metrics = policy_loss(x, old.to(dtype), A.to(dtype), mask.to(dtype), opts, num_sequences=6, num_tokens=40,
                                 ref_logprobs=ref.to(dtype) if kl else None,
@@ -192,7 +192,7 @@ def test_token_loss_ignores_garbage_under_the_mask():
 def test_metrics_by_hand():
     lp = torch.log(torch.tensor([[0.5, 1.5, 1.0]]))                # rho = 0.5, 1.5, 1.0 against old 0
     old, mask = torch.zeros(1, 3), torch.ones(1, 3)
-    opts = LossOptions(dual_clip=1.2, tis_cap=1.0, max_completion_len=3)
+    opts = LossOptions(dual_clip=1.2, tis_cap=1.0, max_completion_length=3)
     _, m = policy_loss(lp, old, torch.tensor([-1.0]), mask, opts, num_sequences=1, num_tokens=3,
                        sampler_logprobs=torch.tensor([[0.0, 0.0, 1.0]]))
     assert m["clip_low"] == 1 and m["clip_high"] == 0           # rho 0.5 < 0.8 with A < 0
@@ -210,7 +210,7 @@ def step_grad(parts, agg, num_sequences, num_tokens, world_size=1, num_micro_bat
     grads = []
     for lp, old, A, mask in parts:
         lp = lp.clone().requires_grad_()
-        opts = LossOptions(aggregation=agg, max_completion_len=16, backend="torch")
+        opts = LossOptions(aggregation=agg, max_completion_length=16, backend="torch")
         loss, _ = policy_loss(lp, old, A, mask, opts, num_sequences=num_sequences, num_tokens=num_tokens,
                               world_size=world_size, num_micro_batches=num_micro_batches)
         loss.backward()

@@ -24,10 +24,10 @@ EXAMPLES = [{"question": f"w{i} w{i + 1}", "answer": ""} for i in range(40)]
 
 
 def toy_config(tmp_path, **kw) -> Config:
-    base = dict(model_path=make_toy_dir(tmp_path / "model"), output_dir=str(tmp_path / "run"), num_steps=30,
-                prompts_per_step=4, group_size=8, lr=3e-3, temperature=1.0, max_prompt_len=16, max_completion_len=8,
+    base = dict(model_path=make_toy_dir(tmp_path / "model"), output_dir=str(tmp_path / "run"), max_steps=30,
+                prompts_per_step=4, num_generations=8, learning_rate=3e-3, temperature=1.0, max_prompt_length=16, max_completion_length=8,
                 micro_batch_tokens=256, gen_batch=32, eval_limit=8, eval_n=4, eval_temperature=1.0,
-                save_every=0, export=False, max_grad_norm=1.0, tis_cap=0.0)
+                save_steps=0, export=False, max_grad_norm=1.0, tis_cap=0.0)
     return Config(**{**base, **kw})
 
 
@@ -49,11 +49,11 @@ class GoldToyEnv(ToyEnv):
 
 
 def test_a_resumed_run_does_not_redo_the_warm_start(tmp_path, monkeypatch, capsys):
-    kw = dict(sft_steps=2, sft_batch=4, save_every=5)
-    first = train(toy_config(tmp_path, num_steps=0, **kw), GoldToyEnv(), EXAMPLES, EXAMPLES[:8])
+    kw = dict(sft_steps=2, sft_batch=4, save_steps=5)
+    first = train(toy_config(tmp_path, max_steps=0, **kw), GoldToyEnv(), EXAMPLES, EXAMPLES[:8])
     assert (tmp_path / "run" / "checkpoints" / "step_000000").exists()  # written right after the warm-start
     monkeypatch.setattr(trainer, "warm_start", lambda *a, **k: pytest.fail("the warm-start ran again"))
-    second = train(toy_config(tmp_path, num_steps=1, resume=True, **kw), GoldToyEnv(), EXAMPLES, EXAMPLES[:8])
+    second = train(toy_config(tmp_path, max_steps=1, resume=True, **kw), GoldToyEnv(), EXAMPLES, EXAMPLES[:8])
     assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step_000000'} at step 0" in capsys.readouterr().out
     assert second["before"] == first["before"] and second["warmstart"] == first["warmstart"]
     assert "after" in second and (tmp_path / "run" / "checkpoints" / "step_000001").exists()
@@ -79,12 +79,12 @@ def test_update_leaves_out_flat_groups_and_pads_micro_batches(tmp_path, monkeypa
     gradient, nor do the fully masked micro-batches a rank short of the global count runs:
     one SGD step at lr 1 through policy_update moves the weights by exactly minus the gradient
     of the whole batch in one micro-batch."""
-    cfg = toy_config(tmp_path, loss_type=loss_type, group_size=4, micro_batch_tokens=48, max_grad_norm=0.0,
+    cfg = toy_config(tmp_path, loss_type=loss_type, num_generations=4, micro_batch_tokens=48, max_grad_norm=0.0,
                      mask_truncated_completions=True, temperature=0.7)
     from transformers import AutoTokenizer
     model = Transformer.from_pretrained(cfg.model_path)
     tok = AutoTokenizer.from_pretrained(cfg.model_path)
-    params = sampling_params(ToyEnv(), tok, 4, cfg.temperature, cfg.max_completion_len, seed=1)
+    params = sampling_params(ToyEnv(), tok, 4, cfg.temperature, cfg.max_completion_length, seed=1)
     trajs = score(ToyEnv(), rollout(Sampler(model, tok, max_batch=16), tok, ToyEnv(), EXAMPLES[:4], params))
     for t in trajs[4:8]:  # one flat group: reward 0.5 four times, mean exact, advantages exactly 0
         t.reward = 0.5
@@ -97,7 +97,7 @@ def test_update_leaves_out_flat_groups_and_pads_micro_batches(tmp_path, monkeypa
     b = collate(trajs, "cpu")
     b["loss_mask"][torch.tensor(truncated)] = 0
     logprobs = model(b["input_ids"], labels=b["labels"], temperature=cfg.temperature)
-    opts = LossOptions(aggregation=loss_type, max_completion_len=cfg.max_completion_len)
+    opts = LossOptions(aggregation=loss_type, max_completion_length=cfg.max_completion_length)
     loss, _ = policy_loss(logprobs, logprobs.detach(), adv, b["loss_mask"], opts, num_sequences=len(trajs),
                           num_tokens=int(b["loss_mask"].sum()), sampler_logprobs=b["sampler_logprobs"])
     grads = torch.autograd.grad(loss, list(model.parameters()))
@@ -130,11 +130,11 @@ def test_update_leaves_out_flat_groups_and_pads_micro_batches(tmp_path, monkeypa
 def test_first_of_mu_iterations_has_ratio_exactly_one(tmp_path, monkeypatch):
     """mu = 2: the old log-probs come from the policy before this batch's updates, so the first
     iteration's ratio is exactly 1 on every token, and the second's is not."""
-    cfg = toy_config(tmp_path, num_iterations=2, group_size=4, lr=3e-2)
+    cfg = toy_config(tmp_path, num_iterations=2, num_generations=4, learning_rate=3e-2)
     from transformers import AutoTokenizer
     model = Transformer.from_pretrained(cfg.model_path)
     tok = AutoTokenizer.from_pretrained(cfg.model_path)
-    params = sampling_params(ToyEnv(), tok, 4, cfg.temperature, cfg.max_completion_len, seed=2)
+    params = sampling_params(ToyEnv(), tok, 4, cfg.temperature, cfg.max_completion_length, seed=2)
     trajs = score(ToyEnv(), rollout(Sampler(model, tok, max_batch=16), tok, ToyEnv(), EXAMPLES[:4], params))
     adv = group_advantages(torch.tensor([t.reward for t in trajs]), 4)
     assert (adv != 0).any()
@@ -145,7 +145,7 @@ def test_first_of_mu_iterations_has_ratio_exactly_one(tmp_path, monkeypatch):
         ratios.append(torch.exp(logprobs - old_logprobs).detach()[loss_mask.bool()])
         return real(logprobs, old_logprobs, advantages, loss_mask, *a, **k)
     monkeypatch.setattr(update, "policy_loss", spy)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.learning_rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     m = policy_update(model, None, optimizer, scheduler, trajs, adv, cfg, "cpu")
     first, second = torch.cat(ratios[:len(ratios) // 2]), torch.cat(ratios[len(ratios) // 2:])
@@ -155,7 +155,7 @@ def test_first_of_mu_iterations_has_ratio_exactly_one(tmp_path, monkeypatch):
 
 
 def test_a_step_where_every_group_is_flat_changes_nothing(tmp_path):
-    cfg = toy_config(tmp_path, loss_type="dr_grpo", group_size=4)
+    cfg = toy_config(tmp_path, loss_type="dr_grpo", num_generations=4)
     from transformers import AutoTokenizer
     model = Transformer.from_pretrained(cfg.model_path)
     tok = AutoTokenizer.from_pretrained(cfg.model_path)
@@ -187,8 +187,8 @@ def test_prompt_batch_is_a_function_of_the_step():
 
 @pytest.mark.parametrize("argv,message", [
     (["--loss_type=ppo"], "loss_type"),
-    (["--group_size=1"], "group_size"),
-    (["--lr=abc"], "expected float"),
+    (["--num_generations=1"], "num_generations"),
+    (["--learning_rate=abc"], "expected float"),
     (["--no_such_field=1"], "unknown field --no_such_field"),
     (["--temperature=0"], "temperature"),
     (["--resume=maybe"], "expected true or false"),
@@ -198,12 +198,29 @@ def test_bad_config_is_a_clear_error(argv, message):
         parse_args(Config, argv + ["--profile=none"])
 
 
-def test_parse_args_overrides_and_help():
-    cfg = parse_args(Config, ["--lr=3e-6", "--resume", "--loss_type=dapo", "--profile=none"])
-    assert (cfg.lr, cfg.resume, cfg.loss_type) == (3e-6, True, "dapo")
+def test_parse_args_overrides_yaml_and_help(tmp_path):
+    cfg = parse_args(Config, ["--learning_rate=3e-6", "--resume", "--loss_type", "dapo", "--profile=none"])
+    assert (cfg.learning_rate, cfg.resume, cfg.loss_type) == (3e-6, True, "dapo")
+    assert cfg.epsilon_high == cfg.epsilon == 0.2
+    # epsilon_high follows epsilon unless set; a named profile is applied
+    cfg = parse_args(Config, ["--epsilon", "0.3", "--profile=L4"])
+    assert (cfg.epsilon, cfg.epsilon_high, cfg.gen_batch, cfg.gradient_checkpointing) == (0.3, 0.3, 64, True)
+    assert parse_args(Config, ["--epsilon=0.3", "--epsilon_high=0.28", "--profile=none"]).epsilon_high == 0.28
+    # a YAML file of the same names, flags over it
+    (tmp_path / "run.yaml").write_text("learning_rate: 2.0e-6\nnum_generations: 4\nloss_type: dr_grpo\n")
+    cfg = parse_args(Config, ["--config", str(tmp_path / "run.yaml"), "--num_generations=6", "--profile=none"])
+    assert (cfg.learning_rate, cfg.num_generations, cfg.loss_type) == (2e-6, 6, "dr_grpo")
+    (tmp_path / "bad.yaml").write_text("lr: 1\n")
+    with pytest.raises(ValueError, match="unknown field.*lr"):
+        parse_args(Config, ["--config", str(tmp_path / "bad.yaml")])
     out = subprocess.run([sys.executable, "-c", "from grpo.config import *; parse_args(Config, ['--help'])"],
                          capture_output=True, text=True)
-    assert out.returncode == 0 and "--group_size=8" in out.stdout and "--loss_type='grpo'" in out.stdout
+    assert out.returncode == 0 and "--num_generations (int, default 8)" in out.stdout
+    assert "G: completions per prompt" in out.stdout and "{grpo | bnpo | dr_grpo | dapo}" in out.stdout
+    # from the real command line: one line, no traceback
+    out = subprocess.run([sys.executable, "-c", "from grpo.config import *; parse_args(Config)", "--lr=1"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and out.stderr.strip() == "error: unknown field --lr (did you mean --learning_rate?)"
 
 
 def test_refill_replaces_flat_groups():
@@ -237,7 +254,7 @@ def test_refill_judges_the_final_rewards():
     """With DAPO's overlong penalty, equal env rewards of unequal lengths are not flat: refill
     keeps such a group, as the update trains on it."""
     from types import SimpleNamespace as T
-    cfg = Config(seed=0, max_refills=2, max_completion_len=10, overlong_buffer=4)
+    cfg = Config(seed=0, max_refills=2, max_completion_length=10, overlong_buffer=4)
     trajs = [T(reward=1.0, completion_ids=[0] * n, q="a") for n in (4, 9)]  # penalties 0 and -0.75
     trajs += [T(reward=1.0, completion_ids=[0] * 4, q="b") for _ in range(2)]  # flat: same length
     out = refill(trajs, 2, 2, step=0, cfg=cfg, sample=lambda exs, off: [T(reward=r, completion_ids=[0], q="new")
@@ -247,8 +264,8 @@ def test_refill_judges_the_final_rewards():
 
 
 def test_dynamic_sampling_runs_in_the_loop(tmp_path, monkeypatch):
-    cfg = toy_config(tmp_path, num_steps=3, drop_flat_groups=True, num_iterations=2, loss_type="dapo",
-                     group_size=2, temperature=0.3)  # G=2 at a low temperature: flat groups are common
+    cfg = toy_config(tmp_path, max_steps=3, drop_flat_groups=True, num_iterations=2, loss_type="dapo",
+                     num_generations=2, temperature=0.3)  # G=2 at a low temperature: flat groups are common
     refills = []
     real = trainer.refill
 
