@@ -15,10 +15,9 @@ generated questions (2 samples each at the training temperature, 1.0):
 3. eval after GRPO; the final table gives the three accuracies with 95% intervals and the
    GRPO gain over the warm-start with a paired 95% interval.
 Why sampled and not greedy: GRPO raises the expected reward of the policy it samples from, and
-a dozen CPU steps mostly sharpen that policy where greedy decoding is already right. Measured on
-one run (2026-11-29, the same 200 questions): sampled accuracy 0.230 -> 0.328, paired
-+0.098 +- 0.043 (4 samples each); greedy 0.375 -> 0.400, +0.025 +- 0.063, not significant.
-`--eval_n=1 --eval_temperature=0` gives the greedy table.
+a dozen CPU steps mostly sharpen that policy where greedy decoding is already right (the README's
+results table has both, measured on the same questions). `--eval_n=1 --eval_temperature=0`
+gives the greedy table.
 Deviations from the Qwen recipes (shared/seeds/calculator_agent_qwen25.md): a larger lr with a
 3-step warmup (a 135M model and ~15 steps, not 3B and an epoch), fp32 (bf16 is slow on CPU), shorter
 completions, a time budget on the RL phase, and a 51-token system prompt instead of the full
@@ -38,8 +37,8 @@ from grpo.trainer import train
 # Correctness only. The env's shaping terms (tool_use 0.2: a call that parses; format 0.1)
 # teach the format to a cold model, but after the warm-start both are ~1 already, and within
 # an all-wrong group they pay a wrong call that parses over a nested call that errs: a run with
-# them (2026-11-29) learned flat calls with five operands that always parse and are wrong
-# (greedy accuracy 0.405 -> 0.210). Both terms are still logged.
+# them learned flat calls with five operands that always parse and are wrong (run 2 in the
+# README: greedy accuracy 0.405 -> 0.210). Both terms are still logged.
 REWARD_WEIGHTS = {"correct": 1.0, "tool_use": 0.0, "format": 0.0}
 
 
