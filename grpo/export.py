@@ -1,0 +1,72 @@
+"""Any saved checkpoint as a Hugging Face folder that `transformers` loads.
+
+    python -m grpo.export runs/NAME/checkpoints/step_000040 OUT_DIR [--model_path BASE] [--push_to_hub REPO]
+
+A checkpoint (grpo/checkpoint.py) holds the trained weights and the optimizer as DCP shards;
+the architecture, tokenizer and chat template come from the base model the run started from:
+`--model_path`, or the run's own `config.json` (two folders up from the checkpoint). Only the
+model's entries are read, into fp32 weights on the CPU, whatever world size wrote them.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def base_model_path(checkpoint: Path) -> str:
+    """The run's model_path, from OUTPUT_DIR/config.json beside OUTPUT_DIR/checkpoints/step_N."""
+    config = checkpoint.resolve().parents[1] / "config.json"
+    if not config.exists():
+        raise SystemExit(f"error: {config} not found: pass --model_path (the model the run started from)")
+    try:
+        return json.loads(config.read_text())["model_path"]
+    except (ValueError, KeyError) as e:
+        raise SystemExit(f"error: {config}: no readable model_path ({type(e).__name__}); pass --model_path") from None
+
+
+def load_checkpoint(checkpoint: str, model_path: str, dtype: torch.dtype = torch.float32):
+    """A Transformer built from `model_path`'s config with the checkpoint's weights."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from grpo.model import Transformer
+    path = Path(checkpoint)
+    if not (path / ".metadata").exists():
+        raise SystemExit(f"error: {path} is not a complete checkpoint (no .metadata): pass a "
+                         "runs/NAME/checkpoints/step_NNNNNN folder")
+    model = Transformer.from_pretrained(model_path, dtype=dtype, device="cpu")
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(path))       # reads only the keys asked for: no optimizer state
+    set_model_state_dict(model, state["model"])
+    return model
+
+
+def main(argv: list[str] | None = None) -> Path:
+    p = argparse.ArgumentParser(prog="python -m grpo.export", description=__doc__.split("\n")[0])
+    p.add_argument("checkpoint", help="a checkpoint folder: runs/NAME/checkpoints/step_NNNNNN")
+    p.add_argument("out_dir", help="the Hugging Face folder to write")
+    p.add_argument("--model_path", help="the base model (default: model_path in the run's config.json)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights on disk")
+    p.add_argument("--push_to_hub", metavar="REPO", help="then upload the folder (needs huggingface_hub and a login)")
+    args = p.parse_args(argv)
+    checkpoint = Path(args.checkpoint)
+    model = load_checkpoint(args.checkpoint, args.model_path or base_model_path(checkpoint))
+    model.save_pretrained(args.out_dir, state_dict={k: v.to(getattr(torch, args.dtype))
+                                                    for k, v in model.state_dict().items()})
+    print(f"export: {checkpoint} -> {args.out_dir}")
+    if args.push_to_hub:
+        try:
+            from huggingface_hub import HfApi
+            HfApi().create_repo(args.push_to_hub, exist_ok=True)
+            HfApi().upload_folder(folder_path=args.out_dir, repo_id=args.push_to_hub)
+        except Exception as e:  # offline, no login, no library: the export itself is done
+            raise SystemExit(f"error: push to {args.push_to_hub} failed ({type(e).__name__}: {e}); "
+                             f"the folder {args.out_dir} is written") from None
+        print(f"pushed: https://huggingface.co/{args.push_to_hub}")
+    return Path(args.out_dir)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
