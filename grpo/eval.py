@@ -39,7 +39,7 @@ def evaluate(model, tokenizer, env, examples: list[dict], n: int = 1, temperatur
              seed: int = 1234, gen_batch: int = 64, kv_budget_bytes: int | None = None, progress: bool = True,
              prompt_offset: int = 0) -> dict:
     """Run the env on `examples` with n samples each (temperature 0 = greedy). The score is the
-    env's `correct` reward term. Returns mean (mean@n), pass (pass@n), ci95 and per-sample records.
+    env's `correct` reward term (or the one its `score_term` names). Returns mean (mean@n), pass (pass@n), ci95 and per-sample records.
     `prompt_offset`: the global index of examples[0] (it seeds the samples), so that a share of
     the questions evaluated on one rank gives what the whole list gives in one process."""
     from grpo.sampler import Sampler
@@ -52,13 +52,13 @@ def evaluate(model, tokenizer, env, examples: list[dict], n: int = 1, temperatur
     if failed:  # a refused prompt would silently score 0: an accuracy must not hide that
         raise RuntimeError(f"eval: {len(failed)} of {len(trajs)} completions failed in the sampler "
                            f"(e.g. a prompt longer than the KV cache allows); see the messages above")
-    records = []
+    records, term = [], getattr(env, "score_term", "correct")
     for q, ex in enumerate(examples):
         for t in trajs[q * n:(q + 1) * n]:
             records.append({"question": ex.get("question", ex.get("prompt", "")),
                             "answer": str(ex.get("answer")), "completion": t.text,
                             "extracted": env.extract(t) if hasattr(env, "extract") else None,
-                            "correct": t.rewards.get("correct", 0.0), "rewards": t.rewards,
+                            "correct": t.rewards.get(term, 0.0), "rewards": t.rewards,
                             "finish_reason": t.finish_reason, "turns": t.num_turns})
     return summarize(records, n) | {"records": records}
 

@@ -45,3 +45,15 @@ class ToyEnv:
     def reward(self, example, trajectory):
         words = [w for w in trajectory.text.split() if w.startswith("w")]
         return {"correct": sum(w in self.TARGET for w in words) / max(len(words), 1)}
+
+
+def target_words(prompts: list[str], completions: list[str], **columns) -> list[float]:
+    """ToyEnv's reward as a TRL-style reward function (recipes/custom_task.py's --reward_funcs)."""
+    words = [[w for w in c.split() if w.startswith("w")] for c in completions]
+    return [sum(w in ToyEnv.TARGET for w in ws) / max(len(ws), 1) for ws in words]
+
+
+def short(prompts: list[str], completions: list[str], answer: list[str], **columns) -> list[float]:
+    """A second term, to check weights and columns reach the functions: 1 when the answer column
+    arrived and the completion has at most 4 words."""
+    return [float(a == "w3" and len(c.split()) <= 4) for c, a in zip(completions, answer)]
