@@ -39,7 +39,8 @@ def evaluate(model, tokenizer, env, examples: list[dict], n: int = 1, temperatur
              seed: int = 1234, gen_batch: int = 64, kv_budget_bytes: int | None = None, progress: bool = True,
              prompt_offset: int = 0) -> dict:
     """Run the env on `examples` with n samples each (temperature 0 = greedy). The score is the
-    env's `correct` reward term (or the one its `score_term` names). Returns mean (mean@n), pass (pass@n), ci95 and per-sample records.
+    env's `correct` reward term (or the one its `score_term` names). Returns mean (mean@n),
+    pass (pass@n), ci95 and per-sample records.
     `prompt_offset`: the global index of examples[0] (it seeds the samples), so that a share of
     the questions evaluated on one rank gives what the whole list gives in one process."""
     from grpo.sampler import Sampler
@@ -98,6 +99,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max_turns", type=int, default=0, help="0 = the env's own limit")
     p.add_argument("--enable_thinking", type=int, default=1,
                    help="chat template switch (Qwen3: 0 = non-thinking)")
+    p.add_argument("--tool", choices=["none", "code_interpreter"], default="none",
+                   help="math tasks: answer with the sandboxed Python tool (ReTool's env) or without")
     p.add_argument("--out", default=None, help="per-sample JSONL (default: eval_<task>.jsonl)")
     args = p.parse_args(argv)
     try:  # the data first: a missing file or an offline hub should not wait for the model to load
@@ -106,6 +109,12 @@ def main(argv: list[str] | None = None) -> dict:
     except DataError as e:
         raise SystemExit(f"python -m grpo.eval: {e}") from None
     examples = examples[:args.limit] if args.limit else examples
+    if args.tool == "code_interpreter":
+        if args.task not in ("math500", "aime24", "aime25"):
+            raise SystemExit(f"python -m grpo.eval: --tool code_interpreter is for math tasks, "
+                             f"not {args.task}")
+        from grpo.envs.retool import ReToolEnv
+        env = ReToolEnv()   # the same boxed-answer score, with the interpreter (and ReTool's system prompt)
     from transformers import AutoTokenizer
     from grpo.model import Transformer
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -98,7 +98,7 @@ def rollout(sampler: Sampler, tokenizer, env, examples: list[dict], params: Samp
     """len(examples) * params.n trajectories, in prompt order (G consecutive per prompt).
     `prompt_offset` is the global index of examples[0]: it seeds the sampler, so a prompt's
     samples do not depend on the rank or the batch it lands in."""
-    chat_kwargs = chat_kwargs or {}
+    chat_kwargs = {**getattr(env, "chat_kwargs", {}), **(chat_kwargs or {})}  # e.g. the env's tools
     messages = [env.prompt(ex) for ex in examples]
     prompts = [render_prompt(tokenizer, m, **chat_kwargs) for m in messages]
     G = params.n
@@ -140,7 +140,7 @@ def gold_trajectory(tokenizer, env, example: dict, eos_id: int,
     """A demonstration rendered in the very layout a rollout produces: sampled-looking assistant
     turns (mask 1), template-made observation tokens between them (mask 0), the final EOS.
     Used by the supervised warm-start; env.gold_messages(example) gives the turns."""
-    chat_kwargs = chat_kwargs or {}
+    chat_kwargs = {**getattr(env, "chat_kwargs", {}), **(chat_kwargs or {})}  # e.g. the env's tools
     messages = env.prompt(example)
     prompt = render_prompt(tokenizer, messages, **chat_kwargs)
     gold = env.gold_messages(example)  # [assistant, observation, assistant, ...]

@@ -76,7 +76,7 @@ def tiny_flags(model: str, out: Path) -> list[str]:
             "--save_steps=2"]
 
 
-def check_run(out: Path, family: str):
+def check_run(out: Path, family: str, eval_rows: int = 4):
     """2 RL steps in metrics.jsonl, eval before and after, an export transformers loads."""
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     steps = [r for r in rows if "reward/mean" in r]
@@ -84,7 +84,7 @@ def check_run(out: Path, family: str):
     assert all(r["completion/len"] > 0 and "loss" in r for r in steps), steps
     for phase in ("before", "after"):
         records = [json.loads(line) for line in open(out / f"eval_{phase}.jsonl")]
-        assert len(records) == 4
+        assert len(records) == eval_rows
         # an "error" row is a prompt the sampler refused (e.g. longer than its cache): it would score 0 silently
         assert not [r for r in records if r["finish_reason"] == "error"], records
     assert [p.name for p in (out / "checkpoints").glob("step_*")] == ["step_000002"]  # --save_steps=2
@@ -153,6 +153,29 @@ def test_gsm8k_recipe_two_steps_thinking_off(tmp_path, smollm2_path, monkeypatch
             assert all(p.endswith(EMPTY_THINK) for p in prompts), (phase, [p[-60:] for p in prompts])
     eval_prompts = seen["eval"][0][1]
     assert all("ANSWER:" in p.split("<|im_start|>user")[0] for p in eval_prompts)  # the 10-shot system prompt
+
+
+# ----------------------------------------------------------------------------- ReTool (Qwen3, code interpreter)
+
+@pytest.mark.skipif(not (DATA / "math500" / "test.jsonl").exists(), reason="../shared/data/math500 not found")
+def test_retool_recipe_two_steps(tmp_path, smollm2_path):
+    """The pipeline on a tiny random Qwen3-shaped model with the stand-in tools template: it
+    never writes a tool call (tests/test_retool.py runs real sandbox calls on SmolLM2)."""
+    from test_retool import QWEN3_TOOLS_TEMPLATE
+    model = make_tiny_chat_model(tmp_path / "tiny-qwen3", "qwen3", smollm2_path, QWEN3_TOOLS_TEMPLATE)
+    out = tmp_path / "run"
+    train_data = tmp_path / "train.jsonl"
+    train_data.write_text("".join((DATA / "math500" / "test.jsonl").read_text().splitlines(True)[:16]))
+    cmd = [sys.executable, str(ROOT / "recipes" / "retool_qwen3_4b.py"), *tiny_flags(model, out),
+           f"--train_data={train_data}", "--question_field=problem", "--answer_field=answer",
+           f"--eval_data={DATA / 'aime' / 'aime24.jsonl'}", "--eval_n=2", "--max_prompt_length=512",
+           "--gradient_checkpointing=false"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=ONE_THREAD)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    check_run(out, "qwen3", eval_rows=8)
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl") if "reward/mean" in line]
+    assert all({"reward/correct", "reward/tool_calls", "reward/tool_errors"} <= set(r) for r in rows)
+    assert all(r["reward/mean"] == 2 * r["reward/correct"] - 1 for r in rows)   # +-1, as the reference
 
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "recipes").glob("*.py")))

@@ -1,0 +1,117 @@
+"""grpo.envs.retool: Qwen3-style native tool calls to the code interpreter. Parsing and
+errors by hand; a multi-turn rollout on SmolLM2 with a stand-in of Qwen3-2507's tool template
+(tools block in the system turn, <tool_call> JSON, tool responses wrapped as <tool_response>
+in a user turn), where the observation tokens are exactly the template's and masked, and the
+sampler's log-probs equal a full forward."""
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from grpo.envs.retool import CODE_INTERPRETER, REWARD_WEIGHTS, ReToolEnv, parse_calls
+from grpo.model import Transformer
+from grpo.rollout import Trajectory, continuation_ids, render_prompt, rollout, sampling_params, score
+from grpo.sampler import Sampler
+
+# Qwen3-2507's tool layout (its real template is not available offline: DESIGN.md)
+QWEN3_TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n"
+    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' and loop.first %}"
+    "{%- elif m.role == 'tool' %}{{ '<|im_start|>user\n<tool_response>\n' + m.content + '\n</tool_response><|im_end|>\n' }}"
+    "{%- else %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}")
+
+
+def call(code: str) -> str:
+    import json
+    return "<tool_call>\n" + json.dumps({"name": "code_interpreter", "arguments": {"code": code}}) + "\n</tool_call>"
+
+
+def test_parse_calls_and_error_observations():
+    assert parse_calls("Let me compute. " + call("print(1)")) == [("print(1)", None)]
+    assert parse_calls("no call, the answer is \\boxed{3}") == []
+    two = parse_calls(call("print(1)") + " and " + call("print(2)"))
+    assert [c for c, _ in two] == ["print(1)", "print(2)"]
+    assert parse_calls('<tool_call>{"name": "code_interpreter", "arguments": "{\\"code\\": \\"x=1\\"}"}</tool_call>') \
+        == [("x=1", None)]                                      # arguments as a JSON string
+    for bad, message in [("<tool_call>{not json</tool_call>", "not valid JSON"),
+                         ('<tool_call>{"name": "search", "arguments": {}}</tool_call>', "unknown tool 'search'"),
+                         ('<tool_call>{"name": "code_interpreter", "arguments": {}}</tool_call>', "needs arguments"),
+                         ("<tool_call>[1, 2]</tool_call>", "unknown tool None")]:
+        [(code, error)] = parse_calls(bad)
+        assert code is None and message in error, error
+    ran = []
+    env = ReToolEnv(run_code=lambda code, timeout: ran.append(code) or f"ran {code}\n")
+    assert env.step(call("print(1)")) == "ran print(1)\n" and ran == ["print(1)"]
+    assert env.step("<tool_call>{oops</tool_call>").startswith("error: tool call is not valid JSON")
+    both = env.step(call("a") + call("b"))
+    assert both == "[call 1]\nran a\n\n[call 2]\nran b\n" and ran[-2:] == ["a", "b"]   # in order
+    assert env.step("The answer is \\boxed{2}.") is None
+
+
+def test_reward_is_plus_minus_one_on_the_boxed_answer():
+    env = ReToolEnv(run_code=lambda code, timeout: "")
+    def traj(turns, observations=(), finish="stop"):
+        return Trajectory(example={}, prompt_index=0, prompt_ids=[], completion_ids=[], loss_mask=[],
+                          sampler_logprobs=[], finish_reason=finish, num_turns=len(turns), text="".join(turns),
+                          turns=list(turns), observations=list(observations))
+    ex = {"question": "2^10?", "answer": "1024"}
+    right = traj([call("print(2**10)"), "So \\boxed{1024}."], ["1024\n"])
+    wrong = traj(["<tool_call>{bad</tool_call>", "\\boxed{1000}"], ["error: tool call is not valid JSON"])
+    cut = traj(["\\boxed{1024} and then"], finish="length")
+    total = lambda r: sum(REWARD_WEIGHTS[k] * v for k, v in r.items())   # noqa: E731
+    assert env.reward(ex, right)["correct"] == 1 and total(env.reward(ex, right)) == 1.0
+    assert env.reward(ex, wrong)["correct"] == 0 and total(env.reward(ex, wrong)) == -1.0
+    assert env.reward(ex, wrong)["tool_errors"] == 2 and env.reward(ex, right)["tool_calls"] == 1
+    assert env.reward(ex, cut)["correct"] == 0        # a truncated answer is not a final answer
+
+
+SHOTS = [("What is 2 to the power 10?", "print(2**10)", "1024"), ("What is 5 to the power 3?", "print(5**3)", "125")]
+
+
+class TwoShotReTool(ReToolEnv):
+    """SmolLM2 never writes the format from the tools block alone: two solved episodes first."""
+    def prompt(self, example):
+        shots = []
+        for q, code, out in SHOTS:
+            shots += [{"role": "user", "content": q}, {"role": "assistant", "content": call(code)},
+                      {"role": "tool", "content": out}, {"role": "assistant", "content": f"\\boxed{{{out}}}"}]
+        return [{"role": "system", "content": "Use the code_interpreter tool."}] + shots + \
+            [{"role": "user", "content": example["question"]}]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_rollout_with_real_sandbox_calls(smollm2_path):
+    from grpo.envs.sandbox import run_code
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    tok.chat_template = QWEN3_TOOLS_TEMPLATE
+    model = Transformer.from_pretrained(smollm2_path).eval()
+    env = TwoShotReTool(run_code=run_code, timeout=10.0)
+    example = {"question": "What is 3 to the power 4?", "answer": "81"}
+    params = sampling_params(env, tok, 8, 0.7, 64, seed=0, max_turns=3)
+    trajs = score(env, rollout(Sampler(model, tok, max_batch=8), tok, env, [example], params))
+    prompt = render_prompt(tok, env.prompt(example), tools=[CODE_INTERPRETER])
+    assert '"name": "code_interpreter"' in tok.decode(prompt)            # the tools block, from the template
+    called = [t for t in trajs if t.observations]
+    assert called, [t.text for t in trajs]
+    for t in called:
+        first_turn_len = t.loss_mask.index(0)
+        obs = continuation_ids(tok, env.prompt(example), t.turns[0], t.observations[0], "tool",
+                               tools=[CODE_INTERPRETER])
+        assert t.completion_ids[first_turn_len:first_turn_len + len(obs)] == obs      # the template's own tokens
+        assert t.loss_mask[first_turn_len:first_turn_len + len(obs)] == [0] * len(obs)
+        assert "<tool_response>" in tok.decode(obs) and t.observations[0] == run_code(parse_calls(t.turns[0])[0][0])
+        # the sampler's log-probs are the full forward's at T 0.7 on sampled tokens, 0 on injected ones
+        ids = torch.tensor([t.prompt_ids + t.completion_ids])
+        with torch.no_grad():
+            logp = (model(ids)[0, len(t.prompt_ids) - 1:-1] / 0.7).log_softmax(-1)
+        full = logp.gather(-1, torch.tensor(t.completion_ids)[:, None])[:, 0] * torch.tensor(t.loss_mask)
+        torch.testing.assert_close(torch.tensor(t.sampler_logprobs), full, atol=2e-4, rtol=0)
