@@ -1,0 +1,146 @@
+"""grpo.process (ProcessGRPO): steps, progress and token credit by hand; the controls; the
+Monte Carlo success rates against the exact probabilities of a tiny model; per-token
+advantages through the update equal per-sequence ones when they agree."""
+import random
+
+import torch
+from transformers import AutoTokenizer
+
+from grpo.model import Transformer
+from grpo.process import ProcessCredit, credit_tokens, shuffled, step_ends, step_progress
+from grpo.rollout import Trajectory, render_prompt
+from grpo.sampler import Sampler
+
+from toy import ToyEnv, make_toy_dir
+
+
+def test_step_ends_by_hand():
+    pieces = ["First", " step", ".\n\n", "Second", ".", "\n\n", "\n\n", "Third", " done", "."]
+    assert step_ends(pieces) == [3, 6, 10]          # the repeated blank line ends no empty step
+    assert step_ends(["\n\n", "a", "\n\n", "b"]) == [3, 4]   # nothing before the first separator
+    assert step_ends(["a", "\n", "b", "\n", "c"]) == [2, 4, 5]   # no blank line: lines
+    assert step_ends(["one step only"]) == [1]
+    assert step_ends(["a", "\n\n", "b", "\n\n"]) == [2, 4]  # trailing blanks stay with the last step
+    assert step_ends(pieces, max_steps=2) == [3, 10]       # later steps merged into the last
+
+
+def test_progress_telescopes_and_credit_by_hand():
+    rates = [0.25, 0.5, 0.375]                      # p_0, p_1, p_2 (exact in binary)
+    progress = step_progress(rates, outcome=1.0)
+    assert progress == [0.25, -0.125, 0.625] and sum(progress) == 1.0 - rates[0]
+    A = credit_tokens(6, [2, 3, 6], outcome_advantage=0.5, progress=progress, weight=3.0)
+    assert A.tolist() == [1.25, 1.25, 0.125, 2.375, 2.375, 2.375]
+    rng = random.Random(0)
+    mixed = shuffled(progress, rng)
+    assert sorted(mixed) == sorted(progress) and sum(mixed) == sum(progress)
+
+
+class LastWordEnv(ToyEnv):
+    """correct: the completion's last word is one of the targets (w0..w7)."""
+    def reward(self, example, trajectory):
+        words = trajectory.text.split()
+        return {"correct": float(bool(words) and words[-1] in self.TARGET)}
+
+
+def test_monte_carlo_rates_converge_to_the_exact_probabilities(tmp_path, one_thread):
+    """With one-token continuations the chance of success from a prefix is exact: the sum of
+    softmax(logits / T) over the tokens that make the last word a target (or, for the end
+    token, leave a target last). The estimates from K = 512 continuations are within 4 sigma."""
+    path = make_toy_dir(tmp_path / "toy")
+    tok, model = AutoTokenizer.from_pretrained(path), Transformer.from_pretrained(path).eval()
+    env = LastWordEnv()
+    prompt = render_prompt(tok, env.prompt({"question": "w1 w2"}))
+    completion = tok.encode("w3 w9 w4 w12", add_special_tokens=False)  # a word-level vocabulary: steps by hand
+    traj = Trajectory(example={}, prompt_index=0, prompt_ids=prompt, completion_ids=completion, loss_mask=[],
+                      sampler_logprobs=[], finish_reason="stop", num_turns=1, rewards={"correct": 0.0})
+    K = 512
+    credit = ProcessCredit(Sampler(model, tok, max_batch=64), tok, env, num_continuations=K, temperature=1.0,
+                           max_continuation_tokens=1, seed=3)
+    ends = [2, 3, 4]
+    [rates] = credit.success_rates([traj], [ends], step=0)
+    eos = model.eos_token_ids()
+    for k, boundary in enumerate([0] + ends[:-1]):
+        prefix = prompt + completion[:boundary]
+        with torch.no_grad():
+            p = model(torch.tensor([prefix]))[0, -1].softmax(-1)
+        wins = [float(env.reward({}, Trajectory({}, 0, [], [], [], [], "stop", 1,
+                                                text=tok.decode(completion[:boundary] + [v], skip_special_tokens=True)))
+                      ["correct"]) for v in range(len(p))]
+        exact = float((p * torch.tensor(wins)).sum())
+        sigma = (exact * (1 - exact) / K) ** 0.5
+        assert abs(rates[k] - exact) <= 4 * sigma + 1e-9, (k, rates[k], exact, sigma, eos)
+
+
+def every_word(pieces, max_steps):  # the toy vocabulary has no blank lines: one step per word
+    return list(range(1, len(pieces) + 1))
+
+
+def test_controls_and_assembly(tmp_path, one_thread):
+    """outcome: the advantages untouched (the plain GRPO path, bit for bit); process: each token
+    gets A + 3 x its step's progress from the frozen model's rates; shuffled: the same progress
+    values per solution, permuted over its steps."""
+    path = make_toy_dir(tmp_path / "toy")
+    tok, model = AutoTokenizer.from_pretrained(path), Transformer.from_pretrained(path).eval()
+    env = LastWordEnv()
+    prompt = render_prompt(tok, env.prompt({"question": "w1 w2"}))
+    trajs = [Trajectory(example={}, prompt_index=0, prompt_ids=prompt,
+                        completion_ids=tok.encode(text, add_special_tokens=False), loss_mask=[], sampler_logprobs=[],
+                        finish_reason="stop", num_turns=1, rewards={"correct": r})
+             for text, r in [("w3 w4 w5", 1.0), ("w9 w20", 0.0)]]
+    A = torch.tensor([0.7, -0.7])
+    sampler = Sampler(model, tok, max_batch=32)
+    make = lambda mode: ProcessCredit(sampler, tok, env, num_continuations=8, mode=mode, seed=1,  # noqa: E731
+                                      split=every_word)
+    assert make("outcome")(trajs, A) is A
+    process, mixed = make("process")(trajs, A), make("shuffled")(trajs, A)
+    ends = [every_word(t.completion_ids, 0) for t in trajs]
+    rates = make("process").success_rates(trajs, ends, step=0)      # the same seed: the same rates
+    assert any(0 < r < 1 for rs in rates for r in rs), rates          # the rates are not trivial
+    for i, t in enumerate(trajs):
+        C = len(t.completion_ids)
+        progress = step_progress(rates[i], t.rewards["correct"])
+        torch.testing.assert_close(process[i, :C], credit_tokens(C, ends[i], float(A[i]), progress, 3.0))
+        assert (process[i, C:] == 0).all() and (mixed[i, C:] == 0).all()
+        per_step = ((mixed[i, :C] - A[i]) / 3).tolist()                # one token per step here
+        assert sorted(round(x, 5) for x in per_step) == sorted(round(x, 5) for x in progress)
+        assert abs(sum(progress) - (t.rewards["correct"] - rates[i][0])) < 1e-9   # telescoping
+
+
+def test_token_advantages_equal_sequence_advantages_when_they_agree(tmp_path, one_thread):
+    """policy_update with (N, C) advantages, every token of a sequence equal to its (N,) value,
+    moves the weights exactly as the per-sequence update; a sequence is left out only when all
+    its token advantages are zero."""
+    from grpo.config import Config
+    from grpo.rollout import rollout, sampling_params
+    from grpo.update import policy_update, update_batches
+    path = make_toy_dir(tmp_path / "toy")
+    tok = AutoTokenizer.from_pretrained(path)
+    cfg = Config(model_path=path, num_generations=4, max_completion_length=8, micro_batch_tokens=64,
+                 loss_type="dr_grpo", learning_rate=1.0, max_grad_norm=0.0)
+    model = Transformer.from_pretrained(path)
+    params = sampling_params(ToyEnv(), tok, 4, 1.0, 8, seed=5)
+    trajs = rollout(Sampler(model, tok, max_batch=16), tok, ToyEnv(), [{"question": "w1 w2"}, {"question": "w3"}],
+                    params)
+    A = torch.tensor([0.5, -0.5, 1.0, -1.0, 0.0, 0.0, 0.0, 0.0])      # the second group flat
+    C = max(len(t.completion_ids) for t in trajs)
+    per_token = torch.zeros(len(trajs), C)
+    for i, t in enumerate(trajs):
+        per_token[i, :len(t.completion_ids)] = A[i]
+    per_token[5, 0] = 0.25       # one token of a flat-group sequence gets credit: that sequence is trained on
+    moved = []
+    for adv in (A, per_token):
+        m = Transformer.from_pretrained(path)
+        before = [p.detach().clone() for p in m.parameters()]
+        opt = torch.optim.SGD(m.parameters(), lr=1.0)
+        policy_update(m, None, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), trajs, adv, cfg, "cpu")
+        moved.append([p0 - p.detach() for p, p0 in zip(m.parameters(), before)])
+    kept = sum(len(b["input_ids"]) for b in update_batches(trajs, per_token, cfg, "cpu"))
+    assert kept == 5                                              # 4 informative + the one credited sequence
+    per_token[5, 0] = 0.0
+    m = Transformer.from_pretrained(path)
+    before = [p.detach().clone() for p in m.parameters()]
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    policy_update(m, None, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), trajs, per_token, cfg, "cpu")
+    for p, p0, g in zip(m.parameters(), before, moved[0]):
+        torch.testing.assert_close(p0 - p.detach(), g, atol=1e-7, rtol=1e-5)
+    assert any((a - b).abs().max() > 0 for a, b in zip(moved[0], moved[1])), "the credited token should count"
