@@ -33,11 +33,13 @@ class KVCache:
 
     @staticmethod
     def slot_bytes(args, max_seq_len: int, dtype: torch.dtype) -> int:
-        return 2 * args.n_layers * max_seq_len * args.n_kv_heads * args.head_dim * torch.finfo(dtype).bits // 8
+        bits = torch.finfo(dtype).bits
+        return 2 * args.n_layers * max_seq_len * args.n_kv_heads * args.head_dim * bits // 8
 
     def packed(self, slot: Tensor, pos: Tensor):
         """The next forward is one packed row of fresh prompts; token t goes to (slot[t], pos[t])."""
-        self.w_slot, self.w_pos, self.w_b, self.w_t = slot, pos, torch.zeros_like(pos), torch.arange(len(pos), device=pos.device)
+        self.w_slot, self.w_pos = slot, pos
+        self.w_b, self.w_t = torch.zeros_like(pos), torch.arange(len(pos), device=pos.device)
         self.read, self.attend = None, None
 
     def rows(self, rows, start: Tensor, T: int, span: int, valid: Tensor | None = None):
@@ -46,13 +48,17 @@ class KVCache:
         `valid` (B, T) bool marks real tokens in a padded batch; the rest are not stored."""
         B = len(start)
         q_pos = start[:, None] + torch.arange(T, device=start.device)  # (B, T)
-        b, t = (valid.nonzero(as_tuple=True) if valid is not None else
-                (torch.arange(B, device=start.device).repeat_interleave(T), torch.arange(T, device=start.device).repeat(B)))
+        if valid is not None:
+            b, t = valid.nonzero(as_tuple=True)
+        else:
+            b = torch.arange(B, device=start.device).repeat_interleave(T)
+            t = torch.arange(T, device=start.device).repeat(B)
         slot_of = torch.arange(self.slots, device=start.device)[rows]  # (B,)
         self.w_slot, self.w_pos, self.w_b, self.w_t = slot_of[b], q_pos[b, t], b, t
-        mask = torch.arange(span, device=start.device) <= q_pos[..., None]  # (B, T, span): causal over the history
+        mask = torch.arange(span, device=start.device) <= q_pos[..., None]  # (B, T, span): causal, history
         self.read = (rows, span, mask[:, None])
-        self.attend = self._flash_attend if (flash_attn_with_kvcache and self.k.is_cuda and valid is None) else None
+        flash = flash_attn_with_kvcache is not None and self.k.is_cuda and valid is None
+        self.attend = self._flash_attend if flash else None
         self.seqlens, self.rows_idx = start.to(torch.int32), slot_of.to(torch.int32)
 
     def update(self, layer: int, k: Tensor, v: Tensor):  # k, v (B, nkv, T, D), rotary applied
@@ -67,8 +73,9 @@ class KVCache:
     def _flash_attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """flash-attn reads only each row's own length (no span, no mask) and appends k, v
         itself. q, k, v (B, nh, T, D) -> (B, nh, T, D). Untested here: no GPU in CI."""
-        y = flash_attn_with_kvcache(q.transpose(1, 2), self.k[layer], self.v[layer], k.transpose(1, 2), v.transpose(1, 2),
-                                    cache_seqlens=self.seqlens, cache_batch_idx=self.rows_idx, causal=True)
+        y = flash_attn_with_kvcache(q.transpose(1, 2), self.k[layer], self.v[layer], k.transpose(1, 2),
+                                    v.transpose(1, 2), cache_seqlens=self.seqlens,
+                                    cache_batch_idx=self.rows_idx, causal=True)
         return y.transpose(1, 2)
 
     def fork(self, src: int, dst: list[int], length: int):

@@ -18,12 +18,13 @@ importable; on CPU the window is a single eager step over the occupied slots.
 import concurrent.futures as cf
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from grpo.kv_cache import KVCache
-from grpo.sampling import request_key, sample, uniform
+from grpo.sampling import request_key, sample
 
 
 @dataclass
@@ -42,9 +43,10 @@ class SamplingParams:
     seed: int | None = None         # None = drawn from torch's global generator
 
     def __post_init__(self):
-        checks = [(self.n >= 1, "n >= 1"), (self.temperature >= 0, "temperature >= 0"), (0 < self.top_p <= 1, "0 < top_p <= 1"),
-                  (self.top_k >= 0, "top_k >= 0"), (0 <= self.min_p < 1, "0 <= min_p < 1"),
-                  (self.max_tokens >= 1, "max_tokens >= 1"), (self.max_turns >= 1, "max_turns >= 1")]
+        checks = [(self.n >= 1, "n >= 1"), (self.temperature >= 0, "temperature >= 0"),
+                  (0 < self.top_p <= 1, "0 < top_p <= 1"), (self.top_k >= 0, "top_k >= 0"),
+                  (0 <= self.min_p < 1, "0 <= min_p < 1"), (self.max_tokens >= 1, "max_tokens >= 1"),
+                  (self.max_turns >= 1, "max_turns >= 1")]
         for ok, what in checks:
             if not ok:
                 raise ValueError(f"SamplingParams needs {what}: got {self}")
@@ -69,39 +71,63 @@ class _Seq(Completion):  # a request in flight: a Completion plus where it lives
         self.slot, self.turn_start, self.in_tool = -1, 0, False
 
 
+@dataclass
+class _Call:
+    """One generate() call: its settings and where each of its requests is."""
+    params: SamplingParams
+    tool: Callable | None           # tool(index, completion_ids) -> observation ids | None
+    out: list                       # (prompts x n) Completion or finished _Seq, in request order
+    stops: set[int]                 # token ids that end a row
+    tool_stops: set[int]            # token ids that end a turn with a tool call
+    is_stop: Tensor                 # (V,) bool on device: both kinds, for decode_step
+    tail: int                       # tokens decoded per stop-string check (0 = no stop strings)
+    unadmitted: list[int]           # per prompt: samples still waiting (its logits are kept till 0)
+    bar: object = None              # progress bar (or a do-nothing one)
+    waiting: deque = field(default_factory=deque)  # _Seq not yet in a slot, in request order
+    live: dict = field(default_factory=dict)       # slot -> _Seq, decoding or in a tool call
+    pending: dict = field(default_factory=dict)    # tool future -> _Seq
+    prompt_logits: dict = field(default_factory=dict)  # prompt index -> (V,) logits of its last token
+    graphs: dict = field(default_factory=dict)     # cache_len bucket -> CUDA graph of one decode window
+
+
 class _State:
     """Per-slot decode state on device: the next token to feed (at `pos`, not yet cached),
     tokens so far (the RNG counter), the row's token limit, and whether it is decoding."""
     def __init__(self, slots: int, window: int, device):
         z = lambda dtype=torch.int64: torch.zeros(slots, dtype=dtype, device=device)
-        self.tok, self.pos, self.ntok, self.limit, self.key, self.active = z(), z(), z(), z(), z(), z(torch.bool)
+        self.tok, self.pos, self.ntok, self.limit, self.key = z(), z(), z(), z(), z()
+        self.active = z(torch.bool)
         self.out_tok = torch.zeros(slots, window, dtype=torch.int64, device=device)  # (slots, window)
         self.out_lp = torch.zeros(slots, window, device=device)
         self.out_ok = torch.zeros(slots, window, dtype=torch.bool, device=device)
 
 
-def decode_step(model, cache: KVCache, st: _State, is_stop: Tensor, p: SamplingParams, hi: int, span: int, j: int):
-    """One token for slots [0, hi): feed each row's last token, sample the next, record it in
-    window column j, and retire rows that hit a stop id or their limit. No host sync."""
-    active, pos = st.active[:hi], st.pos[:hi]
-    cache.rows(slice(0, hi), pos, 1, span)
-    logits = model(st.tok[:hi, None], pos[:, None], cache=cache)[:, 0]  # (hi, V)
-    tok, lp = sample(logits, uniform(st.key[:hi], st.ntok[:hi]), p.temperature, p.top_k, p.top_p, p.min_p)
-    st.out_tok[:hi, j], st.out_lp[:hi, j], st.out_ok[:hi, j] = tok, lp, active
-    st.tok[:hi] = torch.where(active, tok, st.tok[:hi])
-    st.pos[:hi] += active
-    st.ntok[:hi] += active
-    st.active[:hi] = active & ~is_stop[tok] & (st.ntok[:hi] < st.limit[:hi])
+def decode_step(model, cache: KVCache, state: _State, is_stop: Tensor, params: SamplingParams, num_slots: int,
+                cache_len: int, column: int):
+    """One token for slots [0, num_slots): feed each row's last token (attending to cache
+    positions [0, cache_len)), sample the next, record it in window column `column`, and retire
+    rows that hit a stop id or their limit. No host sync."""
+    st, p, rows = state, params, slice(0, num_slots)
+    active, pos = st.active[rows], st.pos[rows]
+    cache.rows(rows, pos, 1, cache_len)
+    logits = model(st.tok[rows, None], pos[:, None], cache=cache)[:, 0]  # (num_slots, V)
+    tok, lp = sample(logits, st.key[rows], st.ntok[rows], p.temperature, p.top_k, p.top_p, p.min_p)
+    st.out_tok[rows, column], st.out_lp[rows, column], st.out_ok[rows, column] = tok, lp, active
+    st.tok[rows] = torch.where(active, tok, st.tok[rows])
+    st.pos[rows] += active
+    st.ntok[rows] += active
+    st.active[rows] = active & ~is_stop[tok] & (st.ntok[rows] < st.limit[rows])
 
 
 class Sampler:
     def __init__(self, model, tokenizer=None, max_batch: int = 64, max_seq_len: int | None = None,
-                 kv_budget_bytes: int | None = None, prefill_tokens: int | None = None, sync_every: int | None = None,
-                 cuda_graphs: bool = True, tool_workers: int = 8):
+                 kv_budget_bytes: int | None = None, prefill_tokens: int | None = None,
+                 sync_every: int | None = None, cuda_graphs: bool = True, tool_workers: int = 8):
         p = next(model.parameters())
         self.model, self.tokenizer, self.dtype, self.device = model, tokenizer, p.dtype, p.device
+        self.max_batch, self.fixed_len = max_batch, max_seq_len
         # tokens per packed prefill forward: bounds the (T, T) document mask and attention scores
-        self.max_batch, self.fixed_len, self.prefill_tokens = max_batch, max_seq_len, prefill_tokens or (8192 if p.is_cuda else 2048)
+        self.prefill_tokens = prefill_tokens or (8192 if p.is_cuda else 2048)
         self.max_positions = model.config.get("max_position_embeddings", 1 << 20)
         if kv_budget_bytes is None:  # CUDA: half of what is free; CPU: 2 GiB (pages are touched only as used)
             kv_budget_bytes = torch.cuda.mem_get_info(p.device)[0] // 2 if p.is_cuda else 2 << 30
@@ -113,11 +139,12 @@ class Sampler:
             self._allocate(max_seq_len)
 
     def _allocate(self, max_seq_len: int):
-        slots = min(self.max_batch, self.budget // KVCache.slot_bytes(self.model.args, max_seq_len, self.dtype))
+        slots = self.budget // KVCache.slot_bytes(self.model.args, max_seq_len, self.dtype)
+        slots = min(self.max_batch, slots)
         if slots < 1:
             raise ValueError(f"kv_budget_bytes={self.budget} holds no row of {max_seq_len} tokens")
         self.cache = KVCache(self.model.args, slots, max_seq_len, self.dtype, self.device)
-        self.state, self.graphs, self.graph_pool = _State(slots, self.window, self.device), {}, None
+        self.state, self.graph_pool = _State(slots, self.window, self.device), None
 
     # ------------------------------------------------------------------------- the loop
 
@@ -127,47 +154,52 @@ class Sampler:
         """n completions per prompt, in prompt order (prompt i's samples at i*n .. i*n+n-1).
         `tool(index, completion_ids) -> observation ids | None` is called from a worker thread
         when a row stops on a tool-call stop. `prompt_ids`: global prompt indices for seeding."""
-        p, n = params, params.n
+        call = self._start(prompts, params, tool, prompt_ids, progress)
+        while call.waiting or call.live or call.pending:
+            self._admit(call)
+            self._resume(call)
+            if any(not s.in_tool for s in call.live.values()):
+                self._decode(call)
+            elif call.pending and not (call.waiting and self._free(call)):
+                cf.wait(list(call.pending), return_when=cf.FIRST_COMPLETED)
+        call.bar.close()
+        return [c if type(c) is Completion else _public(c) for c in call.out]
+
+    def _start(self, prompts: list[list[int]], p: SamplingParams, tool, prompt_ids: list[int] | None,
+               progress: bool) -> _Call:
+        """Check the request, size the cache for it, and queue its prompts x n rows, each with
+        its random stream's key (a bad prompt's rows are finished with an error here)."""
         if (p.stop_strings or p.tool_stop_strings) and self.tokenizer is None:
             raise ValueError("stop strings need the Sampler's tokenizer: Sampler(model, tokenizer=...)")
         prompt_ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
         if len(prompt_ids) != len(prompts):
             raise ValueError(f"{len(prompt_ids)=} != {len(prompts)=}")
         seed = p.seed if p.seed is not None else int(torch.randint(2**31, ()))
-        fits = self.budget // KVCache.slot_bytes(self.model.args, 1, self.dtype)  # longest row the budget holds
+        fits = self.budget // KVCache.slot_bytes(self.model.args, 1, self.dtype)  # the longest row it holds
         need = min(self.max_positions, fits, max((len(x) for x in prompts), default=0) + p.max_tokens)
         if self.cache is None or (self.fixed_len is None and self.cache.max_seq_len < need):
-            self._allocate(min(-(-need // 64) * 64, fits))  # sized to this call; grown only if a later one needs more
-        S, V = self.cache.max_seq_len, self.model.args.vocab_size
-        self.p, self.tool, self.out = p, tool, [None] * (len(prompts) * n)
-        self.stops = set(self.model.eos_token_ids() if p.stop_token_ids is None else p.stop_token_ids)
-        self.tool_stops = set(p.tool_stop_token_ids)
-        self.is_stop = torch.zeros(V, dtype=torch.bool, device=self.device)
-        self.is_stop[[t for t in self.stops | self.tool_stops if 0 <= t < V]] = True
-        strings = p.stop_strings + p.tool_stop_strings  # a string of c chars spans at most c tokens (+ partial bytes)
-        self.tail = 2 * max(map(len, strings)) + 4 if strings else 0  # tokens decoded per check
-        self.waiting, self.live, self.pending, self.prompt_logits = deque(), {}, {}, {}
-        self.unadmitted = [n] * len(prompts)  # per prompt: samples still waiting (its logits are kept till 0)
+            # sized to this call; grown only if a later one needs more
+            self._allocate(min(-(-need // 64) * 64, fits))
+        S, V, n = self.cache.max_seq_len, self.model.args.vocab_size, p.n
+        stops = set(self.model.eos_token_ids() if p.stop_token_ids is None else p.stop_token_ids)
+        is_stop = torch.zeros(V, dtype=torch.bool, device=self.device)
+        is_stop[[t for t in stops | set(p.tool_stop_token_ids) if 0 <= t < V]] = True
+        strings = p.stop_strings + p.tool_stop_strings  # c chars span at most c tokens (+ partial bytes)
+        tail = 2 * max(map(len, strings)) + 4 if strings else 0
+        out = [None] * (len(prompts) * n)
+        call = _Call(p, tool, out, stops, set(p.tool_stop_token_ids), is_stop, tail, [n] * len(prompts))
         for i, prompt in enumerate(prompts):
             bad = self._check(prompt, V, S)
             for j in range(n):
                 if bad:
-                    self.out[i * n + j] = Completion(i, j, finish_reason="error", num_turns=0, error=f"prompt {i}: {bad}")
+                    out[i * n + j] = Completion(i, j, finish_reason="error", num_turns=0,
+                                                error=f"prompt {i}: {bad}")
                 else:
-                    key = request_key(seed, prompt_ids[i], j)
-                    self.waiting.append(_Seq(i * n + j, i, j, list(prompt), key, min(p.max_tokens, S - len(prompt))))
-        self.graphs = {}  # captured for this call's sampling settings
-        self.bar = _progress(sum(c is None for c in self.out), progress)
+                    key, limit = request_key(seed, prompt_ids[i], j), min(p.max_tokens, S - len(prompt))
+                    call.waiting.append(_Seq(i * n + j, i, j, list(prompt), key, limit))
+        call.bar = _progress(sum(c is None for c in out), progress)
         self.state.active.zero_()
-        while self.waiting or self.live or self.pending:
-            self._admit()
-            self._resume()
-            if any(not s.in_tool for s in self.live.values()):
-                self._decode()
-            elif self.pending and not (self.waiting and self._free()):
-                cf.wait(list(self.pending), return_when=cf.FIRST_COMPLETED)
-        self.bar.close()
-        return [c if type(c) is Completion else _public(c) for c in self.out]
+        return call
 
     def _check(self, prompt: list[int], V: int, S: int) -> str | None:
         if len(prompt) == 0:
@@ -178,21 +210,21 @@ class Sampler:
             return f"{len(prompt)} tokens leave no room in max_seq_len={S}"
         return None
 
-    def _free(self) -> list[int]:
-        return sorted(set(range(self.cache.slots)) - set(self.live))
+    def _free(self, call: _Call) -> list[int]:
+        return sorted(set(range(self.cache.slots)) - set(call.live))
 
     # ------------------------------------------------------------------------- 1. admit
 
-    def _admit(self):
+    def _admit(self, call: _Call):
         """Fill free slots from the queue (lowest slots first, so decode spans few slots). A
         prompt is prefilled once; its other samples fork its KV from a live sibling's slot."""
-        holders = {s.prompt_index: s.slot for s in self.live.values()}  # live rows hold their prompt's KV
-        free, new = self._free(), []
-        while free and self.waiting:
-            s = self.waiting.popleft()
+        holders = {s.prompt_index: s.slot for s in call.live.values()}  # live rows hold their prompt's KV
+        free, new = self._free(call), []
+        while free and call.waiting:
+            s = call.waiting.popleft()
             s.slot = free.pop(0)
-            self.unadmitted[s.prompt_index] -= 1
-            self.live[s.slot] = s
+            call.unadmitted[s.prompt_index] -= 1
+            call.live[s.slot] = s
             new.append(s)
         if not new:
             return
@@ -201,17 +233,17 @@ class Sampler:
             groups.setdefault(s.prompt_index, []).append(s)
         fresh = [g for i, g in groups.items() if i not in holders]
         for chunk in _pack([g[0].prompt for g in fresh], self.prefill_tokens):
-            self._prefill([fresh[k] for k in chunk])
+            self._prefill(call, [fresh[k] for k in chunk])
         for i, g in groups.items():
             src = holders.get(i, g[0].slot)
             self.cache.fork(src, [s.slot for s in g if s.slot != src], len(g[0].prompt))
-        logits = torch.stack([self.prompt_logits[s.prompt_index] for s in new])  # (B_new, V)
+        logits = torch.stack([call.prompt_logits[s.prompt_index] for s in new])  # (B_new, V)
         for i in groups:  # keep a prompt's logits only while samples of it still wait
-            if self.unadmitted[i] == 0:
-                del self.prompt_logits[i]
-        self._sample_into(new, logits)
+            if call.unadmitted[i] == 0:
+                del call.prompt_logits[i]
+        self._sample_into(call, new, logits)
 
-    def _prefill(self, groups: list[list[_Seq]]):
+    def _prefill(self, call: _Call, groups: list[list[_Seq]]):
         """One packed forward over fresh prompts (positions restart at 0 per prompt, so the
         model's document mask keeps them apart), KV into each prompt's first slot."""
         dev = self.device
@@ -219,20 +251,20 @@ class Sampler:
         ids = torch.tensor([t for x in prompts for t in x], device=dev)[None]  # (1, T) packed
         pos = torch.cat([torch.arange(len(x), device=dev) for x in prompts])
         slot = torch.cat([torch.full((len(x),), g[0].slot, device=dev) for x, g in zip(prompts, groups)])
-        last = torch.tensor([len(x) for x in prompts], device=dev).cumsum(0) - 1  # (K,) each prompt's last token
+        last = torch.tensor([len(x) for x in prompts], device=dev).cumsum(0) - 1  # (K,) prompts' last tokens
         self.cache.packed(slot, pos)
         logits = self.model(ids, pos[None], cache=self.cache, output_index=last[None])[0]  # (K, V)
         for g, row in zip(groups, logits):
-            self.prompt_logits[g[0].prompt_index] = row
+            call.prompt_logits[g[0].prompt_index] = row
 
     # ------------------------------------------------------------------------- 2. resume
 
-    def _resume(self):
+    def _resume(self, call: _Call):
         """Rows whose tool call returned: append the observation (mask 0) to the row and to its
         cache in one padded forward over those rows, then sample their next token."""
         rows = []
-        for fut in [f for f in self.pending if f.done()]:
-            s = self.pending.pop(fut)
+        for fut in [f for f in call.pending if f.done()]:
+            s = call.pending.pop(fut)
             s.in_tool = False
             V = self.model.args.vocab_size
             try:
@@ -242,10 +274,10 @@ class Sampler:
             except Exception as e:  # a failing tool ends its own row, not the batch
                 bad = f"tool raised {type(e).__name__}: {e}"
             if bad:
-                self._finish(s, "error", error=bad)
+                self._finish(call, s, "error", error=bad)
                 continue
             if obs is None:
-                self._finish(s, "stop")
+                self._finish(call, s, "stop")
                 continue
             obs = list(obs)[: s.limit - len(s.token_ids)]
             cached = len(s.token_ids) - 1  # the tool-stop token itself is not in the cache yet
@@ -254,7 +286,7 @@ class Sampler:
             s.logprobs += [0.0] * len(obs)
             s.num_turns, s.turn_start = s.num_turns + 1, len(s.token_ids)
             if len(s.token_ids) >= s.limit:
-                self._finish(s, "length")
+                self._finish(call, s, "length")
             else:
                 rows.append((s, s.token_ids[cached:], len(s.prompt) + cached))
         if not rows:
@@ -266,100 +298,112 @@ class Sampler:
         slots = torch.tensor([s.slot for s, _, _ in rows], device=dev)
         self.cache.rows(slots, start, T, max(p for _, _, p in rows) + T, valid)
         last = torch.tensor([[len(x) - 1] for _, x, _ in rows], device=dev)  # (B, 1)
-        logits = self.model(ids, start[:, None] + torch.arange(T, device=dev), cache=self.cache, output_index=last)[:, 0]
-        self._sample_into([s for s, _, _ in rows], logits)
+        positions = start[:, None] + torch.arange(T, device=dev)
+        logits = self.model(ids, positions, cache=self.cache, output_index=last)[:, 0]  # (B, V)
+        self._sample_into(call, [s for s, _, _ in rows], logits)
 
-    def _sample_into(self, seqs: list[_Seq], logits: Tensor):
+    def _sample_into(self, call: _Call, seqs: list[_Seq], logits: Tensor):
         """Sample one token per row from (B, V) logits outside the decode loop (first tokens,
         after observations), then arm the rows that go on in the device state."""
-        st, p = self.state, self.p
+        st, p = self.state, call.params
         keys = torch.tensor([s.key for s in seqs], device=self.device)
         steps = torch.tensor([len(s.token_ids) for s in seqs], device=self.device)
-        tok, lp = sample(logits, uniform(keys, steps), p.temperature, p.top_k, p.top_p, p.min_p)
-        go = [s for s, t, l in zip(seqs, tok.tolist(), lp.tolist()) if not self._accept(s, t, l)]  # host sync
+        tok, lp = sample(logits, keys, steps, p.temperature, p.top_k, p.top_p, p.min_p)
+        tok, lp = tok.tolist(), lp.tolist()  # host sync
+        go = [s for s, t, l in zip(seqs, tok, lp) if not self._accept(call, s, t, l)]
         if go:
             idx = torch.tensor([s.slot for s in go], device=self.device)
-            cpu = torch.tensor([[s.token_ids[-1], len(s.prompt) + len(s.token_ids) - 1, len(s.token_ids), s.limit, s.key]
-                                for s in go])
+            cpu = torch.tensor([[s.token_ids[-1], len(s.prompt) + len(s.token_ids) - 1, len(s.token_ids),
+                                 s.limit, s.key] for s in go])
             st.tok[idx], st.pos[idx], st.ntok[idx], st.limit[idx], st.key[idx] = cpu.to(self.device).T
             st.active[idx] = True
 
     # ------------------------------------------------------------------------- 3. decode
 
-    def _decode(self):
+    def _decode(self, call: _Call):
         st, W = self.state, self.window
-        hi = self.cache.slots if self.use_graphs else max(self.live) + 1
-        span = min(self.cache.max_seq_len, max(len(s.prompt) + len(s.token_ids) for s in self.live.values()) + W)
+        # A CUDA graph replays the shapes it was captured with, so the graphed window decodes
+        # every slot (free and tool-waiting ones compute too; `active` keeps them from moving):
+        # one graph per cache_len bucket. Capturing per occupied-slot count as well would
+        # multiply the graphs, their capture time and memory, by up to `slots`. Eager decode
+        # stops at the highest occupied slot (admit fills the lowest slots first).
+        num_slots = self.cache.slots if self.use_graphs else max(call.live) + 1
+        longest = max(len(s.prompt) + len(s.token_ids) for s in call.live.values())
+        cache_len = min(self.cache.max_seq_len, longest + W)  # keys a window reads: [0, cache_len)
         if self.use_graphs:
-            span = min(self.cache.max_seq_len, -(-span // 256) * 256)  # a few buckets, one graph each
-            self._graph(hi, span).replay()
+            cache_len = min(self.cache.max_seq_len, -(-cache_len // 256) * 256)  # buckets, one graph each
+            self._graph(call, num_slots, cache_len).replay()
         else:
-            for j in range(W):
-                decode_step(self.model, self.cache, st, self.is_stop, self.p, hi, span, j)
-        toks, lps, oks = (t[:hi].tolist() for t in (st.out_tok, st.out_lp, st.out_ok))  # host sync: once per window
+            for column in range(W):
+                decode_step(self.model, self.cache, st, call.is_stop, call.params, num_slots, cache_len,
+                            column)
+        # host sync: once per window
+        toks, lps, oks = (t[:num_slots].tolist() for t in (st.out_tok, st.out_lp, st.out_ok))
         stopped = []
-        for slot, s in list(self.live.items()):
-            for j in range(W):
-                if oks[slot][j] and self._accept(s, toks[slot][j], lps[slot][j]):
+        for slot, s in list(call.live.items()):
+            for column in range(W):
+                if oks[slot][column] and self._accept(call, s, toks[slot][column], lps[slot][column]):
                     stopped.append(slot)
                     break
         if stopped:  # stop strings are found here, not on device: retire those rows there too
             st.active[torch.tensor(stopped, device=self.device)] = False
 
-    def _graph(self, hi: int, span: int):
+    def _graph(self, call: _Call, num_slots: int, cache_len: int):
         """A CUDA graph of one decode window; state tensors are static, so replay reads them.
         Warm-up runs on a copy of the state, which is then restored (capture runs nothing)."""
-        if span not in self.graphs:
+        if cache_len not in call.graphs:
             st = self.state
+            window = lambda: [decode_step(self.model, self.cache, st, call.is_stop, call.params, num_slots,
+                                          cache_len, column) for column in range(self.window)]
             saved = [t.clone() for t in (st.tok, st.pos, st.ntok, st.active)]
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
-                for j in range(self.window):
-                    decode_step(self.model, self.cache, st, self.is_stop, self.p, hi, span, j)
+                window()
             torch.cuda.current_stream().wait_stream(s)
             for t, v in zip((st.tok, st.pos, st.ntok, st.active), saved):
                 t.copy_(v)
             g = torch.cuda.CUDAGraph()
-            self.graph_pool = self.graph_pool or torch.cuda.graph_pool_handle()  # buckets replay in turn: one pool
+            # buckets replay in turn, so they share one memory pool
+            self.graph_pool = self.graph_pool or torch.cuda.graph_pool_handle()
             with torch.cuda.graph(g, pool=self.graph_pool):
-                for j in range(self.window):
-                    decode_step(self.model, self.cache, st, self.is_stop, self.p, hi, span, j)
-            self.graphs[span] = g
-        return self.graphs[span]
+                window()
+            call.graphs[cache_len] = g
+        return call.graphs[cache_len]
 
     # ------------------------------------------------------------------------- 4. finish
 
-    def _accept(self, s: _Seq, tok: int, lp: float) -> bool:
+    def _accept(self, call: _Call, s: _Seq, tok: int, lp: float) -> bool:
         """Append one sampled token; True when the row stops decoding (finished or in a tool call)."""
+        p = call.params
         s.token_ids.append(tok)
         s.loss_mask.append(1)
         s.logprobs.append(lp)
-        is_tool = tok in self.tool_stops
-        is_stop = tok in self.stops
-        if self.tail and not (is_tool or is_stop):  # stop strings: decode this turn's tail
-            text = self.tokenizer.decode(s.token_ids[max(s.turn_start, len(s.token_ids) - self.tail):])
-            is_tool = any(x in text for x in self.p.tool_stop_strings)
-            is_stop = any(x in text for x in self.p.stop_strings)
+        is_tool = tok in call.tool_stops
+        is_stop = tok in call.stops
+        if call.tail and not (is_tool or is_stop):  # stop strings: decode this turn's tail
+            text = self.tokenizer.decode(s.token_ids[max(s.turn_start, len(s.token_ids) - call.tail):])
+            is_tool = any(x in text for x in p.tool_stop_strings)
+            is_stop = any(x in text for x in p.stop_strings)
         full = len(s.token_ids) >= s.limit
-        if is_stop or (is_tool and self.tool is None):
-            self._finish(s, "stop")
+        if is_stop or (is_tool and call.tool is None):
+            self._finish(call, s, "stop")
         elif full:  # also a tool call with no room left for its observation
-            self._finish(s, "length")
-        elif is_tool and s.num_turns >= self.p.max_turns:
-            self._finish(s, "turns")
+            self._finish(call, s, "length")
+        elif is_tool and s.num_turns >= p.max_turns:
+            self._finish(call, s, "turns")
         elif is_tool:
-            self.pending[self.pool.submit(self.tool, s.index, list(s.token_ids))] = s
+            call.pending[self.pool.submit(call.tool, s.index, list(s.token_ids))] = s
             s.in_tool = True
         else:
             return False
         return True
 
-    def _finish(self, s: _Seq, reason: str, error: str | None = None):
+    def _finish(self, call: _Call, s: _Seq, reason: str, error: str | None = None):
         s.finish_reason, s.error = reason, error
-        del self.live[s.slot]
-        self.out[s.index] = s
-        self.bar.update(1)
+        del call.live[s.slot]
+        call.out[s.index] = s
+        call.bar.update(1)
 
 
 def _public(s: _Seq) -> Completion:

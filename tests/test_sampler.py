@@ -10,7 +10,7 @@ import transformers
 from grpo.kv_cache import KVCache
 from grpo.model import Transformer
 from grpo.sampler import Sampler, SamplingParams
-from grpo.sampling import filter_mask, sample
+from grpo.sampling import filter_mask, gumbel, request_key, sample
 
 QUESTIONS = ["Hi", "What is 12 times 7?", "Write a haiku about the sea, the wind and the long winter nights.",
              "Name three prime numbers.", "Tell me a short fact about Paris."]
@@ -77,6 +77,21 @@ def test_stop_string_spanning_tokens(smol, hf_greedy):
         Sampler(model).generate(prompts[:1], SamplingParams(stop_strings=[stop]))
 
 
+def test_seeded_tokens_independent_of_batch_on_smollm2(smol, one_thread):
+    """The guarantee (DESIGN.md): a seeded request draws the same tokens in any batch. Batches
+    of 8, of 1 and a changing mix of 20 rows round the logits differently (fp32 matmul noise);
+    the race over per-token noise must not let that flip a choice. With inverse-CDF sampling
+    this failed: one row of the mixed run left the others at token 114."""
+    model, _, prompts = smol
+    p = SamplingParams(n=4, temperature=1.0, max_tokens=128, stop_token_ids=[], seed=0)  # no stop: 128 each
+    runs = [Sampler(model, max_batch=b).generate(prompts[1:3], p, prompt_ids=[1, 2]) for b in (8, 1)]
+    mixed = Sampler(model, max_batch=7).generate(prompts, p)  # 20 rows in 7 slots: the batch keeps changing
+    runs.append(mixed[4:12])  # prompts 1 and 2
+    rows = [[c.token_ids for c in run] for run in runs]
+    assert all(len(x) == 128 for x in rows[0])
+    assert rows[1] == rows[0] and rows[2] == rows[0]
+
+
 # ----------------------------------------------------------------------------- tiny models
 
 def test_seeded_sampling_independent_of_batch(tiny_dir):
@@ -84,7 +99,8 @@ def test_seeded_sampling_independent_of_batch(tiny_dir):
     model = Transformer.from_pretrained(path)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 1000, (int(torch.randint(1, 30, (), generator=g)),), generator=g).tolist() for _ in range(10)]
-    p = SamplingParams(n=2, temperature=0.9, top_p=0.95, max_tokens=24, stop_token_ids=[3], seed=1234)
+    stops = list(range(3, 23))  # ~2% of the mass: rows stop at different lengths, whatever the stream
+    p = SamplingParams(n=2, temperature=0.9, top_p=0.95, max_tokens=24, stop_token_ids=stops, seed=1234)
     big = Sampler(model, max_batch=64).generate(prompts, p)  # a batch of 20 rows
     few = Sampler(model, max_batch=3).generate(prompts, p)  # fewer slots than requests: slots reused
     assert [c.token_ids for c in few] == [c.token_ids for c in big]
@@ -114,8 +130,8 @@ def test_sampled_frequencies_follow_filtered_distribution(top_k, top_p, min_p):
     torch.manual_seed(0)
     V, N, T = 12, 40_000, 0.8
     logits = torch.randn(V) * 1.5
-    u = (torch.arange(N) + torch.rand(N)) / N  # stratified uniforms: tight frequencies
-    tokens, logprobs = sample(logits.expand(N, V), u, T, top_k, top_p, min_p)
+    key, step = torch.arange(N), torch.zeros(N, dtype=torch.int64)  # N requests' first tokens
+    tokens, logprobs = sample(logits.expand(N, V), key, step, T, top_k, top_p, min_p)
     logp = (logits / T).log_softmax(-1)
     keep = filter_mask(logp[None], top_k, top_p, min_p)[0]
     expected = logp.exp() * keep / (logp.exp() * keep).sum()
@@ -124,6 +140,47 @@ def test_sampled_frequencies_follow_filtered_distribution(top_k, top_p, min_p):
     chi2 = ((counts - N * expected)[keep] ** 2 / (N * expected[keep])).sum()
     assert chi2 < 30, f"chi2={chi2:.1f} over {int(keep.sum())} bins"  # dof <= 11: p < 1e-3 for a true match
     torch.testing.assert_close(logprobs, logp[tokens])  # log-probs before filtering
+
+
+def test_choice_stable_under_logit_noise():
+    """A different batch rounds the logits differently; the race's choice must not move with
+    it. Inverse-CDF sampling with one uniform per row flipped 4 of these 2000 rows."""
+    torch.manual_seed(0)
+    N, V = 2000, 4000
+    logits = torch.randn(N, V) * 3
+    noisy = logits + 1e-5 * torch.randn(N, V)  # about fp32 matmul rounding at |logits| ~ 10-100
+    key, step = torch.arange(N), torch.zeros(N, dtype=torch.int64)
+    assert torch.equal(sample(logits, key, step, 1.0)[0], sample(noisy, key, step, 1.0)[0])
+
+
+def test_noise_is_gumbel_and_independent():
+    """The hashed noise has Gumbel(0, 1) moments, and no correlation between neighbouring
+    tokens, positions, or samples of one prompt (requests' keys as the sampler makes them)."""
+    G, V = 64, 4096
+    key = torch.tensor([request_key(1234, i, j) for i in range(2) for j in range(G // 2)])
+    step = torch.arange(G) % 3
+    noise = gumbel(key, step, V)  # (G, V)
+    assert abs(noise.mean() - 0.5772) < 0.01 and abs(noise.std() - torch.pi / 6 ** 0.5) < 0.01
+    corr = lambda a, b: torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].abs()
+    assert corr(noise[:, 1:], noise[:, :-1]) < 0.01  # token v and v + 1
+    assert corr(noise[1:], noise[:-1]) < 0.01  # sample j and j + 1 (and prompt 0 / 1 at the seam)
+    assert corr(noise, gumbel(key, step + 1, V)) < 0.01  # position t and t + 1
+    # 64 x 4096 draws: standard errors ~0.002 (a correlation), 0.0025 (the mean), 0.003 (the std)
+
+
+def test_request_key_mixes_all_64_bits():
+    """Refill prompts are numbered 1 << 40 | i: they must not reuse prompt i's stream (a 32-bit
+    mask once cut the flag off), nor may any other triple collide."""
+    for seed in (0, 7, -1, 1 << 33):
+        for i in range(40):
+            for j in range(4):
+                assert request_key(seed, (1 << 40) | i, j) != request_key(seed, i, j)
+                assert request_key(seed, i, j | (1 << 35)) != request_key(seed, i, j)
+        assert request_key(seed ^ (1 << 50), 3, 1) != request_key(seed, 3, 1)
+    prompt_ids = list(range(300)) + [(1 << 40) | i for i in range(300)]
+    triples = [(s, p, j) for s in (0, 1, 1 << 32, -5) for p in prompt_ids for j in range(4)]
+    keys = {request_key(*t) for t in triples}
+    assert len(keys) == len(triples) and all(0 <= k < 1 << 63 for k in keys)  # 9600 distinct int64 keys
 
 
 def test_first_tokens_follow_model_distribution(tiny_dir):
@@ -238,12 +295,13 @@ def test_decode_window_equals_single_steps(tiny_dir):
     model = Transformer.from_pretrained(path)
     tok = LetterTokenizer()
     p = SamplingParams(n=3, temperature=1.0, max_tokens=40, stop_token_ids=[0], stop_strings=["ab", "zz"],
-                       tool_stop_strings=["q"], max_turns=3, seed=11)
+                       tool_stop_strings=["q"], max_turns=3, seed=17)  # a seed whose rows pass both checks
     tool = lambda index, ids: [50 + index, 51]
     runs = [Sampler(model, tok, max_batch=4, sync_every=w).generate([[4, 5, 6], [7, 8]], p, tool=tool) for w in (1, 5)]
     strip = lambda c: {**c.__dict__, "logprobs": None}
     assert [strip(c) for c in runs[0]] == [strip(c) for c in runs[1]]
-    assert any(c.num_turns > 1 for c in runs[0]) and any(c.token_ids[-1] % 26 == 25 for c in runs[0])  # a tool call, a "zz"
+    assert any(c.num_turns > 1 for c in runs[0])  # a tool call
+    assert any(tok.decode(c.token_ids[-2:]) == "zz" and c.finish_reason == "stop" for c in runs[0])  # spans 2
     for a, b in zip(*runs):  # the batch differs (rows run on within a window): fp32 op-order noise only
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
     for c in runs[0]:
