@@ -1,0 +1,194 @@
+"""The ProcessGRPO reference's prompt, scorer and data (shared/seeds/processgrpo_qwen25_05b.md).
+
+Prompt, in training and eval alike (the reference trained with it): one worked example as an
+earlier user/assistant exchange, its solution in blank-line paragraphs (the steps that
+grpo.process credits) ending in \\boxed{}, then the question + PROMPT_SUFFIX.
+Reward: `correct` = the last \\boxed{} and the answer are the same exact number (Fractions, no
+float rounding: 0.75 == 3/4 == \\frac{3}{4}, 12.50 == 12); `format` = a \\boxed{} is present,
+logged with weight 0. Numbers are ASCII digits only ('١٢' or '１２' is not 12), with optional
+thousands commas in groups of three, a leading $, a trailing % or unit words.
+
+Data: `load_sources("openai/gsm8k:main:train,math.jsonl,multistep:train:300")`, the rows whose
+answer is a number (GSM8K's '#### 72' read by grpo.envs.tasks.gsm8k_example; MATH rows with
+non-numeric answers dropped, counted); `filter_by_solve_rate` keeps the problems a model
+solves 1 to 7 times in 8, as the reference filtered its sources.
+
+    python -m grpo.envs.processgrpo --model PATH [--base Qwen/Qwen2.5-0.5B-Instruct] [--data SOURCE]
+evaluates the 700 fresh multi-step problems (or SOURCE) greedily with up to 3,072 new tokens,
+by operation count, with the paired gain over --base and its 95% interval (a normal interval on
+per-question differences, grpo.eval.paired_gain; the reference's was a paired bootstrap).
+"""
+import argparse
+import json
+import re
+import sys
+from fractions import Fraction
+
+from grpo.data import DataError, load_examples
+from grpo.envs import multistep
+from grpo.envs.math import last_boxed
+from grpo.envs.tasks import gsm8k_example
+
+PROMPT_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+WORKED_QUESTION = ("A bakery makes 48 muffins in the morning and 30 more in the afternoon. It packs all of "
+                   "them into boxes of 6. How many boxes does it fill?")
+WORKED_SOLUTION = ("In the morning and the afternoon together, the bakery makes 48 + 30 = 78 muffins.\n\n"
+                   "Each box holds 6 muffins, so the bakery fills 78 / 6 = 13 boxes.\n\n"
+                   "The answer is \\boxed{13}.")
+DEFAULT_WEIGHTS = {"correct": 1.0, "format": 0.0}   # format: logged, not rewarded (the reference's reward)
+
+# ----------------------------------------------------------------------------- exact numbers
+
+# [0-9], never \d: in a str pattern \d also matches '١' or '１', and Fraction() would read them
+_NUMBER = r"[-+]?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|[-+]?\.[0-9]+"
+_FRACTION = r"[-+]?[0-9]+\s*/\s*[0-9]+"
+_TEX_FRACTION = re.compile(r"([-+]?)\\[dt]?frac\s*\{\s*([-+]?[0-9]+)\s*\}\s*\{\s*([0-9]+)\s*\}")
+# a number, then at most unit words ('12 apples', '4.5 km.'): no other expression is an answer
+_ANSWER = re.compile(rf"\s*(?P<n>{_FRACTION}|{_NUMBER})\s*(?:[A-Za-z][A-Za-z ]*)?\.?\s*")
+
+
+def parse_number(text: str) -> Fraction | None:
+    """The exact number a final answer states, or None: '1,234', '$12.50', '-3', '75%', '3/4',
+    '\\frac{3}{4}', '12 \\text{ apples}', 'x = 5' (the part after the last '=')."""
+    s = re.sub(r"\\(?:text|mathrm|textbf|mbox)\s*\{([^{}]*)\}", r" \1", str(text))
+    s = _TEX_FRACTION.sub(lambda m: f"{m[1]}{m[2]}/{m[3]}", s)
+    # TeX's thousands separators '1\\,000' and '1{,}000' as commas (the group rule then decides);
+    # U+2212, the typeset minus, as '-'
+    s = re.sub(r"(?<=[0-9])(?:\\,|\{,\})(?=[0-9])", ",", s)
+    for junk, by in (("\\$", ""), ("$", ""), ("\\%", ""), ("%", ""), ("\\!", ""), ("\\,", " "), ("\\ ", " "),
+                     ("\u2212", "-")):
+        s = s.replace(junk, by)
+    s = s.rsplit("=", 1)[-1]
+    m = _ANSWER.fullmatch(s)
+    if m is None:
+        return None
+    n = m["n"].replace(",", "").replace(" ", "")
+    if "/" in n:
+        num, den = n.split("/")
+        return Fraction(int(num), int(den)) if int(den) else None
+    return Fraction(n)
+
+
+def score(completion: str, answer) -> float:
+    """1.0 when the last \\boxed{} holds exactly the answer's number."""
+    boxed, gold = last_boxed(completion), parse_number(str(answer))
+    return float(boxed is not None and gold is not None and parse_number(boxed) == gold)
+
+# ----------------------------------------------------------------------------- the env
+
+
+class OneShotMathEnv:
+    """Single-turn math with a numeric answer, prompted and scored as the reference."""
+    stop_strings: list[str] = []
+    max_turns = 1
+    score_term = "correct"
+
+    def prompt(self, example: dict) -> list[dict]:
+        return [{"role": "user", "content": WORKED_QUESTION + PROMPT_SUFFIX},
+                {"role": "assistant", "content": WORKED_SOLUTION},
+                {"role": "user", "content": example["question"] + PROMPT_SUFFIX}]
+
+    def extract(self, trajectory) -> str | None:  # for eval records
+        return last_boxed(trajectory.text)
+
+    def reward(self, example: dict, trajectory) -> dict[str, float]:
+        return {"correct": score(trajectory.text, example["answer"]),
+                "format": float(last_boxed(trajectory.text) is not None)}
+
+# ----------------------------------------------------------------------------- data
+
+
+def load_sources(spec: str, question_field: str = "question", answer_field: str = "answer") -> list[dict]:
+    """Comma-separated sources, concatenated: files and dataset ids (grpo.data.load_examples), or
+    `multistep:SPLIT:N[:SEED]`, N generated problems per operation count 2..8 of SPLIT. Rows whose
+    answer is not a number are dropped, with a count; a source left with none is an error."""
+    out = []
+    for source in filter(None, (s.strip() for s in spec.split(","))):
+        if source.startswith("multistep:"):
+            _, split, n, *seed = source.split(":")
+            if split not in multistep.SPLITS or not n.isdigit() or len(seed) > 1:
+                raise DataError(f"{source}: expected multistep:SPLIT:N[:SEED], SPLIT one of "
+                                f"{', '.join(multistep.SPLITS)}")
+            out += multistep.generate(split, int(n), int(seed[0]) if seed else 0)
+            continue
+        rows = load_examples(source, question_field=question_field, answer_field=answer_field,
+                             prepare=gsm8k_example)   # '#### 72' -> '72'; other answers as they are
+        numeric = [r for r in rows if parse_number(r["answer"]) is not None]
+        if not numeric:
+            raise DataError(f"{source}: none of its {len(rows)} answers is a number")
+        if len(numeric) < len(rows):
+            print(f"{source}: kept {len(numeric)} of {len(rows)} rows (the others' answers are not numbers)")
+        out += numeric
+    if not out:
+        raise DataError(f"{spec!r} names no source")
+    return out
+
+
+def filter_by_solve_rate(sampler, tokenizer, env, examples: list[dict], n: int = 8, lo: int = 1, hi: int = 7,
+                         temperature: float = 1.0, max_tokens: int = 3072, seed: int = 0,
+                         chat_kwargs: dict | None = None, chunk: int = 512) -> tuple[list[dict], list[int]]:
+    """(the examples solved lo..hi times in n samples, each example's solve count): the reference
+    kept problems its base model solves 1 to 7 times in 8, the ones whose groups have a reward
+    spread. `sampler` runs the model (e.g. the frozen copy's grpo.sampler.Sampler)."""
+    from grpo.rollout import rollout, sampling_params
+    from grpo.rollout import score as score_all
+    params = sampling_params(env, tokenizer, n, temperature, max_tokens, seed)
+    solved = []
+    for start in range(0, len(examples), chunk):   # chunks: a progress line, and bounded trajectory memory
+        part = examples[start:start + chunk]
+        trajs = score_all(env, rollout(sampler, tokenizer, env, part, params, prompt_offset=start,
+                                       chat_kwargs=chat_kwargs))
+        solved += [int(sum(t.rewards["correct"] for t in trajs[i * n:(i + 1) * n])) for i in range(len(part))]
+        print(f"filter: {start + len(part)}/{len(examples)} problems sampled {n} times")
+    kept = [ex for ex, s in zip(examples, solved) if lo <= s <= hi]
+    return kept, solved
+
+
+def accuracy_by_ops(examples: list[dict], per_question: list[float]) -> dict[int, float]:
+    """Operation count -> mean score, for generated problems (rows with `num_ops`)."""
+    return {k: sum(per_question[i] for i in idx) / len(idx) for k, idx in multistep.by_ops(examples).items()}
+
+# ----------------------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m grpo.envs.processgrpo", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="HF checkpoint folder (e.g. a run's export)")
+    p.add_argument("--base", default=None, help="a second model for the paired gain (e.g. the base model)")
+    p.add_argument("--data", default="multistep:test:100", help="sources as load_sources reads them")
+    p.add_argument("--max_tokens", type=int, default=3072)
+    p.add_argument("--out", default="eval_processgrpo.jsonl", help="per-question records")
+    args = p.parse_args(argv)
+    import torch
+    from transformers import AutoTokenizer
+    from grpo.eval import evaluate, paired_gain
+    from grpo.model import Transformer
+    try:
+        examples = load_sources(args.data)
+    except DataError as e:
+        raise SystemExit(f"python -m grpo.envs.processgrpo: {e}") from None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    results = {}   # "model" / "base" -> evaluate(...)
+    for role, name in (("model", args.model), ("base", args.base)):
+        if name is None:
+            continue
+        model = Transformer.from_pretrained(name, dtype=dtype, device=device).eval()
+        r = results[role] = evaluate(model, AutoTokenizer.from_pretrained(name), OneShotMathEnv(), examples,
+                                     max_tokens=args.max_tokens)
+        by_ops = " ".join(f"{k}:{v:.3f}" for k, v in accuracy_by_ops(examples, r["per_question"]).items())
+        print(f"{role} {name}: {r['mean']:.4f} ± {r['ci95']:.4f} ({r['questions']} questions) | "
+              f"by operation count {by_ops}")
+        del model
+    if args.base:
+        gain, ci = paired_gain(results["base"]["per_question"], results["model"]["per_question"])
+        lo, hi = 100 * (gain - ci), 100 * (gain + ci)
+        print(f"gain over the base: {100 * gain:+.1f} points, 95% interval [{lo:+.1f}, {hi:+.1f}] (paired)")
+    with open(args.out, "w") as f:
+        f.writelines(json.dumps({"model": role, **rec}) + "\n"
+                     for role, r in results.items() for rec in r["records"])
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
