@@ -14,7 +14,8 @@ setup(
     packages=["grpo", "grpo.kernels", "grpo.envs"],
     package_dir={"grpo": "grpo", "grpo.kernels": "kernels", "grpo.envs": "envs"},
     install_requires=[
-        "torch>=2.5",
+        # FSDP2's fully_shard(reshard_after_forward=None) and set_reshard_after_forward (grpo/dist.py)
+        "torch>=2.8",
         "transformers>=4.51",
         "safetensors",
         "tokenizers",

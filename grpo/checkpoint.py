@@ -46,9 +46,6 @@ class Checkpointer:
         # only a flag: the trainer saves at the end of the current step, where the state is whole
         self.stop_requested = True
 
-    def should_stop(self) -> bool:
-        return dist.all_sum(float(self.stop_requested)) > 0  # every rank agrees, or saves would deadlock
-
     def close(self):
         signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
 
@@ -61,8 +58,9 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         dist.barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))  # DCP fsyncs its files
         torch.save(_rng_state(), tmp / f"rng_{dist.rank()}.pt")
+        _fsync(tmp / f"rng_{dist.rank()}.pt")
         dist.barrier()  # every rank's files are on disk
         if os.environ.get(HANG_ENV) == str(step):
             time.sleep(3600)
@@ -70,11 +68,14 @@ class Checkpointer:
             info = {"step": step, "world_size": dist.world_size(), "scheduler": scheduler.state_dict(),
                     **(meta or {})}
             (tmp / "meta.json").write_text(json.dumps(info))
+            _fsync(tmp / "meta.json")
+            _fsync(tmp)  # its entries
             if final.exists():
                 _remove(final)
             os.rename(tmp, final)  # the commit point: atomic on one filesystem
+            _fsync(self.root)  # the rename itself: after a power loss, the newest checkpoint is still there
             for old in self.complete()[:-self.keep_last] if self.keep_last > 0 else []:
-                _remove(old)
+                _remove(old)  # only now: what replaces them is durable
         dist.barrier()
         return final
 
@@ -84,17 +85,27 @@ class Checkpointer:
             return []
         return sorted(p for p in self.root.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
 
+    def candidates(self) -> list[tuple[Path, bool]]:
+        """(committed folder, incomplete: no meta.json or .metadata), newest first; says what it skips."""
+        for tmp in sorted(self.root.glob("step_*.tmp")) if self.root.exists() else []:
+            print(f"checkpoint: skipping {tmp} (an interrupted save: it was never committed)", flush=True)
+        out = []
+        for path in reversed(self.complete()):
+            missing = [f for f in ("meta.json", ".metadata") if not (path / f).exists()]
+            if missing:
+                print(f"checkpoint: skipping {path} (incomplete: no {' or '.join(missing)})", flush=True)
+            out.append((path, bool(missing)))
+        return out
+
     def load_latest(self, model, optimizer, scheduler) -> dict | None:
         """Restore the newest loadable checkpoint into model, optimizer, scheduler and the RNGs;
-        returns its meta.json plus "path", or None when there is no checkpoint at all."""
-        for tmp in sorted(self.root.glob("step_*.tmp")) if self.root.exists() else []:
-            dist.print0(f"checkpoint: skipping {tmp} (an interrupted save: it was never committed)")
+        returns its meta.json plus "path", or None when there is no checkpoint at all. Rank 0 lists
+        the folder and every rank follows its list: ranks that see the folder differently (a
+        network filesystem's cache) would otherwise resume different steps without an error."""
         tried = []
-        for path in reversed(self.complete()):
+        for path, incomplete in dist.on_rank0(self.candidates):
             tried.append(path.name)
-            missing = [f for f in ("meta.json", ".metadata") if not (path / f).exists()]
-            if missing:  # same shared folder on every rank: all skip together
-                dist.print0(f"checkpoint: skipping {path} (incomplete: no {' or '.join(missing)})")
+            if incomplete:
                 continue
             error = None
             try:
@@ -126,6 +137,71 @@ class Checkpointer:
         return None
 
 
+# ----------------------------------------------------------------------------- the run folder
+
+# a folder holding one of these holds a run (config.json alone: a run that failed before its first
+# log line, e.g. on a wrong model_path; it is overwritten)
+RUN_FILES = ("metrics.jsonl", "checkpoints")
+# what a resumed run must share with the run it continues: the weights it started from, and what
+# decides its data order and groups (a recipe's data fields too, where it has them)
+SAME_RUN_FIELDS = ("model_path", "seed", "prompts_per_step", "num_generations",
+                   "train_data", "question_field", "answer_field")
+
+
+def open_run_dir(out_dir: str, config: dict, resume: bool, meta: dict) -> None:
+    """Rank 0, before any model loads. A fresh run refuses a folder that holds another run (its
+    checkpoints would be pruned and later resumed, its metrics appended to); --resume refuses a
+    folder whose recorded config differs in SAME_RUN_FIELDS. Then config.json records this run:
+    every config field, plus "_meta" (profile, versions, git commit)."""
+    out = Path(out_dir)
+    record = out / "config.json"
+    if not resume:
+        used = [name for name in RUN_FILES if (out / name).exists()]
+        if used:
+            raise FileExistsError(f"{out} holds another run ({', '.join(used)}): use --resume to continue "
+                                  "it, or another --output_dir")
+    elif record.exists():
+        recorded = read_json(record)
+        differ = [f"{k}: {recorded[k]!r} there, {config[k]!r} now" for k in SAME_RUN_FIELDS
+                  if k in recorded and k in config and recorded[k] != config[k]]
+        if differ:
+            raise ValueError(f"--resume: {record} was written by another run ({'; '.join(differ)}); "
+                             "resume with its settings, or use another --output_dir")
+    out.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({**config, "_meta": meta}, indent=2) + "\n")
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+
+
+def run_meta(profile: dict) -> dict:
+    """What config.json records beside the fields: the profile, the code's version and commit."""
+    import importlib.metadata
+    import subprocess
+    try:
+        version = importlib.metadata.version("grpo")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    root = Path(__file__).resolve().parents[1]  # the clone, for an editable install
+    commit = dirty = None
+    try:
+        def git(*args) -> str:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        if git("rev-parse", "--show-toplevel") == str(root):  # not some repository site-packages sits in
+            commit = git("rev-parse", "HEAD") or None
+            dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"profile": profile, "grpo_version": version, "git_commit": commit,
+            "git_dirty": dirty, "torch_version": torch.__version__,
+            "world_size": dist.world_size(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
 def _describe(e: BaseException) -> str:
     """One line: DCP wraps each rank's error in a CheckpointException (a BaseException); name the first."""
     if isinstance(e, CheckpointException) and e.failures:
@@ -148,6 +224,15 @@ def _set_rng_state(state: dict):
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def _fsync(path: Path):
+    """Flush a file, or a folder's entries, to the disk (a crash after a commit must find it whole)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _remove(path: Path):

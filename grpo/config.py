@@ -96,6 +96,7 @@ class Config:
     resume: bool = False              # continue from the newest complete checkpoint
     export: bool = True               # Hugging Face export at the end
     time_budget_min: float = 0.0      # stop RL after this many minutes; 0 = no limit
+    dist_timeout_min: float = 60.0    # how long a collective waits for the slowest rank (a long rollout)
 
     def check(self):
         """Clear errors before any work starts; resolves epsilon_high (unset = epsilon)."""

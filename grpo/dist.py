@@ -11,25 +11,46 @@ the same line on every node, with `output_dir` on a filesystem that every node s
              --output_dir=/shared/runs/calc3b --resume
 On SIGTERM torchrun passes the signal to the ranks, which save at the end of the current step;
 it SIGKILLs them after --shutdown-timeout seconds (default 30), so give it a step and a save.
+Ranks always agree: a decision that reads a clock or a folder is rank 0's, broadcast
+(`on_rank0`, `broadcast`); an exception on one rank ends every rank with that rank's message
+(`fail_together`), not a hang until the collective timeout.
 Past STYLE.md's ~100 lines because it also holds the collectives that make losses and logged
-means global, and `gathered` for sampling; STYLE.md keeps parallelism in this one file, so a
-reader finds the process-group primitives the trainer uses in one place.
+means global, `gathered` for sampling, and the failure watch; STYLE.md keeps parallelism in
+this one file, so a reader finds the process-group primitives the trainer uses in one place.
 """
 import contextlib
+import datetime
+import functools
 import os
+import re
+import sys
+import threading
 
 import torch
 import torch.distributed as tdist
 
+# fully_shard(reshard_after_forward=None) (the root keeps its weights for backward, pytorch PR
+# 155319) and FSDPModule.set_reshard_after_forward (PR 149103) first shipped in torch 2.8
+MIN_TORCH = "2.8"
+if tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) < (2, 8):
+    raise ImportError(f"grpo needs torch >= {MIN_TORCH} (FSDP2's fully_shard(reshard_after_forward=None) and "
+                      f"set_reshard_after_forward); this is torch {torch.__version__}: "
+                      f"pip install -U 'torch>={MIN_TORCH}'")
 
-def init():
+
+def init(timeout_min: float = 60.0):
+    """The process group from torchrun's environment. `timeout_min`: how long a collective may wait
+    for the slowest rank (one rank's 16k-token rollout while the others wait) before it fails."""
     if "RANK" in os.environ and not tdist.is_initialized():
+        timeout = datetime.timedelta(minutes=timeout_min)
         if torch.cuda.is_available():
             dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(dev)
-            tdist.init_process_group("nccl", device_id=dev)  # device_id: eager NCCL init, no guessing
+            # device_id: eager NCCL init, no guessing
+            tdist.init_process_group("nccl", device_id=dev, timeout=timeout)
         else:
-            tdist.init_process_group("gloo")
+            tdist.init_process_group("gloo", timeout=timeout)
+        _watch_failures()
 
 
 def is_dist() -> bool:
@@ -82,6 +103,39 @@ def all_max(x: int) -> int:
     t = torch.tensor(x, dtype=torch.int64, device=device())
     tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
     return int(t.item())
+
+
+def all_max_floats(values: list[float]) -> list[float]:
+    """Element-wise max over ranks, in one collective (e.g. a stop flag and the elapsed time)."""
+    if not is_dist():
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device())
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def broadcast(obj):
+    """Rank 0's Python object on every rank: for decisions that must not differ between ranks."""
+    if not is_dist():
+        return obj
+    box = [obj]
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def on_rank0(fn, *args):
+    """fn(*args) run by rank 0 only (it reads or writes the shared output folder); every rank
+    returns its result, or raises its error."""
+    result = error = None
+    if is_main():
+        try:
+            result = fn(*args)
+        except Exception as e:
+            error = e
+    result, error = broadcast((result, error)) if is_dist() else (result, error)
+    if error is not None:
+        raise error
+    return result
 
 
 def all_gather_objects(items: list) -> list:
@@ -148,3 +202,64 @@ def gathered(model: torch.nn.Module):
             # would cost an extra all-gather of the largest layer every micro-batch)
             m.set_reshard_after_forward(m is not model, recurse=False)
             m.reshard()
+
+
+# ----------------------------------------------------------------------------- failing together
+# The first rank to fail writes its message to torchrun's key-value store. A rank whose collective
+# then fails (the peer's connection closed) raises that message instead of its own; a rank that
+# would wait out the collective timeout (NCCL, another node, a long rollout) is ended by a watcher
+# thread that polls the store. Without this, a failure on one node leaves the others hanging for
+# `dist_timeout_min`, and the message that explains it is on another machine.
+FAILURE_GRACE_S = 5.0  # the watcher gives the main thread this long to raise the message itself
+_store = None
+_handled = threading.Event()  # the main thread is raising a failure (its own, or another rank's)
+
+
+def _failure_store():
+    global _store
+    if _store is None:
+        client = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                timeout=datetime.timedelta(seconds=60))
+        # a torchrun restart reuses the store: a failure of an earlier attempt must not end this one
+        attempt = [os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")]
+        _store = tdist.PrefixStore("grpo/" + "/".join(attempt), client)
+    return _store
+
+
+def _watch_failures():
+    def watch():
+        while True:
+            try:
+                store = _failure_store()
+                message = store.get("failed").decode() if store.check(["failed"]) else None
+            except Exception:  # the store is gone: torchrun is ending the job
+                return
+            if message is not None:
+                if message.startswith(f"rank {rank()}:") or _handled.wait(FAILURE_GRACE_S):
+                    return
+                print(f"[rank{rank()}]: stopping, {message}", file=sys.stderr, flush=True)
+                os._exit(1)  # the main thread is stuck, e.g. in a collective that would wait out the timeout
+            threading.Event().wait(2.0)
+    _failure_store()  # connect from the main thread, at start: a bad address fails here, not later
+    threading.Thread(target=watch, name="grpo-failure-watch", daemon=True).start()
+
+
+def fail_together(fn):
+    """Decorator: an exception in fn on one rank ends every rank with that rank's message."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as e:
+            if not is_dist() or isinstance(e, SystemExit) and not e.code:
+                raise
+            _handled.set()
+            error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+            try:  # the first one posted wins
+                first = _failure_store().compare_set("failed", "", f"rank {rank()}: {error}").decode()
+            except Exception:
+                first = f"rank {rank()}: {error}"
+            if first.split(": ", 1)[1] != error:  # this rank failed because another did: say which, and why
+                raise RuntimeError(f"stopping, {first}") from e
+            raise
+    return wrapper

@@ -103,12 +103,16 @@ def main(argv: list[str] | None = None) -> dict:
                    help="math tasks: answer with the sandboxed Python tool (ReTool's env) or without")
     p.add_argument("--out", default=None, help="per-sample JSONL (default: eval_<task>.jsonl)")
     args = p.parse_args(argv)
+    if args.data is not None and not args.data.strip():  # not the default data set, silently
+        raise SystemExit("python -m grpo.eval: --data is empty: pass a file or a dataset id, or leave it out")
     try:  # the data first: a missing file or an offline hub should not wait for the model to load
         env, examples = load_task(args.task, args.data, args.shots, args.question_field, args.answer_field,
                                   args.fewshot_data)
     except DataError as e:
         raise SystemExit(f"python -m grpo.eval: {e}") from None
     examples = examples[:args.limit] if args.limit else examples
+    if not examples:  # an accuracy over 0 questions would print as 0.0000
+        raise SystemExit(f"python -m grpo.eval: no questions to evaluate (--limit {args.limit})")
     if args.tool == "code_interpreter":
         if args.task not in ("math500", "aime24", "aime25"):
             raise SystemExit(f"python -m grpo.eval: --tool code_interpreter is for math tasks, "

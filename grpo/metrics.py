@@ -1,5 +1,6 @@
 """What a run records: each step's metrics over the global batch, written to TensorBoard and
 metrics.jsonl (one JSON object per step, flushed at once so a crash loses nothing)."""
+import functools
 import json
 import os
 
@@ -40,24 +41,36 @@ def step_metrics(trajs, rewards, advantages, flat, update: dict, t_gen: float, t
 
 
 class Logger:
-    """TensorBoard scalars and text, plus metrics.jsonl (one JSON object per step)."""
-    def __init__(self, out_dir: str, purge_after: int | None = None):
-        """`purge_after`: the step a resumed run continues from; what an interrupted run logged
-        after it (steps it is about to redo) is dropped from both logs, so each step appears once."""
+    """TensorBoard scalars and text, plus metrics.jsonl (one JSON object per row). Rows form series
+    (series() below): the warm-start's, one per eval, and the RL steps'; the warm-start's scalars go
+    to their own TensorBoard run (tb/warmstart), since its steps 0..sft_steps-1 overlap RL's."""
+    def __init__(self, out_dir: str, resumed_at: int | None = None, evals_done=()):
+        """A run that continues an interrupted one drops what it is about to log again, per series,
+        so each row appears once. `resumed_at`: the checkpoint's step; its warm-start (if any) and
+        the evals in `evals_done` are kept, RL rows up to that step are kept. None: nothing is
+        kept (a fresh run, or a --resume that found no checkpoint and starts over)."""
         from torch.utils.tensorboard import SummaryWriter
         os.makedirs(out_dir, exist_ok=True)
         self.out_dir = out_dir
         path = os.path.join(out_dir, "metrics.jsonl")
-        if purge_after is not None and os.path.exists(path):
-            rows = [r for r in open(path) if _logged_step(r) <= purge_after]
-            open(path, "w").writelines(rows)
-        self.tb = SummaryWriter(os.path.join(out_dir, "tb"),
-                                purge_step=None if purge_after is None else purge_after + 1)
-        self.jsonl = open(os.path.join(out_dir, "metrics.jsonl"), "a")
+        if os.path.exists(path):
+            keep = functools.partial(_kept, resumed_at=resumed_at, evals_done=set(evals_done))
+            rows = [r for r in open(path) if keep(r)]
+            with open(path, "w") as f:
+                f.writelines(rows)
+        # TensorBoard hides what a run logged at or after purge_step (all tags of one run folder)
+        purge = 0 if resumed_at is None else resumed_at + 1
+        self._writer = lambda sub: SummaryWriter(os.path.join(out_dir, *sub), purge_step=purge)
+        self.tb = self._writer(["tb"])
+        self.tb_warmstart = None  # made at the warm-start's first row: a resumed run never has one
+        self.jsonl = open(path, "a")
 
     def log(self, metrics: dict, step: int):
+        if series(metrics) == "sft":
+            self.tb_warmstart = self.tb_warmstart or self._writer(["tb", "warmstart"])
+        tb = self.tb_warmstart if series(metrics) == "sft" else self.tb
         for k, v in metrics.items():
-            self.tb.add_scalar(k, v, step)
+            tb.add_scalar(k, v, step)
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self.jsonl.flush()  # nothing lost on a crash
 
@@ -69,12 +82,34 @@ class Logger:
             f.writelines(json.dumps(r) + "\n" for r in records)
 
     def close(self):
-        self.tb.close()
+        for tb in (self.tb, self.tb_warmstart):
+            if tb is not None:
+                tb.close()
         self.jsonl.close()
 
 
-def _logged_step(line: str) -> float:
+def series(row: dict) -> str:
+    """"sft" (the warm-start: sft/* only), "eval/<name>" (one eval), or "rl" (a step's metrics)."""
+    keys = [k for k in row if k != "step"]
+    if keys and all(k.startswith("sft/") for k in keys):
+        return "sft"
+    if keys and all(k.startswith("eval/") for k in keys):
+        return "/".join(keys[0].split("/")[:2])
+    return "rl"
+
+
+def _kept(line: str, resumed_at: int | None, evals_done: set) -> bool:
+    """Does a resumed run keep this metrics.jsonl line (see Logger)?"""
     try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError):  # a line cut short by a crash
-        return float("inf")
+        row = json.loads(line)
+        step = row["step"]
+    except (ValueError, KeyError, TypeError):  # a line cut short by a crash
+        return False
+    if resumed_at is None:
+        return False
+    kind = series(row)
+    if kind == "sft":
+        return True  # every checkpoint comes after the warm-start
+    if kind.startswith("eval/"):
+        return kind[len("eval/"):] in evals_done  # the rest will run again
+    return step <= resumed_at

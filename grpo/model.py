@@ -293,14 +293,19 @@ class Transformer(nn.Module):
         path = _local_or_hub(path)
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path}/config.json not found: not a Hugging Face checkpoint folder")
-        config = json.loads((path / "config.json").read_text())
+        config = _read_json(path / "config.json")
         with torch.device("meta"):
             model = cls(config)
         expected = {k: v for k, v in model.state_dict().items()
                     if not (k == "lm_head.weight" and model.args.tie_embeddings)}
         state = {}
         for file in _weight_files(path):
-            with safe_open(str(file), framework="pt", device="cpu") as f:
+            try:
+                f = safe_open(str(file), framework="pt", device="cpu")
+            except Exception as e:  # safetensors' own error names no file (it checks the size on open)
+                raise ValueError(f"{file}: not a readable safetensors file (truncated or corrupt? "
+                                 f"{type(e).__name__}: {str(e)[:200]})") from None
+            with f:
                 for key in f.keys():
                     name = key.removeprefix("model.")
                     if name not in expected:
@@ -321,7 +326,7 @@ class Transformer(nn.Module):
             model.lm_head.weight = model.embed_tokens.weight
         model.inv_freq = rope_inv_freq(model.args, device)
         if (path / "generation_config.json").exists():
-            model.generation_config = json.loads((path / "generation_config.json").read_text())
+            model.generation_config = _read_json(path / "generation_config.json")
         model.source_path = str(path)
         return model
 
@@ -383,10 +388,17 @@ def _local_or_hub(path) -> Path:
                                 "pass --model_path=/path/to/checkpoint") from e
 
 
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        files = sorted({path / f for f in _read_json(index)["weight_map"].values()})
         absent = [f.name for f in files if not f.exists()]
         if absent:
             raise FileNotFoundError(f"{path}: shards named in the index are missing: {absent}")

@@ -10,6 +10,7 @@
    normalizer counted over the whole step, so accumulation and world size never change it.
 4. KL to a reference model only when beta > 0 (off by default, as in DAPO and Dr. GRPO).
 """
+import dataclasses
 import functools
 import math
 import os
@@ -20,12 +21,12 @@ import torch
 from tqdm import tqdm
 
 from grpo import dist
-from grpo.checkpoint import Checkpointer, export
-from grpo.config import Config
+from grpo.checkpoint import Checkpointer, export, open_run_dir, run_meta
+from grpo.config import PROFILES, Config, pick_profile
 from grpo.eval import evaluate, summarize
 from grpo.loss import group_advantages, overlong_penalty
 from grpo.metrics import Logger, step_metrics
-from grpo.model import Transformer
+from grpo.model import Transformer, _local_or_hub
 from grpo.rollout import gold_trajectory, rollout, sampling_params, score
 from grpo.sampler import Sampler
 from grpo.update import collate, loss_options, policy_update
@@ -109,26 +110,65 @@ def advantages_of(rewards: torch.Tensor, cfg: Config) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- setup, resume, eval
 
+def check_inputs(cfg: Config, env, train_examples: list, sft_examples: list):
+    """One-line errors before anything loads or is written (each rank reaches the same verdict)."""
+    world = dist.world_size()
+    if not str(cfg.model_path).strip():
+        raise ValueError("model_path is empty: pass --model_path=a Hugging Face checkpoint folder or hub id")
+    if not train_examples:
+        raise ValueError("no training examples: the dataset is empty")
+    if cfg.prompts_per_step % world:
+        raise ValueError(f"prompts_per_step={cfg.prompts_per_step} must be a multiple of the world size "
+                         f"{world} (each rank samples prompts_per_step / world size prompts)")
+    if cfg.dist_timeout_min <= 0:
+        raise ValueError(f"dist_timeout_min={cfg.dist_timeout_min} must be > 0")
+    if cfg.sft_steps > 0:
+        if not hasattr(env, "gold_messages"):
+            raise ValueError(f"sft_steps={cfg.sft_steps}: the warm-start needs env.gold_messages(example), "
+                             f"which {type(env).__name__} does not have")
+        if cfg.sft_batch % world or len(sft_examples) < cfg.sft_batch:
+            raise ValueError(f"sft_batch={cfg.sft_batch} must be a multiple of the world size {world} and at "
+                             f"most the {len(sft_examples)} warm-start examples")
+
+
+def record_run(cfg: Config):
+    """Rank 0: claim the output folder (open_run_dir) and write config.json with the profile applied."""
+    auto = cfg.profile == "auto"
+    settings = {} if cfg.profile == "none" else pick_profile(None if auto else cfg.profile)
+    name = next((k for k, v in PROFILES.items() if v == settings), None) if auto else cfg.profile
+    profile = {"name": cfg.profile, "resolved": name, "settings": settings}
+    open_run_dir(cfg.output_dir, dataclasses.asdict(cfg), cfg.resume, run_meta(profile))
+
+
+def model_folder(model_path: str) -> str:
+    """The local checkpoint folder (a hub id is fetched once), checked before the tokenizer loads."""
+    path = _local_or_hub(model_path)
+    if not (path / "config.json").is_file():
+        what = "no config.json: not a Hugging Face checkpoint folder" if path.is_dir() else "no such folder"
+        raise FileNotFoundError(f"model_path {model_path}: {what}")
+    return str(path)
+
 
 def build(cfg: Config, device) -> tuple:
     """Tokenizer, policy (fp32 master weights, sharded; bf16 compute on CUDA), the frozen
     reference when beta > 0, AdamW, the lr schedule, and the sampler over the policy's weights."""
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+    path = model_folder(cfg.model_path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
     bf16 = cfg.dtype == "bfloat16" or cfg.dtype == "auto" and device.type == "cuda"
     compute_dtype = torch.bfloat16 if bf16 else torch.float32
     dist.print0(f"grpo | {cfg.model_path} | world {dist.world_size()} | {compute_dtype} | "
                 f"{cfg.max_steps} steps x {cfg.prompts_per_step} prompts x G={cfg.num_generations}")
-    model = Transformer.from_pretrained(cfg.model_path, dtype=torch.float32, device=device)
+    model = Transformer.from_pretrained(path, dtype=torch.float32, device=device)
     model.activation_checkpointing = cfg.gradient_checkpointing
     dist.shard(model, compute_dtype)
     ref_model = None
     if cfg.beta > 0:
-        ref_model = Transformer.from_pretrained(cfg.model_path, dtype=torch.float32, device=device)
+        ref_model = Transformer.from_pretrained(path, dtype=torch.float32, device=device)
         ref_model.eval().requires_grad_(False)
         dist.shard(ref_model, compute_dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
     total_steps = cfg.max_steps * cfg.num_iterations
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
     # the KV cache takes the dtype of the weights it reads (bf16 under FSDP on GPU)
@@ -170,48 +210,67 @@ def evaluate_on_ranks(model, tokenizer, env, examples: list, cfg: Config) -> dic
     records = dist.all_gather_objects(r["records"])  # every rank holds the whole eval, in question order
     return summarize(records, cfg.eval_n) | {"records": records}
 
+
+def stop_reason(ckpt: Checkpointer, cfg: Config, t_start: float) -> str | None:
+    """Why RL stops after this step, the same on every rank: SIGTERM on any rank, or the time
+    budget by the slowest clock (each rank's own clock would let ranks leave at different steps,
+    and the next collective would hang)."""
+    sigterm, elapsed = dist.all_max_floats([float(ckpt.stop_requested), time.time() - t_start])
+    if sigterm:
+        return "sigterm"
+    return "budget" if cfg.time_budget_min and elapsed > 60 * cfg.time_budget_min else None
+
+
 # ----------------------------------------------------------------------------- warm-start
 
 def warm_start(model, tokenizer, env, examples: list, cfg: Config, device, log):
     """Supervised cross-entropy on the sampled-token positions of gold trajectories rendered in
-    the rollout layout, so RL starts from a model that knows the tool format."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft_learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2))
+    the rollout layout, so RL starts from a model that knows the tool format. Each rank trains on
+    its share of every batch, the loss normalized by the batch's token count over all ranks, so
+    any world size takes the same steps."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft_learning_rate,
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2))
     eos = model.eos_token_ids()[0]
     kw = dict(enable_thinking=cfg.enable_thinking)
-    rng = random.Random(cfg.seed)
+    rng = random.Random(cfg.seed)  # the same batches on every rank
+    share, rank, world = cfg.sft_batch // dist.world_size(), dist.rank(), dist.world_size()
     model.train()
     for step in tqdm(range(cfg.sft_steps), desc="warm-start", disable=not dist.is_main()):
-        trajs = [gold_trajectory(tokenizer, env, ex, eos, kw) for ex in rng.sample(examples, cfg.sft_batch)]
-        b = collate(trajs, device)
+        batch = rng.sample(examples, cfg.sft_batch)[rank * share:(rank + 1) * share]
+        b = collate([gold_trajectory(tokenizer, env, ex, eos, kw) for ex in batch], device)
         logprobs = model(b["input_ids"], labels=b["labels"])
-        loss = -(logprobs * b["loss_mask"]).sum() / b["loss_mask"].sum()
-        loss.backward()
+        tokens = dist.all_sum(b["loss_mask"].sum().item())  # host sync: the global normalizer
+        nll = -(logprobs * b["loss_mask"]).sum()
+        (nll * world / tokens).backward()  # FSDP averages gradients over ranks: scale the local sum by world
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        log({"sft/loss": loss.item()}, step)
+        log({"sft/loss": dist.all_sum(nll.item()) / tokens}, step)
     del optimizer
 
 
 # ----------------------------------------------------------------------------- the run
 
+@dist.fail_together  # an exception on one rank ends every rank with its message, not a hang
 def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
           reward_weights: dict | None = None, sft_examples: list | None = None, eval_env=None) -> dict:
     """The whole run; returns the eval results ({phase: mean, ci95, pass, per_question scores}).
     `eval_env`: a different prompt for eval (e.g. GSM8K's 10-shot protocol); default `env`."""
-    # ---- 1. setup: models, optimizer, sampler, checkpoints, logs
+    # ---- 1. setup: checks, the run folder (never another run's), models, optimizer, sampler, logs
     cfg.check()
-    dist.init()
+    dist.init(cfg.dist_timeout_min)
+    sft_examples = sft_examples or train_examples
+    check_inputs(cfg, env, train_examples, sft_examples)
+    dist.on_rank0(record_run, cfg)
     device = dist.device()
     torch.manual_seed(cfg.seed)
     tokenizer, model, ref_model, optimizer, scheduler, sampler = build(cfg, device)
     ckpt = Checkpointer(cfg.output_dir, keep_last=cfg.save_total_limit)
     found = resume(ckpt, model, optimizer, scheduler, cfg)
     start, results = (found["step"], found.get("results", {})) if found else (0, {})
-    logger = Logger(cfg.output_dir, purge_after=start if start else None) if dist.is_main() else None
+    logger = Logger(cfg.output_dir, start if found else None, list(results)) if dist.is_main() else None
     log = logger.log if logger else (lambda m, s: None)
     B, G, world, rank = cfg.prompts_per_step, cfg.num_generations, dist.world_size(), dist.rank()
-    assert B % world == 0, f"prompts_per_step={B} must be a multiple of world size {world}"
 
     def run_eval(name: str, at_step: int):
         if eval_examples and name not in results:
@@ -234,7 +293,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
     if found is None:
         run_eval("before", 0)
         if cfg.sft_steps > 0:
-            warm_start(model, tokenizer, env, sft_examples or train_examples, cfg, device, log)
+            warm_start(model, tokenizer, env, sft_examples, cfg, device, log)
             run_eval("warmstart", 0)
             if cfg.save_steps:
                 save(0)  # a crash in the RL phase does not cost the warm-start
@@ -276,10 +335,11 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
             logger.text("completions", trajs[0].text, steps_done)
         if cfg.eval_steps and steps_done % cfg.eval_steps == 0 and steps_done < cfg.max_steps:
             run_eval(f"step{steps_done}", steps_done)
-        stop = ckpt.should_stop()  # SIGTERM: save, then leave cleanly
+        reason = stop_reason(ckpt, cfg, t_start)
+        stop = reason == "sigterm"  # SIGTERM: save, then leave cleanly
         if stop or cfg.save_steps and steps_done % cfg.save_steps == 0:
             save(steps_done)
-        if stop or cfg.time_budget_min and time.time() - t_start > 60 * cfg.time_budget_min:
+        if reason:
             dist.print0(f"SIGTERM: checkpoint written at step {steps_done}, exiting" if stop else
                         f"time budget of {cfg.time_budget_min} min reached after {steps_done} steps")
             break

@@ -5,14 +5,23 @@ Takes any Config field as --field=value, plus
   --sigterm_at_step=K  rank 0 sends itself SIGTERM while scoring step K (1-based), the way a
                        scheduler would: the run must save at the end of step K and exit cleanly
                        on every rank (the ranks agree through an all-reduce of the flag);
+  --raise_at_step=K    rank `raise_on_rank` (default 1) raises in its reward function at step K;
+  --stall_at_step=K    the other ranks stall in theirs (an hour) at step K: a rank that no
+                       collective error will wake, as one on another node under NCCL;
+  --fast_clock_rank=R  rank R's trainer clock runs 10,000 times fast (its time budget ends first);
+  --hide_newest_checkpoint_on_rank=R  rank R does not see the newest checkpoint folder (a network
+                       filesystem's stale view);
   --check_fsdp=DIR     before training, check the FSDP pieces on the model in DIR (e.g. one
                        with tied embeddings) against an unsharded copy (check_fsdp below),
                        export it to <output_dir>/check_export, print "fsdp checks passed".
+Every rank prints "rank R: N gold trajectories" at the end (the warm-start's share of examples).
 """
 import itertools
 import os
 import signal
 import sys
+import time
+import types
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +29,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))  # toy.py
 
 from grpo import dist  # noqa: E402
-from grpo.checkpoint import export  # noqa: E402
+from grpo import trainer  # noqa: E402
+from grpo.checkpoint import Checkpointer, export  # noqa: E402
 from grpo.config import Config, parse_args  # noqa: E402
 from grpo.model import Transformer  # noqa: E402
 from grpo.sampler import Sampler, SamplingParams  # noqa: E402
@@ -33,19 +43,54 @@ EXAMPLES = [{"question": f"w{i} w{i + 1}", "answer": ""} for i in range(40)]
 @dataclass
 class WorkerConfig(Config):
     sigterm_at_step: int = 0  # 0 = never
+    raise_at_step: int = 0  # 0 = never
+    raise_on_rank: int = 1
+    stall_at_step: int = 0  # 0 = never
+    fast_clock_rank: int = -1  # -1 = none
+    hide_newest_checkpoint_on_rank: int = -1  # -1 = none
     check_fsdp: str = ""  # a model folder; "" = no checks
 
 
-class SigtermEnv(ToyEnv):
-    """ToyEnv that raises SIGTERM on rank 0 at the first reward of step `at` (counted in calls)."""
-    def __init__(self, at: int, per_step: int):
-        self.first_call_of_step = (at - 1) * per_step + 1 if at > 0 and os.environ.get("RANK", "0") == "0" else -1
+RANK = int(os.environ.get("RANK", "0"))
+
+
+class FaultEnv(ToyEnv):
+    """ToyEnv that, at the first reward of a step (counted in calls), sends rank 0 SIGTERM
+    (`sigterm_at`), raises on one rank (`raise_at`, `raise_rank`) or stalls the others (`stall_at`)."""
+    def __init__(self, per_step: int, sigterm_at: int = 0, raise_at: int = 0, raise_rank: int = 1,
+                 stall_at: int = 0):
+        first_call = lambda step: (step - 1) * per_step + 1 if step > 0 else -1  # noqa: E731
+        self.sigterm_call = first_call(sigterm_at) if RANK == 0 else -1
+        self.raise_call = first_call(raise_at) if RANK == raise_rank else -1
+        self.stall_call = first_call(stall_at) if RANK != raise_rank else -1
         self.calls = itertools.count(1)  # score() calls reward from threads: next() on a count is atomic
 
     def reward(self, example, trajectory):
-        if next(self.calls) == self.first_call_of_step:
+        call = next(self.calls)
+        if call == self.sigterm_call:
             os.kill(os.getpid(), signal.SIGTERM)
+        if call == self.raise_call:
+            raise ValueError(f"reward function failed on purpose (rank {RANK})")
+        if call == self.stall_call:
+            time.sleep(3600)
         return super().reward(example, trajectory)
+
+    def gold_messages(self, example):  # the warm-start's demonstration (used when --sft_steps > 0)
+        return [{"role": "assistant", "content": "w0 w1 w2 w3"}]
+
+
+def install_faults(cfg: "WorkerConfig") -> list:
+    """The clock and folder-view hooks of the flags above, on this rank; returns the list that
+    counts the gold trajectories this rank renders."""
+    if RANK == cfg.fast_clock_rank:
+        start = time.time()
+        trainer.time = types.SimpleNamespace(time=lambda: start + (time.time() - start) * 10_000)
+    if RANK == cfg.hide_newest_checkpoint_on_rank:
+        complete = Checkpointer.complete
+        Checkpointer.complete = lambda self: complete(self)[:-1]
+    golds, gold_trajectory = [], trainer.gold_trajectory
+    trainer.gold_trajectory = lambda *a, **k: golds.append(1) or gold_trajectory(*a, **k)
+    return golds
 
 
 def check_fsdp(path: str, export_dir: str):
@@ -101,5 +146,8 @@ if __name__ == "__main__":
     if cfg.check_fsdp:
         check_fsdp(cfg.check_fsdp, os.path.join(cfg.output_dir, "check_export"))
     world = int(os.environ.get("WORLD_SIZE", 1))
-    env = SigtermEnv(cfg.sigterm_at_step, cfg.prompts_per_step // world * cfg.num_generations)
+    env = FaultEnv(cfg.prompts_per_step // world * cfg.num_generations, cfg.sigterm_at_step,
+                   cfg.raise_at_step, cfg.raise_on_rank, cfg.stall_at_step)
+    golds = install_faults(cfg)
     train(cfg, env, EXAMPLES, EXAMPLES[:4], eval_env=ToyEnv())  # eval's rewards stay out of the count
+    print(f"rank {RANK}: {len(golds)} gold trajectories", flush=True)

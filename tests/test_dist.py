@@ -9,6 +9,9 @@
 - tests/dist_worker.py check_fsdp: sampling under dist.gathered() (one all-gather per module
   for a whole sampling call), the fused LM head inside the root's forward, tied embeddings,
   and the gathered export, which transformers loads.
+- Ranks always agree (issue 15): an exception on one rank ends every rank with its message
+  (with torchrun, and for a stalled rank without it), the time budget is one clock, the
+  checkpoint to resume is rank 0's choice, and the warm-start splits its batch over ranks.
 Every run is a subprocess (plain `python` for 1 rank, torch.distributed.run for 2) on the toy
 model, with beta > 0 (a sharded reference model), mu = 2, DAPO's global token count and
 batch-std advantages, so that each distributed path is on.
@@ -32,20 +35,25 @@ from grpo.model import Transformer
 from toy import make_toy_dir
 
 WORKER = str(Path(__file__).with_name("dist_worker.py"))
-TRAIN = dict(max_steps=4, prompts_per_step=4, num_generations=4, learning_rate=1e-3, max_prompt_length=16, max_completion_length=8,
-             micro_batch_tokens=64, gen_batch=16, eval_limit=4, eval_n=2, eval_temperature=1.0, save_steps=0,
-             max_grad_norm=1.0, tis_cap=2.0, beta=0.04, num_iterations=2, loss_type="dapo", scale_rewards="batch")
+TRAIN = dict(max_steps=4, prompts_per_step=4, num_generations=4, learning_rate=1e-3, max_prompt_length=16,
+             max_completion_length=8, micro_batch_tokens=64, gen_batch=16, eval_limit=4, eval_n=2,
+             eval_temperature=1.0, save_steps=0, max_grad_norm=1.0, tis_cap=2.0, beta=0.04, num_iterations=2,
+             loss_type="dapo", scale_rewards="batch")
 TIMING = ("time/generate", "time/update", "tokens_per_s")
+
+
+def free_port() -> int:
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def command(world: int, out: Path, **kw) -> list[str]:
     args = [f"--{k}={v}" for k, v in {**TRAIN, "output_dir": out, **kw}.items()]
     if world == 1:
         return [sys.executable, WORKER, *args]
-    with socket.socket() as s:  # a free port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", f"--master_port={port}", WORKER, *args]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+            f"--master_port={free_port()}", WORKER, *args]
 
 
 def environ(**extra) -> dict:
@@ -53,14 +61,16 @@ def environ(**extra) -> dict:
     return {**env, "OMP_NUM_THREADS": "1", **extra}  # two ranks share two cores
 
 
-def launch(world: int, out: Path, **kw) -> str:
-    r = subprocess.run(command(world, out, **kw), env=environ(), capture_output=True, text=True, timeout=240)
+def launch(world: int, out: Path, timeout: int = 240, **kw) -> str:
+    r = subprocess.run(command(world, out, **kw), env=environ(), capture_output=True, text=True,
+                       timeout=timeout)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     return r.stdout + r.stderr
 
 
 def children(pid: int) -> list[int]:
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+            for c in (task / "children").read_text().split()]
 
 
 def alive(pid: int) -> bool:  # a zombie (killed, not yet reaped) counts as dead
@@ -75,7 +85,8 @@ def weights(out: Path) -> dict:
 
 
 def metrics(out: Path) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in open(out / "metrics.jsonl")]
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING}
+            for line in open(out / "metrics.jsonl")]
 
 
 def assert_bitwise(a: Path, b: Path):
@@ -155,26 +166,32 @@ def test_two_ranks_with_uneven_updates_match_one_process(toy, tmp_path):
 def test_exports_from_two_ranks_load_in_transformers(straight, tied):
     import transformers
     (two, _) = straight(2)
-    for folder, source in ((two / "export", None), (two / "check_export", tied)):  # untied trained, tied as loaded
+    # the trained export (untied), and the tied model as loaded
+    for folder, source in ((two / "export", None), (two / "check_export", tied)):
         hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
         transformers.AutoTokenizer.from_pretrained(folder)
         saved = load_file(folder / "model.safetensors")
         for k, v in hf.state_dict().items():
-            torch.testing.assert_close(v, saved.get(k, saved.get("model.embed_tokens.weight")), atol=0, rtol=0, msg=k)
+            expected = saved.get(k, saved.get("model.embed_tokens.weight"))
+            torch.testing.assert_close(v, expected, atol=0, rtol=0, msg=k)
         if source:  # the gathered tied weights are the checkpoint's, and still tied
             assert hf.config.tie_word_embeddings and "lm_head.weight" not in saved
-            assert all(torch.equal(v, load_file(Path(source) / "model.safetensors")[k]) for k, v in saved.items())
+            source_weights = load_file(Path(source) / "model.safetensors")
+            assert all(torch.equal(v, source_weights[k]) for k, v in saved.items())
 
 
 # ----------------------------------------------------------------------------- resume
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_sigterm_then_resume_is_bitwise(world, straight, toy, tmp_path):
+    """With 2 ranks, rank 1 does not see the checkpoint (a network filesystem's stale view): it
+    resumes what rank 0 chose, not step 0 (which ended with ranks at different steps)."""
     log = launch(world, tmp_path, model_path=toy, sigterm_at_step=2)
     assert "SIGTERM: checkpoint written at step 2, exiting" in log
     assert (tmp_path / "checkpoints" / "step_000002" / "meta.json").exists()
     assert not (tmp_path / "export").exists()  # a stopped job leaves a checkpoint, not an export
-    log = launch(world, tmp_path, model_path=toy, resume=True)
+    log = launch(world, tmp_path, model_path=toy, resume=True,
+                 **({"hide_newest_checkpoint_on_rank": 1} if world == 2 else {}))
     assert f"resumed from {tmp_path / 'checkpoints' / 'step_000002'} at step 2" in log
     assert_bitwise(straight(world)[0], tmp_path)
 
@@ -187,8 +204,10 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint(straight, toy, tmp_p
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 180
-        while not all((ckpts / "step_000003.tmp" / f).exists() for f in (".metadata", "rng_0.pt", "rng_1.pt")):
-            assert p.poll() is None and time.time() < deadline, "the run ended or stalled before the save of step 3"
+        written = (".metadata", "rng_0.pt", "rng_1.pt")
+        while not all((ckpts / "step_000003.tmp" / f).exists() for f in written):
+            assert p.poll() is None and time.time() < deadline, \
+                "the run ended or stalled before the save of step 3"
             time.sleep(0.2)
         time.sleep(0.5)  # now in the hook's sleep
     finally:  # torchrun starts each rank in a session of its own: kill the ranks, then torchrun
@@ -237,7 +256,86 @@ def test_partial_and_corrupt_checkpoints_are_skipped(toy, tmp_path, capsys):
         assert f"skipping {root / 'step_000003'} (incomplete: no meta.json)" in out
         assert f"skipping {root / 'step_000002'} (unreadable: " in out
         (root / "step_000001" / ".metadata").unlink()
-        with pytest.raises(RuntimeError, match="no loadable checkpoint"):  # never train on half-loaded weights
+        # never train on half-loaded weights
+        with pytest.raises(RuntimeError, match="no loadable checkpoint"):
             ckpt.load_latest(model, optimizer, scheduler)
     finally:
         ckpt.close()
+
+
+# ----------------------------------------------------------------------------- ranks agree
+
+REWARD_ERROR = "ValueError: reward function failed on purpose (rank 1)"
+
+
+def test_one_rank_failing_ends_every_rank_with_its_message(toy, tmp_path):
+    """Rank 1's reward function raises in step 2; rank 0's next collective fails when rank 1
+    leaves, and it says why: rank 1's error, not gloo's closed connection."""
+    r = subprocess.run(command(2, tmp_path, model_path=toy, raise_at_step=2), env=environ(),
+                       capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert f"[rank1]: {REWARD_ERROR}" in out
+    assert f"[rank0]: RuntimeError: stopping, rank 1: {REWARD_ERROR}" in out, out[-3000:]
+
+
+def test_a_stalled_rank_ends_with_the_failing_ranks_message(toy, tmp_path):
+    """No torchrun to end the job (as for the ranks on another node): rank 1 raises in step 2
+    while rank 0 is stalled in its own reward function, where no collective error reaches it.
+    Rank 0 must end within seconds with rank 1's message, not after the process group's timeout."""
+    args = [f"--{k}={v}" for k, v in {**TRAIN, "output_dir": tmp_path, "model_path": toy, "raise_at_step": 2,
+                                       "stall_at_step": 2}.items()]
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, WORKER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=environ(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+             for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [1, 1]
+    assert REWARD_ERROR in outs[1][1]
+    assert f"[rank0]: stopping, rank 1: {REWARD_ERROR}" in outs[0][1], outs[0][1][-3000:]
+
+
+def test_the_time_budget_is_one_clock(toy, tmp_path):
+    """Rank 1's clock runs 10,000 times fast: by its clock the 10-minute budget is spent in step 1,
+    by rank 0's never. The ranks stop together (the slower clock would leave rank 0 in step 2's
+    collectives alone), after step 1, and both exit 0."""
+    log = launch(2, tmp_path, timeout=120, model_path=toy, time_budget_min=10, fast_clock_rank=1,
+                 eval_limit=0)
+    assert "time budget of 10.0 min reached after 1 steps" in log
+    assert [r["step"] for r in metrics(tmp_path) if "reward/mean" in r] == [1]
+
+
+def test_warm_start_splits_its_batch_over_ranks(toy, tmp_path):
+    """Each rank renders and trains on half of every warm-start batch (it ran all of it on every
+    rank: twice the compute for the same gradient), and the weights are one process's."""
+    sft = dict(model_path=toy, sft_steps=2, sft_batch=4, max_steps=0, eval_limit=0)
+    one, two = launch(1, tmp_path / "one", **sft), launch(2, tmp_path / "two", **sft)
+    assert "rank 0: 8 gold trajectories" in one
+    assert "rank 0: 4 gold trajectories" in two and "rank 1: 4 gold trajectories" in two
+    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
+    for k in w1:  # gloo's reductions reorder fp32 sums
+        torch.testing.assert_close(w2[k], w1[k], atol=1e-5, rtol=0, msg=k)
+    m1, m2 = [[r for r in metrics(tmp_path / run) if "sft/loss" in r] for run in ("one", "two")]
+    assert [r["step"] for r in m1] == [r["step"] for r in m2] == [0, 1]
+    for r1, r2 in zip(m1, m2):  # the loss over the whole batch, not rank 0's half
+        assert r2["sft/loss"] == pytest.approx(r1["sft/loss"], rel=1e-5)
+
+
+def test_a_used_folder_is_refused_on_every_rank(straight, toy):
+    """Rank 0 checks the folder and every rank raises its verdict (the others would otherwise go on
+    to load the model and wait in its first collective)."""
+    two, _ = straight(2)
+    before = sorted(p.name for p in two.iterdir())
+    r = subprocess.run(command(2, two, model_path=toy), env=environ(), capture_output=True, text=True,
+                       timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    refusal = f"{two} holds another run (metrics.jsonl): use --resume to continue it, or another --output_dir"
+    for rank in (0, 1):
+        assert f"[rank{rank}]: FileExistsError: {refusal}" in out, out[-3000:]
+    assert sorted(p.name for p in two.iterdir()) == before

@@ -203,3 +203,17 @@ def test_unreachable_hub_id_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match="not a local folder and could not be fetched"):
         Transformer.from_pretrained("nobody/no-such-model")
+
+
+def test_corrupt_config_and_truncated_weights_name_the_file(tiny_dir):
+    import pathlib
+    path = pathlib.Path(tiny_dir("qwen2")[0])
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2])  # a download or copy cut short
+    with pytest.raises(ValueError, match=f"{weights}: not a readable safetensors file"):
+        Transformer.from_pretrained(path)
+    weights.write_bytes(data)
+    (path / "config.json").write_text('{"model_type": "qwen2", "hidden_size": ')
+    with pytest.raises(ValueError, match=f"{path / 'config.json'}: not valid JSON"):
+        Transformer.from_pretrained(path)
