@@ -253,9 +253,12 @@ def warm_start(model, tokenizer, env, examples: list, cfg: Config, device, log):
 
 @dist.fail_together  # an exception on one rank ends every rank with its message, not a hang
 def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
-          reward_weights: dict | None = None, sft_examples: list | None = None, eval_env=None) -> dict:
+          reward_weights: dict | None = None, sft_examples: list | None = None, eval_env=None,
+          credit=None) -> dict:
     """The whole run; returns the eval results ({phase: mean, ci95, pass, per_question scores}).
-    `eval_env`: a different prompt for eval (e.g. GSM8K's 10-shot protocol); default `env`."""
+    `eval_env`: a different prompt for eval (e.g. GSM8K's 10-shot protocol); default `env`.
+    `credit(trajs, advantages, step) -> advantages`: per-token credit on top of the outcome
+    advantages ((N,) in, (N,) or (N, C) out), e.g. grpo.process.ProcessCredit."""
     # ---- 1. setup: checks, the run folder (never another run's), models, optimizer, sampler, logs
     cfg.check()
     dist.init(cfg.dist_timeout_min)
@@ -319,6 +322,8 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
         # 3b. rewards -> advantages
         rewards = final_rewards(trajs, cfg).to(device)
         advantages = advantages_of(rewards, cfg)
+        if credit is not None:  # per-token credit: a sequence is left out only if all its tokens get 0
+            advantages = credit(trajs, advantages, step)
         # 3c. mu policy updates
         model.train()
         update = policy_update(model, ref_model, optimizer, scheduler, trajs, advantages, cfg, device, opts)
