@@ -86,7 +86,7 @@ class Config:
     sft_batch: int = 8                # examples per warm-start step
     sft_learning_rate: float = 1e-5   # warm-start AdamW learning rate
     # ---- logging, eval, checkpoints
-    log_completions_steps: int = 10   # sample completions to TensorBoard as text every N steps; 0 = off
+    log_completions_steps: int = 10   # every N steps: rollouts/step_N.jsonl and a TensorBoard table; 0 = off
     eval_steps: int = 0               # eval every N steps; 0 = only before and after training
     eval_limit: int = 200             # eval questions
     eval_n: int = 1                   # samples per eval question (mean@k, pass@k)

@@ -40,6 +40,20 @@ def step_metrics(trajs, rewards, advantages, flat, update: dict, t_gen: float, t
     return out
 
 
+def rollout_records(trajs, rewards, advantages, tokenizer) -> list[dict]:
+    """One JSON-able record per trajectory of this rank: what the step trained on."""
+    A = advantages.reshape(len(trajs), -1).double().cpu()
+    out = []
+    for t, r, a in zip(trajs, rewards.tolist(), A):
+        nonzero = a[a != 0]
+        out.append({"prompt_index": t.prompt_index, "prompt": tokenizer.decode(t.prompt_ids),
+                    "completion": t.text, "rewards": t.rewards, "reward": r,
+                    # per-token credit: the mean over the tokens that got any
+                    "advantage": float(nonzero.mean()) if len(nonzero) else 0.0,
+                    "finish_reason": t.finish_reason, "turns": t.num_turns, "tokens": len(t.completion_ids)})
+    return out
+
+
 class Logger:
     """TensorBoard scalars and text, plus metrics.jsonl (one JSON object per row). Rows form series
     (series() below): the warm-start's, one per eval, and the RL steps'; the warm-start's scalars go
@@ -76,6 +90,19 @@ class Logger:
 
     def text(self, tag: str, text: str, step: int):
         self.tb.add_text(tag, "```\n" + text + "\n```", step)
+
+    def rollouts(self, records: list[dict], step: int, shown: int = 4):
+        """rollouts/step_N.jsonl with every record, and a TensorBoard table of the first few."""
+        os.makedirs(os.path.join(self.out_dir, "rollouts"), exist_ok=True)
+        self.dump_jsonl(os.path.join("rollouts", f"step_{step:06d}.jsonl"), records)
+        cell = lambda x: str(x).replace("|", "\\|").replace("\n", "<br>")   # noqa: E731  markdown table cell
+        terms = list(records[0]["rewards"]) if records else []
+        rows = [f"| completion | reward | {' | '.join(terms)} | advantage | finish |",
+                "|" + " --- |" * (len(terms) + 4)]
+        rows += [f"| {cell(r['completion'][-600:])} | {r['reward']:.3f} | "
+                 + " | ".join(f"{r['rewards'][k]:.3f}" for k in terms)
+                 + f" | {r['advantage']:+.3f} | {r['finish_reason']} |" for r in records[:shown]]
+        self.tb.add_text("rollouts", "\n".join(rows), step)
 
     def dump_jsonl(self, name: str, records: list):
         with open(os.path.join(self.out_dir, name), "w") as f:

@@ -25,7 +25,7 @@ from grpo.checkpoint import Checkpointer, export, open_run_dir, run_meta
 from grpo.config import PROFILES, Config, pick_profile
 from grpo.eval import evaluate, summarize
 from grpo.loss import group_advantages, overlong_penalty
-from grpo.metrics import Logger, step_metrics
+from grpo.metrics import Logger, rollout_records, step_metrics
 from grpo.model import Transformer, _local_or_hub
 from grpo.rollout import gold_trajectory, rollout, sampling_params, score
 from grpo.sampler import Sampler
@@ -336,8 +336,10 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
         dist.print0(f"step {steps_done} | reward {metrics['reward/mean']:.3f} | "
                     f"len {metrics['completion/len']:.0f} | loss {metrics['loss']:.4f} | "
                     f"gap {metrics['sampler_gap']:.2e} | {t2 - t0:.1f}s")
-        if logger and cfg.log_completions_steps and step % cfg.log_completions_steps == 0:
-            logger.text("completions", trajs[0].text, steps_done)
+        if cfg.log_completions_steps and step % cfg.log_completions_steps == 0:  # every rank's, to rank 0
+            records = dist.all_gather_objects(rollout_records(trajs, rewards, advantages, tokenizer))
+            if logger:
+                logger.rollouts(records, steps_done)
         if cfg.eval_steps and steps_done % cfg.eval_steps == 0 and steps_done < cfg.max_steps:
             run_eval(f"step{steps_done}", steps_done)
         reason = stop_reason(ckpt, cfg, t_start)

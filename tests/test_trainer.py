@@ -279,3 +279,20 @@ def test_dynamic_sampling_runs_in_the_loop(tmp_path, monkeypatch):
     assert len(rows) == 3 and all(r["skipped_updates"] == 0 for r in rows)
     assert len(refills) == 3 and sum(refills) > 0, f"no refill happened: {refills}"
     assert all(r["flat_groups"] < 1 for r in rows)
+
+
+def test_rollout_records(tmp_path):
+    """Every --log_completions_steps: rollouts/step_N.jsonl with each trajectory's prompt,
+    completion, reward terms, reward, advantage, finish reason and turns."""
+    cfg = toy_config(tmp_path, max_steps=3, log_completions_steps=2, num_generations=4)
+    train(cfg, ToyEnv(), EXAMPLES, [])
+    files = sorted(p.name for p in (tmp_path / "run" / "rollouts").iterdir())
+    assert files == ["step_000001.jsonl", "step_000003.jsonl"]   # steps 0 and 2, logged as 1 and 3
+    records = [json.loads(line) for line in open(tmp_path / "run" / "rollouts" / "step_000001.jsonl")]
+    assert len(records) == cfg.prompts_per_step * cfg.num_generations
+    first = EXAMPLES.index(prompt_batch(EXAMPLES, 0, cfg.prompts_per_step, cfg.seed)[0][0])
+    assert first >= 0 and records[0]["prompt"].startswith("<user> " + EXAMPLES[first]["question"])
+    rewards = torch.tensor([r["reward"] for r in records])
+    torch.testing.assert_close(torch.tensor([r["advantage"] for r in records]), group_advantages(rewards, 4))
+    assert all(abs(r["rewards"]["correct"] - r["reward"]) < 1e-6 for r in records)   # fp32 reward tensor
+    assert all(r["finish_reason"] in ("stop", "length") and r["turns"] == 1 for r in records)
