@@ -191,3 +191,42 @@ def test_bad_recipe_flag_fails_before_any_work():
                        capture_output=True, text=True, timeout=300, env=ONE_THREAD)
     assert r.returncode != 0 and "plan:" not in r.stdout
     assert r.stderr.strip().startswith("error: unknown field --num_generation"), r.stderr  # one line, no traceback
+
+
+# ----------------------------------------------------------------------------- ProcessGRPO (Qwen2.5)
+
+@pytest.mark.parametrize("credit", ["process", "outcome"])
+def test_processgrpo_recipe_two_steps(credit, tmp_path, smollm2_path, monkeypatch):
+    """Two steps on generated problems (no network), run in this process so that a spy on the
+    frozen copy's continuations sees them: one call per step with --credit=process, none with
+    --credit=outcome (plain GRPO: no frozen copy is even loaded)."""
+    import grpo.process
+    model = make_tiny_chat_model(tmp_path / "tiny-qwen2", "qwen2", smollm2_path)
+    out, calls = tmp_path / "run", []
+    real = grpo.process.ProcessCredit.success_rates
+
+    def spy(self, trajs, ends, step):
+        rates = real(self, trajs, ends, step)
+        calls.append(dict(self.stats, trajs=len(trajs), frozen=self.sampler.model))
+        return rates
+
+    monkeypatch.setattr(grpo.process.ProcessCredit, "success_rates", spy)
+    shapes, update = [], grpo.trainer.policy_update     # what reaches the update: (N,) or per-token (N, C)
+    monkeypatch.setattr(grpo.trainer, "policy_update",
+                        lambda *a, **kw: shapes.append(tuple(a[5].shape)) or update(*a, **kw))
+    argv = [*tiny_flags(model, out), "--train_data=multistep:train:2", f"--credit={credit}",
+            "--num_continuations=2", "--max_continuation_length=8", "--max_process_steps=3",
+            "--continuation_batch=8"]
+    monkeypatch.setattr(sys, "argv", ["processgrpo_qwen25_05b.py", *argv])
+    runpy.run_path(str(ROOT / "recipes" / "processgrpo_qwen25_05b.py"), run_name="__main__")
+    check_run(out, "qwen2")
+    if credit == "outcome":
+        assert calls == [] and shapes == [(4,), (4,)], (calls, shapes)
+        return
+    assert len(calls) == 2, calls                     # one credit call per step, over its 2 x 2 solutions
+    assert len(shapes) == 2 and all(len(s) == 2 and s[0] == 4 for s in shapes), shapes
+    for c in calls:
+        assert c["trajs"] == 4 and 4 <= c["boundaries"] <= 12 and c["continuations"] == 2 * c["boundaries"]
+        frozen = c["frozen"]               # the second Transformer: eval mode, no grad, fp32 on CPU
+        assert not frozen.training and not any(p.requires_grad for p in frozen.parameters())
+        assert next(frozen.parameters()).dtype == torch.float32

@@ -1,0 +1,162 @@
+"""ProcessGRPO: Qwen2.5-0.5B-Instruct on numeric math, each reasoning step credited by how much it
+raised a frozen copy's chance of finishing correctly (shared/seeds/processgrpo_qwen25_05b.md).
+
+    torchrun --nproc_per_node=1 recipes/processgrpo_qwen25_05b.py --filter_solve_rate=true
+    # the controls, on the same (filtered) problems, data order and settings:
+    torchrun --nproc_per_node=1 recipes/processgrpo_qwen25_05b.py --credit=outcome \\
+        --train_data=runs/processgrpo_qwen25_05b/train_filtered.jsonl --output_dir=runs/processgrpo_outcome
+    torchrun ... --credit=shuffled --train_data=runs/processgrpo_qwen25_05b/train_filtered.jsonl ...
+    # the benchmark: the 700 fresh multi-step problems, by operation count, paired gain over the base
+    python -m grpo.envs.processgrpo --model runs/processgrpo_qwen25_05b/export \\
+        --base Qwen/Qwen2.5-0.5B-Instruct
+
+Reference (one A100, one seed): mean validation accuracy over training 0.498 (process) vs 0.455
+(final-answer only) vs 0.465 (shuffled credit); checkpoint at step 280, chosen by validation
+accuracy. Base -> process (final-answer only in brackets), greedy, 3,072 new tokens: GSM8K 47.4 ->
+49.7 (49.2), SVAMP 55.3 -> 64.0 (58.3), held-out 57.6 -> 65.7 (61.8), fresh multi-step 30.9 ->
+36.1 (28.4); on 5- and 6-operation problems 20% / 11% -> 26% / 19% (14% / 9%).
+Settings as the card: Dr. GRPO loss (no std scaling), 8 problems x 8 attempts a step, lr 1e-6,
+3,072-token cap, K = 16 continuations, progress weight 3, the prompt of grpo.envs.processgrpo
+(one worked example, then "Please reason step by step...") in training and eval; reward = exact
+numeric match of the last \\boxed{} (`format`, a \\boxed{} present, is logged with weight 0).
+Ours, where the card does not say: continuations at temperature 1 and at most 1,024 tokens, at
+most 8 boundaries per solution, 400 steps, and a validation set of 350 generated problems.
+
+Credit (--credit, grpo.process.ProcessCredit, passed to train as `credit`): `process`, each step's
+tokens get A + 3 x (p_k - p_(k-1)); `shuffled`, the same progress permuted over a solution's
+steps; `outcome`, the advantages untouched (plain GRPO, bit for bit; the frozen copy is not
+loaded). The frozen copy is a second grpo.model.Transformer (bf16 on CUDA, fp32 on CPU, eval
+mode, no grad) with its own grpo.sampler.Sampler of `continuation_batch` slots.
+
+What a step costs, an estimate (not measured): 64 solutions x S boundaries x K = 16
+continuations. S <= max_process_steps = 8 (later paragraphs are merged into the last step); a
+0.5B solution has about 4-8 paragraphs, so S ~ 6: ~6,100 continuations, each from its boundary
+to the end of the solution, capped at max_continuation_length = 1,024 tokens (a continuation
+cut there counts as a failure). With ~150-200 tokens left on average that is ~1M sampled
+tokens a step (8.4M at worst), ~50x the 64 rollouts' ~20k; the prefixes' prefill (~400
+tokens each, forked into K rows) is small beside that. So continuations dominate the step
+time; their budget is K, the boundary cap and the length cap above, decoded in continuous
+batches of `continuation_batch` rows. To go faster, cut K (noisier p_k) or max_process_steps.
+
+Checkpoint choice by validation accuracy (as the reference): the eval runs on 350 generated
+validation problems (multistep:validation:50, disjoint from the 700 test problems and every
+training problem by the generator's hash rule) every eval_steps = 20 steps, and every 20 steps
+is a checkpoint (save_total_limit = 0 keeps them all, ~6 GB each with the optimizer). Pick the
+step with the highest `eval/step<N>/mean` in metrics.jsonl (`eval/before/mean` is the base,
+`eval/after/mean` the last step; per problem: eval_step<N>.jsonl, `correct`), then export it:
+    python -m grpo.export runs/processgrpo_qwen25_05b/checkpoints/step_000280 runs/best
+Data: --train_data is comma-separated sources (grpo.envs.processgrpo.load_sources): files or
+Hugging Face ids (default openai/gsm8k:main:train, fetched once by `datasets`), GSM8K's '#### n'
+answers read, MATH rows kept where the answer is a number, and `multistep:train:N` generated
+problems. Offline, pass local files: --train_data=gsm8k/train.jsonl,math_numeric.jsonl.
+--filter_solve_rate=true keeps the problems the frozen base model solves 1 to 7 times in 8 (a
+rollout pass: 8 samples of up to 3,072 tokens per problem), written to train_filtered.jsonl in
+the output folder (read back on --resume); each process filters (meant for one GPU).
+"""
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from grpo import dist
+from grpo.config import Config, parse_args
+from grpo.data import DataError
+from grpo.envs.processgrpo import DEFAULT_WEIGHTS, OneShotMathEnv, filter_by_solve_rate, load_sources
+from grpo.model import Transformer
+from grpo.process import ProcessCredit
+from grpo.sampler import Sampler
+from grpo.trainer import train
+
+CREDITS = ("process", "outcome", "shuffled")
+
+
+@dataclass
+class ProcessGRPOQwen(Config):
+    model_path: str = "Qwen/Qwen2.5-0.5B-Instruct"  # a local HF folder, or a hub id fetched once
+    output_dir: str = "runs/processgrpo_qwen25_05b"
+    train_data: str = "openai/gsm8k:main:train"  # comma-separated: files, dataset ids, multistep:train:N
+    eval_data: str = "multistep:validation:50"   # checkpoint choice: 50 problems per operation count 2..8
+    question_field: str = "question"  # the data column holding the question (else prompt, else problem)
+    answer_field: str = "answer"      # the data column holding the answer ('#### n' endings are read)
+    credit: str = "process"           # process | outcome (final-answer only) | shuffled (control)
+    num_continuations: int = 16       # K: continuations of the frozen copy per step boundary
+    progress_weight: float = 3.0      # token advantage = A + weight x its step's progress
+    max_process_steps: int = 8        # step boundaries per solution (later steps merged into the last)
+    max_continuation_length: int = 1024  # tokens per continuation; one cut there counts as a failure
+    continuation_batch: int = 256     # the frozen copy's sampler slots (rows decoded together)
+    filter_solve_rate: bool = False   # keep problems the base model solves 1-7 times in 8 (a rollout pass)
+    max_steps: int = 400
+    prompts_per_step: int = 8
+    num_generations: int = 8
+    learning_rate: float = 1e-6
+    loss_type: str = "dr_grpo"
+    scale_rewards: str = "none"       # Dr. GRPO: no std division (arXiv 2503.20783)
+    beta: float = 0.0
+    temperature: float = 1.0
+    max_prompt_length: int = 1024     # the worked example + a question: ~300 tokens; MATH problems run longer
+    max_completion_length: int = 3072
+    eval_limit: int = 350
+    eval_steps: int = 20
+    save_steps: int = 20
+    save_total_limit: int = 0         # keep every checkpoint: the best by validation is chosen afterwards
+
+# ----------------------------------------------------------------------------- setup
+
+
+def frozen_copy(cfg: Config, device: torch.device) -> Transformer:
+    """The starting model, frozen: the continuations' judge of how likely a prefix is to succeed."""
+    bf16 = cfg.dtype == "bfloat16" or cfg.dtype == "auto" and device.type == "cuda"
+    model = Transformer.from_pretrained(cfg.model_path, dtype=torch.bfloat16 if bf16 else torch.float32,
+                                        device=device)
+    return model.eval().requires_grad_(False)
+
+
+def filtered(cfg: Config, sampler, tokenizer, env, examples: list[dict]) -> list[dict]:
+    """The problems the base model solves 1 to 7 times in 8, saved beside the run (so the controls
+    and a --resume train on exactly these)."""
+    path = Path(cfg.output_dir) / "train_filtered.jsonl"
+    if cfg.resume and path.exists():
+        print(f"filter: reading {path} (--resume)")
+        return [json.loads(line) for line in open(path)]
+    kept, solved = filter_by_solve_rate(sampler, tokenizer, env, examples, temperature=cfg.temperature,
+                                        max_tokens=cfg.max_completion_length, seed=cfg.seed,
+                                        chat_kwargs=dict(enable_thinking=cfg.enable_thinking))
+    print(f"filter: kept {len(kept)} of {len(examples)} problems (solved 1-7 times in 8); "
+          f"{solved.count(0)} never solved, {solved.count(8)} always")
+    if os.environ.get("RANK", "0") == "0":   # before the process group: torchrun's rank
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(ex) + "\n" for ex in kept))
+    return kept
+
+
+def main(cls=ProcessGRPOQwen):
+    cfg = parse_args(cls)
+    if cfg.credit not in CREDITS:
+        raise SystemExit(f"error: --credit={cfg.credit!r}: one of {', '.join(CREDITS)}")
+    try:
+        train_examples = load_sources(cfg.train_data, cfg.question_field, cfg.answer_field)
+        eval_examples = load_sources(cfg.eval_data) if cfg.eval_data else []
+    except DataError as e:  # one line, not a traceback: the usual cause is a missing file or no network
+        raise SystemExit(f"processgrpo recipe: {e} (offline: --train_data=gsm8k/train.jsonl,... local "
+                         f"files with question and answer columns, or multistep:train:300 for generated "
+                         f"problems)") from None
+    from transformers import AutoTokenizer
+    env, tokenizer = OneShotMathEnv(), AutoTokenizer.from_pretrained(cfg.model_path)
+    sampler = None   # the outcome control needs no frozen copy (unless it filters the data)
+    if cfg.credit != "outcome" or cfg.filter_solve_rate:
+        sampler = Sampler(frozen_copy(cfg, dist.device()), tokenizer, max_batch=cfg.continuation_batch,
+                          kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
+    if cfg.filter_solve_rate:
+        train_examples = filtered(cfg, sampler, tokenizer, env, train_examples)
+        sampler = sampler if cfg.credit != "outcome" else None
+    credit = ProcessCredit(sampler, tokenizer, env, num_continuations=cfg.num_continuations,
+                           weight=cfg.progress_weight, mode=cfg.credit, temperature=cfg.temperature,
+                           max_continuation_tokens=cfg.max_continuation_length,
+                           max_steps=cfg.max_process_steps, seed=cfg.seed)
+    return train(cfg, env, train_examples, eval_examples, reward_weights=DEFAULT_WEIGHTS, credit=credit)
+
+
+if __name__ == "__main__":
+    main()
