@@ -197,7 +197,10 @@ def run_meta(profile: dict) -> dict:
             dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.SubprocessError):
         pass
-    return {"profile": profile, "grpo_version": version, "git_commit": commit,
+    import __main__
+    main = getattr(__main__, "__file__", None)   # the recipe file a run was launched from
+    recipe = os.path.abspath(main) if main and main.endswith(".py") else None
+    return {"profile": profile, "recipe": recipe, "grpo_version": version, "git_commit": commit,
             "git_dirty": dirty, "torch_version": torch.__version__,
             "world_size": dist.world_size(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 

@@ -1,11 +1,15 @@
 """Accuracy of a model on an env's questions: mean@k and pass@k with 95% intervals.
 
-    python -m grpo.eval --model PATH --task gsm8k [--data SOURCE] [--n K] [--shots S] [--limit N]
+    python -m grpo.eval --model_path PATH --task gsm8k [--data SOURCE] [--n K] [--shots S] [--limit N]
+    python -m grpo.eval --run runs/NAME      # a run's export, evaluated exactly as the run evaluated it
 
 Tasks and their default data (Hugging Face dataset ids) are in grpo.envs.tasks; `--data` takes a
 local JSONL, CSV or Parquet file or another dataset id (grpo.data.load_examples), with a
 `question` (or `prompt`) column and an `answer` column unless --question_field/--answer_field
 say otherwise. Per-sample records (prompt, completion, extracted answer, score) go to a JSONL file.
+`--run` reads the run's config.json, imports the recipe that launched it, and calls its
+`eval_setup(cfg) -> (env, examples)`: the same env, system prompt, questions, samples,
+temperature and token budget as the run's own evals.
 """
 import argparse
 import json
@@ -82,8 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
     from grpo.envs.tasks import SOURCES, TASKS, load_task
     defaults = ", ".join(f"{task}: {source}" for task, source in SOURCES.items())
     p = argparse.ArgumentParser(prog="python -m grpo.eval", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="HF checkpoint folder")
-    p.add_argument("--task", required=True, choices=TASKS)
+    p.add_argument("--model_path", help="HF checkpoint folder (with --task)")
+    p.add_argument("--task", choices=TASKS)
+    p.add_argument("--run", help="a run's output_dir: its export, with the run's own eval settings")
     p.add_argument("--data", help=f"JSONL, CSV or Parquet file, or a dataset id name[:config[:split]] "
                                   f"(defaults: {defaults}; calculator: 200 generated questions)")
     p.add_argument("--question_field", default="question",
@@ -103,6 +108,10 @@ def main(argv: list[str] | None = None) -> dict:
                    help="math tasks: answer with the sandboxed Python tool (ReTool's env) or without")
     p.add_argument("--out", default=None, help="per-sample JSONL (default: eval_<task>.jsonl)")
     args = p.parse_args(argv)
+    if args.run:
+        return evaluate_run(args.run, args.out)
+    if not (args.model_path and args.task):
+        p.error("pass --model_path and --task, or --run")
     if args.data is not None and not args.data.strip():  # not the default data set, silently
         raise SystemExit("python -m grpo.eval: --data is empty: pass a file or a dataset id, or leave it out")
     try:  # the data first: a missing file or an offline hub should not wait for the model to load
@@ -123,8 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
     from grpo.model import Transformer
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = Transformer.from_pretrained(args.model, dtype=dtype, device=device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = Transformer.from_pretrained(args.model_path, dtype=dtype, device=device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     temperature = args.temperature if args.temperature is not None else (0.0 if args.n == 1 else 1.0)
     r = evaluate(model, tokenizer, env, examples, n=args.n, temperature=temperature,
                  max_tokens=args.max_tokens, max_turns=args.max_turns,
@@ -135,6 +144,59 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"| task | questions | n | mean@{args.n} | 95% CI | pass@{args.n} |")
     print(f"| {args.task} | {r['questions']} | {args.n} | {r['mean']:.4f} | ± {r['ci95']:.4f} "
           f"| {r['pass']:.4f} |")
+    print(f"per-sample records: {out}")
+    return r
+
+
+def run_config(run_dir: str):
+    """(recipe module, its config object) from a run's config.json."""
+    import dataclasses
+    import importlib.util
+    import os
+    path = os.path.join(run_dir, "config.json")
+    try:
+        fields = json.load(open(path))
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"python -m grpo.eval: {path}: {e}") from None
+    meta = fields.pop("_meta", {})
+    recipe, name = meta.get("recipe"), meta.get("config_class")
+    if not recipe or not os.path.exists(recipe) or not name:
+        raise SystemExit(f"python -m grpo.eval: {path} names no recipe file that exists ({recipe}): "
+                         "use --model_path and --task")
+    sys.path.insert(0, os.path.dirname(recipe))     # recipes import their siblings
+    spec = importlib.util.spec_from_file_location("grpo_run_recipe", recipe)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)                 # its main() runs only as __main__
+    cls = getattr(module, name)
+    known = {f.name for f in dataclasses.fields(cls)}
+    return module, cls(**{k: v for k, v in fields.items() if k in known})
+
+
+def evaluate_run(run_dir: str, out: str | None = None) -> dict:
+    """The run's export on the run's eval questions with the run's settings (one process)."""
+    import os
+    from transformers import AutoTokenizer
+    from grpo.model import Transformer
+    module, cfg = run_config(run_dir)
+    if not hasattr(module, "eval_setup"):
+        raise SystemExit(f"python -m grpo.eval: {module.__file__} defines no eval_setup(cfg): use --task")
+    env, examples = module.eval_setup(cfg)
+    examples = list(examples[:cfg.eval_limit])
+    export = os.path.join(run_dir, "export")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = Transformer.from_pretrained(export, dtype=dtype, device=device).eval()
+    r = evaluate(model, AutoTokenizer.from_pretrained(export), env, examples, n=cfg.eval_n,
+                 temperature=cfg.eval_temperature, max_tokens=cfg.max_completion_length,
+                 max_turns=cfg.max_turns,
+                 chat_kwargs={"enable_thinking": cfg.enable_thinking}, gen_batch=cfg.gen_batch,
+                 kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
+    out = out or os.path.join(run_dir, "eval_rerun.jsonl")
+    with open(out, "w") as f:
+        f.writelines(json.dumps(rec) + "\n" for rec in r["records"])
+    print(f"| run | questions | n | T | mean@{cfg.eval_n} | 95% CI | pass@{cfg.eval_n} |")
+    print(f"| {run_dir} | {r['questions']} | {cfg.eval_n} | {cfg.eval_temperature} | {r['mean']:.4f} | "
+          f"± {r['ci95']:.4f} | {r['pass']:.4f} |")
     print(f"per-sample records: {out}")
     return r
 

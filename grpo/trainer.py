@@ -137,7 +137,8 @@ def record_run(cfg: Config):
     settings = {} if cfg.profile == "none" else pick_profile(None if auto else cfg.profile)
     name = next((k for k, v in PROFILES.items() if v == settings), None) if auto else cfg.profile
     profile = {"name": cfg.profile, "resolved": name, "settings": settings}
-    open_run_dir(cfg.output_dir, dataclasses.asdict(cfg), cfg.resume, run_meta(profile))
+    meta = run_meta(profile) | {"config_class": type(cfg).__name__}   # grpo.eval --run rebuilds it
+    open_run_dir(cfg.output_dir, dataclasses.asdict(cfg), cfg.resume, meta)
 
 
 def model_folder(model_path: str) -> str:

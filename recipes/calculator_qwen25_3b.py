@@ -58,21 +58,27 @@ class CalculatorQwen(Config):
     dtype: str = "auto"               # bf16 compute on GPU, fp32 master weights
 
 
-def main(cls=CalculatorQwen):
-    cfg = parse_args(cls)
-    fields = dict(question_field=cfg.question_field, answer_field=cfg.answer_field,
-                  prepare=calculator_example)
+def load(cfg: CalculatorQwen, source: str, count: int, seed: int, split: str) -> list[dict]:
+    fields = dict(question_field=cfg.question_field, answer_field=cfg.answer_field, prepare=calculator_example)
     try:
-        questions = (load_examples(cfg.train_data, **fields) if cfg.train_data
-                     else generate_questions(cfg.train_questions, cfg.seed, "train"))
-        eval_qs = (load_examples(cfg.eval_data, **fields) if cfg.eval_data
-                   else generate_questions(cfg.eval_questions, cfg.seed + 1, "eval"))
+        return load_examples(source, **fields) if source else generate_questions(count, seed, split)
     except DataError as e:  # one line, not a traceback
         raise SystemExit(f"calculator recipe: {e}") from None
-    if cfg.max_steps == 0:
-        cfg.max_steps = max(1, len(questions) // cfg.prompts_per_step)
+
+
+def eval_setup(cfg: CalculatorQwen) -> tuple:
+    """The env and the eval questions (also `python -m grpo.eval --run`)."""
     env = CalculatorEnv(judge_base_url=cfg.judge_base_url or None, judge_model=cfg.judge_model or None,
                         judge_api_key=os.environ.get("JUDGE_API_KEY"))  # not a flag: flags land in logs
+    return env, load(cfg, cfg.eval_data, cfg.eval_questions, cfg.seed + 1, "eval")
+
+
+def main(cls=CalculatorQwen):
+    cfg = parse_args(cls)
+    questions = load(cfg, cfg.train_data, cfg.train_questions, cfg.seed, "train")
+    env, eval_qs = eval_setup(cfg)
+    if cfg.max_steps == 0:
+        cfg.max_steps = max(1, len(questions) // cfg.prompts_per_step)
     weights = {**DEFAULT_WEIGHTS, "judge": cfg.judge_weight if cfg.judge_base_url else 0.0}
     train(cfg, env, questions, eval_qs, reward_weights=weights)
 

@@ -79,6 +79,12 @@ class CalculatorCPU(Config):
     dtype: str = "float32"
 
 
+def eval_setup(cfg: CalculatorCPU) -> tuple:
+    """The env and the held-out questions of every eval (also `python -m grpo.eval --run`)."""
+    env = CalculatorEnv(system_prompt=SHORT_SYSTEM_PROMPT)  # 51 tokens, not 246: every forward is cheaper
+    return env, generate_questions(cfg.eval_limit, seed=cfg.seed + 1, split="eval")
+
+
 def main():
     cfg = parse_args(CalculatorCPU)
     if cfg.smoke:
@@ -86,9 +92,8 @@ def main():
         cfg.prompts_per_step, cfg.num_generations, cfg.eval_limit, cfg.max_completion_length = 2, 4, 8, 96
         cfg.output_dir = cfg.output_dir.rstrip("/") + "_smoke"
     cfg.model_path = cfg.model_path or local_path()
-    env = CalculatorEnv(system_prompt=SHORT_SYSTEM_PROMPT)  # 51 tokens, not 246: every forward is cheaper
+    env, eval_qs = eval_setup(cfg)
     train_qs = generate_questions(cfg.train_questions, seed=cfg.seed, split="train")
-    eval_qs = generate_questions(cfg.eval_limit, seed=cfg.seed + 1, split="eval")
     print(f"plan: warm-start {cfg.sft_steps} steps x {cfg.sft_batch} | GRPO up to {cfg.max_steps} steps "
           f"x {cfg.prompts_per_step} prompts x G={cfg.num_generations} ({cfg.rl_min_ops}-{cfg.rl_max_ops} operations), budget {cfg.time_budget_min or 'none'} min | "
           f"eval {len(eval_qs)} held-out questions x {cfg.eval_n} samples x 3 phases | output {cfg.output_dir}")
@@ -105,7 +110,8 @@ def main():
     if "warmstart" in results and "after" in results:
         gain, ci = paired_gain(results["warmstart"]["per_question"], results["after"]["per_question"])
         print(f"| GRPO gain over warm-start | {gain:+.3f} | ± {ci:.3f} (paired) |")
-    print(f"export: {cfg.output_dir}/export | TensorBoard: tensorboard --logdir {cfg.output_dir}")
+    print(f"export: {cfg.output_dir}/export | TensorBoard: tensorboard --logdir {cfg.output_dir} | "
+          f"eval again: python -m grpo.eval --run {cfg.output_dir}")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,8 @@ class CustomTask(Config):
 
 def boxed_answer(prompts: list[str], completions: list[str], answer: list, **columns) -> list[float]:
     """1 when the last \\boxed{} is equivalent to the answer (math-verify), else 0."""
-    return [float(last_boxed(c) is not None and is_equiv(last_boxed(c), str(a))) for c, a in zip(completions, answer)]
+    boxed = [last_boxed(c) for c in completions]
+    return [float(b is not None and is_equiv(b, str(a))) for b, a in zip(boxed, answer)]
 
 
 def boxed_format(prompts: list[str], completions: list[str], **columns) -> list[float]:
@@ -89,29 +90,37 @@ def import_functions(names: str) -> dict:
         try:
             fn = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError, ValueError) as e:
-            raise SystemExit(f"error: --reward_funcs {name!r}: {type(e).__name__}: {e} (expected module:function)")
+            raise SystemExit(f"error: --reward_funcs {name!r}: {type(e).__name__}: {e} "
+                             "(expected module:function)")
         funcs[attr] = fn
     if not funcs:
         raise SystemExit("error: --reward_funcs names no function")
     return funcs
 
 
+def load(cfg: CustomTask, source: str) -> list[dict]:
+    try:
+        return load_examples(source, question_field=cfg.question_field, answer_field=cfg.answer_field)
+    except DataError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def eval_setup(cfg: CustomTask) -> tuple:
+    """The env and the eval examples (also `python -m grpo.eval --run`)."""
+    env = RewardFunctionsEnv(import_functions(cfg.reward_funcs), cfg.system_prompt)
+    return env, load(cfg, cfg.eval_data) if cfg.eval_data else []
+
+
 def main(cls=CustomTask):
     cfg = parse_args(cls)
     if not cfg.train_data:
         raise SystemExit("error: --train_data is required (a JSONL, CSV or Parquet file, or a dataset id)")
-    funcs = import_functions(cfg.reward_funcs)
-    weights = [float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights else [1.0] * len(funcs)
-    if len(weights) != len(funcs):
-        raise SystemExit(f"error: {len(weights)} --reward_weights for {len(funcs)} --reward_funcs")
-    fields = dict(question_field=cfg.question_field, answer_field=cfg.answer_field)
-    try:
-        train_examples = load_examples(cfg.train_data, **fields)
-        eval_examples = load_examples(cfg.eval_data, **fields) if cfg.eval_data else []
-    except DataError as e:
-        raise SystemExit(f"error: {e}") from None
-    env = RewardFunctionsEnv(funcs, cfg.system_prompt)
-    return train(cfg, env, train_examples, eval_examples, reward_weights=dict(zip(funcs, weights)))
+    env, eval_examples = eval_setup(cfg)
+    names = list(env.funcs)
+    weights = [float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights else [1.0] * len(names)
+    if len(weights) != len(names):
+        raise SystemExit(f"error: {len(weights)} --reward_weights for {len(names)} --reward_funcs")
+    return train(cfg, env, load(cfg, cfg.train_data), eval_examples, reward_weights=dict(zip(names, weights)))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 (shared/seeds/gsm8k_qwen3_06b_grpo.md).
 
     torchrun --nproc_per_node=1 recipes/gsm8k_qwen3_06b.py --model_path=/models/Qwen3-0.6B
-    python -m grpo.eval --model runs/gsm8k_qwen3_06b/export --task gsm8k --shots 10 --enable_thinking 0
+    python -m grpo.eval --model_path runs/gsm8k_qwen3_06b/export --task gsm8k --shots 10 --enable_thinking 0
 
 Data: the Hugging Face openai/gsm8k (train and test splits of config main), fetched once by the
 optional `datasets` library. Offline, pass local files with the same columns (JSONL, CSV or
@@ -54,17 +54,27 @@ class GSM8KQwen3(Config):
     save_steps: int = 25
 
 
-def main(cls=GSM8KQwen3):
-    cfg = parse_args(cls)
+def load(cfg: GSM8KQwen3, source: str) -> list[dict]:
     fields = dict(question_field=cfg.question_field, answer_field=cfg.answer_field, prepare=gsm8k_example)
     try:
-        train_set, test_set = load_examples(cfg.train_data, **fields), load_examples(cfg.eval_data, **fields)
+        return load_examples(source, **fields)
     except DataError as e:  # one line, not a traceback: the usual cause is a missing file or no network
         raise SystemExit(f"gsm8k recipe: {e} (--train_data=FILE --eval_data=FILE)") from None
-    # eval with the harness's 10-shot system prompt, train zero-shot: two envs, one scorer
+
+
+def eval_setup(cfg: GSM8KQwen3, train_set: list[dict] | None = None) -> tuple:
+    """The eval env (the harness's k-shot system prompt, shots from the train data) and the test
+    set (also `python -m grpo.eval --run`)."""
+    train_set = train_set if train_set is not None else load(cfg, cfg.train_data) if cfg.eval_shots else []
     shots = gsm8k.fewshot_examples(train_set, cfg.eval_shots) if cfg.eval_shots else []
-    train(cfg, gsm8k.GSM8KEnv(), train_set, test_set, reward_weights=gsm8k.DEFAULT_WEIGHTS,
-          eval_env=gsm8k.GSM8KEnv(fewshot=shots))
+    return gsm8k.GSM8KEnv(fewshot=shots), load(cfg, cfg.eval_data)
+
+
+def main(cls=GSM8KQwen3):
+    cfg = parse_args(cls)
+    train_set = load(cfg, cfg.train_data)
+    eval_env, test_set = eval_setup(cfg, train_set)  # eval k-shot, train zero-shot: two envs, one scorer
+    train(cfg, gsm8k.GSM8KEnv(), train_set, test_set, reward_weights=gsm8k.DEFAULT_WEIGHTS, eval_env=eval_env)
 
 
 if __name__ == "__main__":

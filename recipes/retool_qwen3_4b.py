@@ -2,7 +2,7 @@
 interpreter, in its own native tool-call format (shared/seeds/retool_qwen3_4b_grpo.md).
 
     torchrun --nproc_per_node=8 recipes/retool_qwen3_4b.py --model_path=/models/Qwen3-4B-Instruct-2507 --resume
-    python -m grpo.eval --model runs/retool_qwen3_4b/export --task aime25 --tool code_interpreter \\
+    python -m grpo.eval --model_path runs/retool_qwen3_4b/export --task aime25 --tool code_interpreter \\
         --n 16 --temperature 1.0 --max_tokens 16384 --enable_thinking 0     # and --task aime24, math500
 
 Reference (slime: Megatron training on 2 B200 + SGLang rollouts on 6): AIME 2024 0.581, AIME
@@ -65,14 +65,23 @@ class ReToolQwen3(Config):
     save_steps: int = 10              # a run of this length will be interrupted: resume with --resume
 
 
-def main(cls=ReToolQwen3):
-    cfg = parse_args(cls)
+def load(source: str, **fields) -> list[dict]:
     try:
-        train_set = load_examples(cfg.train_data, question_field=cfg.question_field, answer_field=cfg.answer_field)
-        eval_set = load_examples(cfg.eval_data, question_field=cfg.eval_question_field, prepare=aime_example)
+        return load_examples(source, **fields)
     except DataError as e:
         raise SystemExit(f"retool recipe: {e} (--train_data=FILE --eval_data=FILE)") from None
+
+
+def eval_setup(cfg: ReToolQwen3) -> tuple:
+    """The env and the eval problems (also `python -m grpo.eval --run`)."""
     env = ReToolEnv(timeout=cfg.tool_timeout, max_turns=cfg.max_turns)
+    return env, load(cfg.eval_data, question_field=cfg.eval_question_field, prepare=aime_example)
+
+
+def main(cls=ReToolQwen3):
+    cfg = parse_args(cls)
+    train_set = load(cfg.train_data, question_field=cfg.question_field, answer_field=cfg.answer_field)
+    env, eval_set = eval_setup(cfg)
     train(cfg, env, train_set, eval_set, reward_weights=REWARD_WEIGHTS)
 
 

@@ -24,6 +24,16 @@ def test_cpu_recipe_smoke_end_to_end(tmp_path, smollm2_path):
     assert "GRPO gain over warm-start" in r.stdout
     steps = [x for x in map(json.loads, open(run / "metrics.jsonl")) if "reward/mean" in x]
     assert [x["step"] for x in steps] == [1, 2]
+    # `python -m grpo.eval --run` reproduces the final eval exactly: the same records, the same figure
+    rerun = subprocess.run([sys.executable, "-m", "grpo.eval", "--run", str(run)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=1200)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    after = [json.loads(line) for line in open(run / "eval_after.jsonl")]
+    again = [json.loads(line) for line in open(run / "eval_rerun.jsonl")]
+    assert [(x["question"], x["completion"], x["correct"]) for x in again] == \
+        [(x["question"], x["completion"], x["correct"]) for x in after]
+    mean = sum(x["correct"] for x in after) / len(after)
+    assert f"| {mean:.4f} |" in rerun.stdout, rerun.stdout
     model = transformers.AutoModelForCausalLM.from_pretrained(run / "export", dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(run / "export")
     ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 plus 2?"}], add_generation_prompt=True,

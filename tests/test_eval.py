@@ -32,7 +32,7 @@ def read_records(path) -> list[dict]:
 def test_eval_gsm8k_on_smollm2(smollm2_path, tmp_path, capsys):
     out = tmp_path / "gsm8k.jsonl"
     test_file = str(DATA / "gsm8k" / "test.jsonl")
-    r = main(["--model", smollm2_path, "--task", "gsm8k", "--data", test_file, "--limit", "3",
+    r = main(["--model_path", smollm2_path, "--task", "gsm8k", "--data", test_file, "--limit", "3",
               "--max_tokens", "32", "--out", str(out)])
     records = read_records(out)
     _, test = load_task("gsm8k", test_file)
@@ -74,7 +74,7 @@ def test_eval_data_file(task, fmt, tmp_path, smollm2_path):
     else:
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.jsonl"
-    r = main(["--model", model, "--task", task, "--data", str(data), "--max_tokens", "6", "--n", "2",
+    r = main(["--model_path", model, "--task", task, "--data", str(data), "--max_tokens", "6", "--n", "2",
               "--out", str(out), *fields])
     records = read_records(out)
     assert len(records) == 2 * len(rows) and r["questions"] == len(rows) and r["n"] == 2

@@ -251,10 +251,10 @@ def test_corrupt_data_and_eval_without_questions_are_named(tmp_path):
     with pytest.raises(DataError, match=f"{bad}:2: not valid JSON"):
         load_examples(bad)
     with pytest.raises(SystemExit, match="--data is empty"):  # not the task's default data, silently
-        main(["--model", "unused", "--task", "gsm8k", "--data", ""])
+        main(["--model_path", "unused", "--task", "gsm8k", "--data", ""])
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(SystemExit, match="empty.jsonl: no examples"):
-        main(["--model", "unused", "--task", "gsm8k", "--data", str(tmp_path / "empty.jsonl")])
+        main(["--model_path", "unused", "--task", "gsm8k", "--data", str(tmp_path / "empty.jsonl")])
 
 
 def test_an_old_torch_is_refused_at_import():
