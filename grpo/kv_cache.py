@@ -79,7 +79,9 @@ class KVCache:
         return y.transpose(1, 2)
 
     def fork(self, src: int, dst: list[int], length: int):
-        """Copy row `src`'s first `length` positions (a prompt) into rows `dst`, every layer."""
+        """Copy row `src`'s first `length` positions into rows `dst`, every layer: a prompt into
+        its samples' rows, or a prefix of a longer prefilled sequence into the rows that continue
+        from it (a causal prefix's keys and values do not depend on the tokens after it)."""
         if dst:
             idx = torch.tensor(dst, device=self.k.device)
             self.k[:, idx, :length] = self.k[:, src, :length].unsqueeze(1)

@@ -10,14 +10,22 @@ Only where the credit lands changes: progress telescopes. Controls (`mode`): "ou
 the outcome advantage alone (plain GRPO), "shuffled" permutes a solution's progress values
 across its steps (same total, placement destroyed).
 
-The continuations are sampled by a grpo.sampler.Sampler over the frozen model: each prefix is
-a prompt of K samples (prefilled once and forked into its K rows). Not yet done: forking one
-prefill of the whole solution at each boundary (DESIGN decision 2); today the prefixes of a
-solution are separate prompts, so its shared prefix is prefilled once per boundary (`stats`
-counts those prefix tokens). The cost is capped by the boundaries per solution (later steps
-merged) and the continuation length.
+The continuations are sampled by a grpo.sampler.Sampler over the frozen model with
+`continue_from` (DESIGN decision 2): prompt + solution is prefilled once, up to its last
+boundary, and each boundary's K rows fork that KV cache truncated at the boundary (a causal
+prefix's KV does not depend on what follows), so prefill costs one pass per solution, not one
+per boundary; the continuations of every boundary of the batch share continuous batching, and
+are token for token what a fresh prefill of each prefix would give under the same seeds.
+
+Cost caps: `max_steps` boundaries per solution (later steps merged), `max_continuation_tokens`
+per continuation, and `max_total_tokens` on a step's worst case (boundaries x K x continuation
+length): over it, whole solutions are left out, longest first (`within_budget`), and their steps
+get the outcome advantage only. `stats` holds the last call's costs: boundaries, continuation
+tokens, prefill tokens computed vs what re-prefilling every prefix would cost, and seconds
+spent (the trainer divides by its rollout time for the share spent on continuations).
 """
 import random
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +78,20 @@ def credit_tokens(num_tokens: int, ends: list[int], outcome_advantage: float, pr
     return out
 
 
+def within_budget(lengths: list[int], boundaries: list[int], cost: int, max_total: int) -> list[bool]:
+    """Which solutions keep their continuations under a cap on a step's worst-case continuation
+    tokens, each boundary costing `cost` (K x max continuation tokens). While over the cap, the
+    longest solution left is dropped (ties: the later one): it has the most boundaries and the
+    longest prefixes to attend over. A dropped solution's steps get the outcome advantage only.
+    max_total <= 0: no cap."""
+    keep, total = [True] * len(lengths), cost * sum(boundaries)
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], -i)):
+        if max_total <= 0 or total <= max_total:
+            break
+        keep[i], total = False, total - cost * boundaries[i]
+    return keep
+
+
 def shuffled(progress: list[float], rng: random.Random) -> list[float]:
     """The shuffled-credit control: the same values, permuted across the steps."""
     out = list(progress)
@@ -92,6 +114,7 @@ class ProcessCredit:
     temperature: float = 1.0
     max_continuation_tokens: int = 512
     max_steps: int = 8                # boundaries per solution (later steps merged)
+    max_total_tokens: int = 0         # cap on boundaries x K x max_continuation_tokens per call; 0 = none
     seed: int = 0
     split: object = step_ends         # (token pieces, max_steps) -> step ends; paragraphs by default
     stats: dict = field(default_factory=dict)   # the last call's costs, for logging
@@ -111,37 +134,54 @@ class ProcessCredit:
         rates = self.success_rates(trajs, ends, step)
         rng = random.Random(f"shuffle-{self.seed}-{step}")
         for i, t in enumerate(trajs):
-            progress = step_progress(rates[i], t.rewards.get("correct", 0.0))
+            if rates[i] is None:      # over max_total_tokens: no progress, the outcome advantage only
+                progress = [0.0] * len(ends[i])
+            else:
+                progress = step_progress(rates[i], t.rewards.get("correct", 0.0))
             if self.mode == "shuffled":
                 progress = shuffled(progress, rng)
             C_i = len(t.completion_ids)
             out[i, :C_i] = credit_tokens(C_i, ends[i], float(advantages[i]), progress, self.weight)
         return out.to(advantages.device)
 
-    def success_rates(self, trajs: list[Trajectory], ends: list[list[int]], step: int) -> list[list[float]]:
-        """p_0..p_(S-1) per trajectory: K continuations from each boundary before its last step."""
-        prefixes, owners = [], []
-        for i, (t, e) in enumerate(zip(trajs, ends)):
-            for k, boundary in enumerate([0] + e[:-1]):
-                prefixes.append(t.prompt_ids + t.completion_ids[:boundary])
-                owners.append((i, k, boundary))
-        K = self.num_continuations
+    def success_rates(self, trajs: list[Trajectory], ends: list[list[int]],
+                      step: int) -> list[list[float] | None]:
+        """p_0..p_(S-1) per trajectory: K continuations from each boundary before its last step
+        (None for a solution left out by max_total_tokens)."""
+        K, t0 = self.num_continuations, time.perf_counter()
+        keep = within_budget([len(t.completion_ids) for t in trajs], [len(e) for e in ends],
+                             K * self.max_continuation_tokens, self.max_total_tokens)
+        kept = [i for i in range(len(trajs)) if keep[i]]
+        sequences = [trajs[i].prompt_ids + trajs[i].completion_ids for i in kept]
+        cuts = [[len(trajs[i].prompt_ids) + b for b in [0] + ends[i][:-1]] for i in kept]
+        # one random stream per (solution, boundary), whichever other solutions are kept
+        request_ids = [i << 32 | k for i in kept for k in range(len(ends[i]))]
         params = SamplingParams(n=K, temperature=self.temperature, max_tokens=self.max_continuation_tokens,
                                 seed=self.seed * 1_000_003 + step)
-        completions = self.sampler.generate(prefixes, params)       # prompt j's samples at j*K .. j*K+K-1
-        rates = [[0.0] * len(e) for e in ends]
-        for j, (i, k, boundary) in enumerate(owners):
-            t = trajs[i]
-            wins = 0.0
-            for c in completions[j * K:(j + 1) * K]:
-                ids = t.completion_ids[:boundary] + c.token_ids
-                text = self.tokenizer.decode(ids, skip_special_tokens=True)
-                cont = Trajectory(example=t.example, prompt_index=t.prompt_index, prompt_ids=t.prompt_ids,
-                                  completion_ids=ids, loss_mask=[], sampler_logprobs=[],
-                                  finish_reason=c.finish_reason, num_turns=1, text=text, turns=[text])
-                wins += self.env.reward(t.example, cont).get("correct", 0.0)
-            rates[i][k] = wins / K
-        self.stats = {"boundaries": len(prefixes), "continuations": len(completions),
+        before = self.sampler.tokens_prefilled
+        completions = (self.sampler.continue_from(sequences, cuts, params, prompt_ids=request_ids)
+                       if kept else [])
+        prefilled = self.sampler.tokens_prefilled - before
+        t1 = time.perf_counter()
+        rates, j = [None] * len(trajs), 0                  # boundary j's samples at j*K .. j*K+K-1
+        for i in kept:
+            t, rates[i] = trajs[i], []
+            for boundary in [0] + ends[i][:-1]:
+                wins = 0.0
+                for c in completions[j * K:(j + 1) * K]:
+                    ids = t.completion_ids[:boundary] + c.token_ids
+                    text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                    cont = Trajectory(example=t.example, prompt_index=t.prompt_index, prompt_ids=t.prompt_ids,
+                                      completion_ids=ids, loss_mask=[], sampler_logprobs=[],
+                                      finish_reason=c.finish_reason, num_turns=1, text=text, turns=[text])
+                    wins += self.env.reward(t.example, cont).get("correct", 0.0)
+                rates[i].append(wins / K)
+                j += 1
+        reprefill = sum(sum(c) for c in cuts)              # every prefix prefilled as its own prompt
+        self.stats = {"boundaries": sum(map(len, cuts)), "continuations": len(completions),
                       "continuation_tokens": sum(len(c.token_ids) for c in completions),
-                      "prefix_tokens": sum(len(p) for p in prefixes)}
+                      "dropped_solutions": len(trajs) - len(kept),
+                      "prefill_tokens": prefilled, "prefix_tokens": reprefill,
+                      "prefill_tokens_saved": reprefill - prefilled,
+                      "sample_seconds": t1 - t0, "score_seconds": time.perf_counter() - t1}
         return rates

@@ -1,10 +1,14 @@
 """The rollout engine: a batched KV-cache sampler over the model's own blocks.
 
     Sampler(model, tokenizer).generate(prompts, SamplingParams(n=8, max_tokens=500), tool)
+    Sampler(model).continue_from(sequences, cuts, params)  # n continuations of each sequences[i][:c]
 
-One loop (`generate`) over four moves, each a short function:
+One loop over four moves, each a short function:
   1. admit   waiting requests take free cache slots: fresh prompts are prefilled packed in
-             one row (no padding), once per prompt, then forked into the slots of its n samples;
+             one row (no padding), once per prompt, then forked into the slots of its n samples.
+             `continue_from` makes one document of a sequence's prefixes: the sequence is
+             prefilled once, up to its longest cut, and each cut's rows fork that KV truncated
+             at the cut (a causal prefix's keys and values do not depend on what follows);
   2. resume  rows whose tool call returned get the observation appended to their cache;
   3. decode  a window of steps over all slots on device (`decode_step`: stop and length
              checks on device too), then one host sync to read the tokens back;
@@ -65,9 +69,10 @@ class Completion:
 
 
 class _Seq(Completion):  # a request in flight: a Completion plus where it lives
-    def __init__(self, index: int, i: int, j: int, prompt: list[int], key: int, limit: int):
+    def __init__(self, index: int, i: int, j: int, prompt: list[int], key: int, limit: int, doc: int):
         super().__init__(i, j)
         self.index, self.prompt, self.key, self.limit = index, prompt, key, limit
+        self.doc = doc  # prompts of one document are prefixes of each other: their KV is shared
         self.slot, self.turn_start, self.in_tool = -1, 0, False
 
 
@@ -82,8 +87,9 @@ class _Call:
     is_stop: Tensor                 # (V,) bool on device: both kinds, for decode_step
     tail: int                       # tokens decoded per stop-string check (0 = no stop strings)
     unadmitted: list[int]           # per prompt: samples still waiting (its logits are kept till 0)
+    members: dict                   # document -> [(prompt index, prompt length)]
     bar: object = None              # progress bar (or a do-nothing one)
-    waiting: deque = field(default_factory=deque)  # _Seq not yet in a slot, in request order
+    waiting: deque = field(default_factory=deque)  # _Seq not yet in a slot, in queue order (_start)
     live: dict = field(default_factory=dict)       # slot -> _Seq, decoding or in a tool call
     pending: dict = field(default_factory=dict)    # tool future -> _Seq
     prompt_logits: dict = field(default_factory=dict)  # prompt index -> (V,) logits of its last token
@@ -134,6 +140,7 @@ class Sampler:
         self.budget, self.window = kv_budget_bytes, sync_every or (8 if p.is_cuda else 1)
         self.use_graphs = cuda_graphs and p.is_cuda
         self.pool = cf.ThreadPoolExecutor(tool_workers)
+        self.tokens_prefilled = 0  # tokens through prefill forwards since construction (costs, benches)
         self.cache = None
         if max_seq_len:
             self._allocate(max_seq_len)
@@ -154,7 +161,27 @@ class Sampler:
         """n completions per prompt, in prompt order (prompt i's samples at i*n .. i*n+n-1).
         `tool(index, completion_ids) -> observation ids | None` is called from a worker thread
         when a row stops on a tool-call stop. `prompt_ids`: global prompt indices for seeding."""
-        call = self._start(prompts, params, tool, prompt_ids, progress)
+        return self._run(self._start(prompts, params, tool, prompt_ids, progress))
+
+    @torch.inference_mode()
+    def continue_from(self, sequences: list[list[int]], cuts: list[list[int]], params: SamplingParams,
+                      prompt_ids: list[int] | None = None, progress: bool = False) -> list[Completion]:
+        """n continuations of every prefix sequences[i][:c], c in cuts[i], in that order (prefix j's
+        samples at j*n .. j*n+n-1): what generate() gives for the prefixes as prompts, with the same
+        seeds (`prompt_ids`: one per prefix), but each sequence is prefilled once, not once per cut,
+        and its cuts' rows fork its KV (a tool is not supported here). Rows of a longer cut are
+        admitted first; a later cut forks a live row of its sequence, and only when none is left
+        (fewer slots than the sequence's rows) is the sequence prefilled again, up to that cut."""
+        prompts, docs = [], []
+        for i, (x, cs) in enumerate(zip(sequences, cuts, strict=True)):
+            for c in cs:
+                if not 0 < c <= len(x):
+                    raise ValueError(f"sequence {i}: cut {c} outside [1, {len(x)}]")
+                prompts.append(list(x[:c]))
+                docs.append(i)
+        return self._run(self._start(prompts, params, None, prompt_ids, progress, docs))
+
+    def _run(self, call: _Call) -> list[Completion]:
         while call.waiting or call.live or call.pending:
             self._admit(call)
             self._resume(call)
@@ -166,9 +193,10 @@ class Sampler:
         return [c if type(c) is Completion else _public(c) for c in call.out]
 
     def _start(self, prompts: list[list[int]], p: SamplingParams, tool, prompt_ids: list[int] | None,
-               progress: bool) -> _Call:
+               progress: bool, docs: list[int] | None = None) -> _Call:
         """Check the request, size the cache for it, and queue its prompts x n rows, each with
-        its random stream's key (a bad prompt's rows are finished with an error here)."""
+        its random stream's key (a bad prompt's rows are finished with an error here). `docs`:
+        each prompt's document (default: its own); a document's rows queue longest prompt first."""
         if (p.stop_strings or p.tool_stop_strings) and self.tokenizer is None:
             raise ValueError("stop strings need the Sampler's tokenizer: Sampler(model, tokenizer=...)")
         prompt_ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
@@ -187,8 +215,16 @@ class Sampler:
         strings = p.stop_strings + p.tool_stop_strings  # c chars span at most c tokens (+ partial bytes)
         tail = 2 * max(map(len, strings)) + 4 if strings else 0
         out = [None] * (len(prompts) * n)
-        call = _Call(p, tool, out, stops, set(p.tool_stop_token_ids), is_stop, tail, [n] * len(prompts))
-        for i, prompt in enumerate(prompts):
+        docs = list(range(len(prompts))) if docs is None else docs
+        members = {}
+        for i, (d, x) in enumerate(zip(docs, prompts)):
+            members.setdefault(d, []).append((i, len(x)))
+        call = _Call(p, tool, out, stops, set(p.tool_stop_token_ids), is_stop, tail, [n] * len(prompts),
+                     members)
+        # longest prompt first within a document: while such a row lives, its cache holds the
+        # prefixes of all the document's later (shorter) prompts, which then fork it with no prefill
+        for i in sorted(range(len(prompts)), key=lambda i: (docs[i], -len(prompts[i]), i)):
+            prompt = prompts[i]
             bad = self._check(prompt, V, S)
             for j in range(n):
                 if bad:
@@ -196,7 +232,7 @@ class Sampler:
                                                 error=f"prompt {i}: {bad}")
                 else:
                     key, limit = request_key(seed, prompt_ids[i], j), min(p.max_tokens, S - len(prompt))
-                    call.waiting.append(_Seq(i * n + j, i, j, list(prompt), key, limit))
+                    call.waiting.append(_Seq(i * n + j, i, j, list(prompt), key, limit, docs[i]))
         call.bar = _progress(sum(c is None for c in out), progress)
         self.state.active.zero_()
         return call
@@ -217,8 +253,12 @@ class Sampler:
 
     def _admit(self, call: _Call):
         """Fill free slots from the queue (lowest slots first, so decode spans few slots). A
-        prompt is prefilled once; its other samples fork its KV from a live sibling's slot."""
-        holders = {s.prompt_index: s.slot for s in call.live.values()}  # live rows hold their prompt's KV
+        document is prefilled once, up to its longest new prompt; each new row forks its prompt's
+        KV from a row of its document whose cache holds it (a live one, or the one just prefilled)."""
+        held = {}  # document -> (prompt length, slot) of its live row with the longest prompt
+        for s in call.live.values():
+            if len(s.prompt) > held.get(s.doc, (0, -1))[0]:
+                held[s.doc] = (len(s.prompt), s.slot)
         free, new = self._free(call), []
         while free and call.waiting:
             s = call.waiting.popleft()
@@ -230,32 +270,52 @@ class Sampler:
             return
         groups = {}
         for s in new:
-            groups.setdefault(s.prompt_index, []).append(s)
-        fresh = [g for i, g in groups.items() if i not in holders]
-        for chunk in _pack([g[0].prompt for g in fresh], self.prefill_tokens):
-            self._prefill(call, [fresh[k] for k in chunk])
-        for i, g in groups.items():
-            src = holders.get(i, g[0].slot)
-            self.cache.fork(src, [s.slot for s in g if s.slot != src], len(g[0].prompt))
+            groups.setdefault(s.doc, []).append(s)
+        # prefill a document unless a live row holds every new prompt's KV and its logits are kept
+        fresh = [g for d, g in groups.items()
+                 if any(len(s.prompt) > held.get(d, (0, -1))[0] or s.prompt_index not in call.prompt_logits
+                        for s in g)]
+        heads = [max(g, key=lambda s: len(s.prompt)) for g in fresh]  # prefilled up to their longest prompt
+        for h in heads:
+            held[h.doc] = (len(h.prompt), h.slot)
+        starting = {s.prompt_index for s in new}
+        for chunk in _pack([h.prompt for h in heads], self.prefill_tokens):
+            self._prefill(call, [heads[k] for k in chunk], starting)
+        forks = {}  # (source slot, prompt length) -> destination slots
+        for s in new:
+            src = held[s.doc][1]
+            if s.slot != src:
+                forks.setdefault((src, len(s.prompt)), []).append(s.slot)
+        for (src, length), dst in forks.items():
+            self.cache.fork(src, dst, length)
         logits = torch.stack([call.prompt_logits[s.prompt_index] for s in new])  # (B_new, V)
-        for i in groups:  # keep a prompt's logits only while samples of it still wait
+        for i in starting:  # keep a prompt's logits only while samples of it still wait
             if call.unadmitted[i] == 0:
                 del call.prompt_logits[i]
         self._sample_into(call, new, logits)
 
-    def _prefill(self, call: _Call, groups: list[list[_Seq]]):
-        """One packed forward over fresh prompts (positions restart at 0 per prompt, so the
-        model's document mask keeps them apart), KV into each prompt's first slot."""
+    def _prefill(self, call: _Call, heads: list[_Seq], starting: set[int]):
+        """One packed forward over the prompts of `heads`, each the longest new prompt of a fresh
+        document (positions restart at 0 per prompt, so the model's document mask keeps them
+        apart), KV into the head's slot; logits kept at the last token of each of the document's
+        prompts that it covers and that has samples starting now or later."""
         dev = self.device
-        prompts = [g[0].prompt for g in groups]
-        ids = torch.tensor([t for x in prompts for t in x], device=dev)[None]  # (1, T) packed
-        pos = torch.cat([torch.arange(len(x), device=dev) for x in prompts])
-        slot = torch.cat([torch.full((len(x),), g[0].slot, device=dev) for x, g in zip(prompts, groups)])
-        last = torch.tensor([len(x) for x in prompts], device=dev).cumsum(0) - 1  # (K,) prompts' last tokens
+        ids = torch.tensor([t for h in heads for t in h.prompt], device=dev)[None]  # (1, T) packed
+        pos = torch.cat([torch.arange(len(h.prompt), device=dev) for h in heads])
+        slot = torch.cat([torch.full((len(h.prompt),), h.slot, device=dev) for h in heads])
+        wanted, last, offset = [], [], 0  # prompt indices and where their last tokens sit in the row
+        for h in heads:
+            for i, length in call.members[h.doc]:
+                if length <= len(h.prompt) and (i in starting or call.unadmitted[i] > 0):
+                    wanted.append(i)
+                    last.append(offset + length - 1)
+            offset += len(h.prompt)
         self.cache.packed(slot, pos)
-        logits = self.model(ids, pos[None], cache=self.cache, output_index=last[None])[0]  # (K, V)
-        for g, row in zip(groups, logits):
-            call.prompt_logits[g[0].prompt_index] = row
+        out = torch.tensor(last, device=dev)[None]  # (1, K)
+        logits = self.model(ids, pos[None], cache=self.cache, output_index=out)[0]  # (K, V)
+        self.tokens_prefilled += ids.shape[1]
+        for i, row in zip(wanted, logits):
+            call.prompt_logits[i] = row
 
     # ------------------------------------------------------------------------- 2. resume
 

@@ -1,13 +1,14 @@
 """grpo.process (ProcessGRPO): steps, progress and token credit by hand; the controls; the
-Monte Carlo success rates against the exact probabilities of a tiny model; per-token
-advantages through the update equal per-sequence ones when they agree."""
+Monte Carlo success rates against the exact probabilities of a tiny model; the token budget
+and the prefill saved by forking; per-token advantages through the update equal per-sequence
+ones when they agree. (Forked continuations equal fresh prefills: tests/test_sampler.py.)"""
 import random
 
 import torch
 from transformers import AutoTokenizer
 
 from grpo.model import Transformer
-from grpo.process import ProcessCredit, credit_tokens, shuffled, step_ends, step_progress
+from grpo.process import ProcessCredit, credit_tokens, shuffled, step_ends, step_progress, within_budget
 from grpo.rollout import Trajectory, render_prompt
 from grpo.sampler import Sampler
 
@@ -104,6 +105,53 @@ def test_controls_and_assembly(tmp_path, one_thread):
         per_step = ((mixed[i, :C] - A[i]) / 3).tolist()                # one token per step here
         assert sorted(round(x, 5) for x in per_step) == sorted(round(x, 5) for x in progress)
         assert abs(sum(progress) - (t.rewards["correct"] - rates[i][0])) < 1e-9   # telescoping
+
+
+def test_budget_by_hand():
+    # worst case 10 per boundary: 20 + 30 + 30 = 80 > 60, so the longest (9 tokens) goes: 50
+    assert within_budget([5, 9, 7], [2, 3, 3], cost=10, max_total=60) == [True, False, True]
+    assert within_budget([5, 9, 7], [2, 3, 3], cost=10, max_total=49) == [True, False, False]
+    assert within_budget([4, 4], [1, 1], cost=1, max_total=1) == [True, False]     # ties: the later one
+    assert within_budget([5, 9], [2, 3], cost=10, max_total=0) == [True, True]     # 0: no cap
+
+
+def test_forked_prefill_costs_and_budget(tmp_path, one_thread):
+    """Each solution is prefilled once, up to its last boundary (enough slots for every row),
+    not once per prefix; a solution over max_total_tokens gets the outcome advantage only, and
+    the others keep the rates they get without a cap (one random stream per solution and boundary)."""
+    path = make_toy_dir(tmp_path / "toy")
+    tok, model = AutoTokenizer.from_pretrained(path), Transformer.from_pretrained(path).eval()
+    env = LastWordEnv()
+    prompt = render_prompt(tok, env.prompt({"question": "w1 w2"}))
+    trajs = [Trajectory(example={}, prompt_index=0, prompt_ids=prompt,
+                        completion_ids=tok.encode(text, add_special_tokens=False), loss_mask=[],
+                        sampler_logprobs=[], finish_reason="stop", num_turns=1, rewards={"correct": r})
+             for text, r in [("w3 w4 w5", 1.0), ("w9 w20 w1 w30 w2", 1.0), ("w11 w12", 0.0)]]
+    A = torch.tensor([0.7, 0.7, -1.4])
+    ends = [every_word(t.completion_ids, 0) for t in trajs]
+    def make(cap):
+        return ProcessCredit(Sampler(model, tok, max_batch=64), tok, env, num_continuations=4,
+                             max_continuation_tokens=3, max_total_tokens=cap, seed=2, split=every_word)
+
+    free = make(0)
+    rates = free.success_rates(trajs, ends, step=1)
+    P = len(prompt)
+    assert free.stats["prefill_tokens"] == sum(P + e[-2] for e in ends)      # one pass per solution
+    assert free.stats["prefix_tokens"] == sum(P + b for e in ends for b in [0] + e[:-1])  # one per prefix
+    saved = free.stats["prefix_tokens"] - free.stats["prefill_tokens"]
+    assert free.stats["prefill_tokens_saved"] == saved > 0
+    assert free.stats["boundaries"] == 10 and free.stats["continuations"] == 40
+    capped = make(4 * 3 * 5)                      # worst case 4 x 3 per boundary: 10 boundaries > 5
+    out = capped(trajs, A, step=1)
+    assert capped.stats["dropped_solutions"] == 1                       # the 5-word solution: 3 + 2 = 5 left
+    C = len(trajs[1].completion_ids)
+    assert (out[1, :C] == A[1]).all() and (out[1, C:] == 0).all()       # outcome advantage only
+    for i in (0, 2):
+        C = len(trajs[i].completion_ids)
+        progress = step_progress(rates[i], trajs[i].rewards["correct"])
+        torch.testing.assert_close(out[i, :C], credit_tokens(C, ends[i], float(A[i]), progress, 3.0))
+    lengths = torch.tensor([len(t.completion_ids) for t in trajs])
+    assert make(1)(trajs, A).equal(A[:, None] * (torch.arange(5) < lengths[:, None]))   # all dropped
 
 
 def test_token_advantages_equal_sequence_advantages_when_they_agree(tmp_path, one_thread):

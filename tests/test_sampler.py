@@ -92,6 +92,45 @@ def test_seeded_tokens_independent_of_batch_on_smollm2(smol, one_thread):
     assert rows[1] == rows[0] and rows[2] == rows[0]
 
 
+@pytest.fixture(scope="module")
+def solutions(smol):
+    """Three prompts, each with 40 greedy tokens: the sequences to cut."""
+    model, _, prompts = smol
+    greedy = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[])
+    sols = Sampler(model).generate(prompts[1:4], greedy)
+    return [p + c.token_ids for p, c in zip(prompts[1:4], sols)], [len(p) for p in prompts[1:4]]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_forked_continuations_equal_fresh_prefills(smol, solutions, one_thread, temperature):
+    """ProcessGRPO's primitive (DESIGN.md decision 2): continue_from prefills each sequence once
+    and forks its KV truncated at every cut; a cut's K continuations equal, token for token under
+    the same seeds, what generate() samples from a fresh prefill of that prefix as a prompt. With
+    slots for every row (one prefill per sequence) and with 9 (cuts admitted over time: they fork
+    a live row of a longer cut, or, greedy here, the sequence is prefilled again when none is left)."""
+    model, (seqs, P) = smol[0], solutions
+    cuts = [[P[0], P[0] + 9, P[0] + 23], [P[1] + 31, P[1] + 2], [P[2] + 40, P[2] + 17, P[2] + 5]]  # any order
+    prefixes = [x[:c] for x, cs in zip(seqs, cuts) for c in cs]
+    p = SamplingParams(n=4, temperature=temperature, max_tokens=24, seed=11)
+    fresh = Sampler(model)
+    expected = fresh.generate(prefixes, p)
+    assert fresh.tokens_prefilled == sum(map(len, prefixes))
+    for max_batch in (64, 9):
+        sampler = Sampler(model, max_batch=max_batch)
+        out = sampler.continue_from(seqs, cuts, p)
+        assert [(c.prompt_index, c.sample_index) for c in out] == [divmod(k, 4) for k in range(len(out))]
+        for c, e in zip(out, expected):
+            where = (max_batch, c.prompt_index, c.sample_index)
+            assert (c.token_ids, c.finish_reason) == (e.token_ids, e.finish_reason), where
+            # the first token's logits come from a longer packed forward: fp32 op order only
+            torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(e.logprobs), atol=1e-4, rtol=0)
+        once = sum(max(cs) for cs in cuts)  # one pass per sequence, up to its longest cut
+        if max_batch == 64:
+            assert sampler.tokens_prefilled == once
+        assert once <= sampler.tokens_prefilled < fresh.tokens_prefilled
+    assert len({tuple(c.token_ids) for c in expected}) > (1 if temperature == 0 else 20)  # not all alike
+
+
 # ----------------------------------------------------------------------------- tiny models
 
 def test_seeded_sampling_independent_of_batch(tiny_dir):
