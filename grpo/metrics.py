@@ -40,6 +40,16 @@ def step_metrics(trajs, rewards, advantages, flat, update: dict, t_gen: float, t
     return out
 
 
+def credit_metrics(credit, t_gen: float, t_credit: float) -> dict:
+    """A per-token credit's costs (grpo.process.ProcessCredit.stats), rank 0's, and the share of
+    the step's sampling time it took (its continuations vs the rollouts)."""
+    if credit is None:
+        return {}
+    stats = getattr(credit, "stats", None) or {}
+    return {f"credit/{k}": float(v) for k, v in stats.items()} | \
+        {"credit/seconds": t_credit, "credit/time_share": t_credit / max(t_gen + t_credit, 1e-9)}
+
+
 def rollout_records(trajs, rewards, advantages, tokenizer) -> list[dict]:
     """One JSON-able record per trajectory of this rank: what the step trained on."""
     A = advantages.reshape(len(trajs), -1).double().cpu()

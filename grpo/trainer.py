@@ -25,7 +25,7 @@ from grpo.checkpoint import Checkpointer, export, open_run_dir, run_meta
 from grpo.config import PROFILES, Config, pick_profile
 from grpo.eval import evaluate, summarize
 from grpo.loss import group_advantages, overlong_penalty
-from grpo.metrics import Logger, rollout_records, step_metrics
+from grpo.metrics import Logger, credit_metrics, rollout_records, step_metrics
 from grpo.model import Transformer, _local_or_hub
 from grpo.rollout import gold_trajectory, rollout, sampling_params, score
 from grpo.sampler import Sampler
@@ -323,15 +323,18 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
         # 3b. rewards -> advantages
         rewards = final_rewards(trajs, cfg).to(device)
         advantages = advantages_of(rewards, cfg)
+        t_credit = time.time()
         if credit is not None:  # per-token credit: a sequence is left out only if all its tokens get 0
             advantages = credit(trajs, advantages, step)
+        t_credit = time.time() - t_credit
         # 3c. mu policy updates
         model.train()
         update = policy_update(model, ref_model, optimizer, scheduler, trajs, advantages, cfg, device, opts)
         t2, steps_done = time.time(), step + 1
         # 3d. logging (one line per step on rank 0), eval, checkpoints, stops
         metrics = step_metrics(trajs, rewards, advantages, flat_groups(rewards.tolist(), G), update,
-                               t1 - t0, t2 - t1, scheduler.get_last_lr()[0])
+                               t1 - t0, t2 - t1 - t_credit, scheduler.get_last_lr()[0])
+        metrics |= credit_metrics(credit, t1 - t0, t_credit)
         log(metrics, steps_done)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", len=f"{metrics['completion/len']:.0f}")
         dist.print0(f"step {steps_done} | reward {metrics['reward/mean']:.3f} | "

@@ -85,6 +85,8 @@ class ProcessGRPOQwen(Config):
     progress_weight: float = 3.0      # token advantage = A + weight x its step's progress
     max_process_steps: int = 8        # step boundaries per solution (later steps merged into the last)
     max_continuation_length: int = 1024  # tokens per continuation; one cut there counts as a failure
+    max_continuation_total: int = 0   # cap on a step's boundaries x K x length; over it the longest
+                                      # solutions get the outcome advantage only; 0 = no cap
     continuation_batch: int = 256     # the frozen copy's sampler slots (rows decoded together)
     filter_solve_rate: bool = False   # keep problems the base model solves 1-7 times in 8 (a rollout pass)
     max_steps: int = 400
@@ -154,7 +156,8 @@ def main(cls=ProcessGRPOQwen):
     credit = ProcessCredit(sampler, tokenizer, env, num_continuations=cfg.num_continuations,
                            weight=cfg.progress_weight, mode=cfg.credit, temperature=cfg.temperature,
                            max_continuation_tokens=cfg.max_continuation_length,
-                           max_steps=cfg.max_process_steps, seed=cfg.seed)
+                           max_steps=cfg.max_process_steps, max_total_tokens=cfg.max_continuation_total,
+                           seed=cfg.seed)
     return train(cfg, env, train_examples, eval_examples, reward_weights=DEFAULT_WEIGHTS, credit=credit)
 
 

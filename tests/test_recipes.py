@@ -230,3 +230,7 @@ def test_processgrpo_recipe_two_steps(credit, tmp_path, smollm2_path, monkeypatc
         frozen = c["frozen"]               # the second Transformer: eval mode, no grad, fp32 on CPU
         assert not frozen.training and not any(p.requires_grad for p in frozen.parameters())
         assert next(frozen.parameters()).dtype == torch.float32
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl") if "reward/mean" in line]
+    for r in rows:  # the credit's costs are logged each step; forking prefilled fewer tokens than prefixes
+        assert 0 < r["credit/time_share"] < 1 and r["credit/continuations"] == 2 * r["credit/boundaries"]
+        assert r["credit/prefill_tokens"] <= r["credit/prefix_tokens"]
