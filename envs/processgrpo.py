@@ -13,7 +13,7 @@ answer is a number (GSM8K's '#### 72' read by grpo.envs.tasks.gsm8k_example; MAT
 non-numeric answers dropped, counted); `filter_by_solve_rate` keeps the problems a model
 solves 1 to 7 times in 8, as the reference filtered its sources.
 
-    python -m grpo.envs.processgrpo --model PATH [--base Qwen/Qwen2.5-0.5B-Instruct] [--data SOURCE]
+    python -m grpo.envs.processgrpo --model_path PATH [--base Qwen/Qwen2.5-0.5B-Instruct] [--data SOURCE]
 evaluates the 700 fresh multi-step problems (or SOURCE) greedily with up to 3,072 new tokens,
 by operation count, with the paired gain over --base and its 95% interval (a normal interval on
 per-question differences, grpo.eval.paired_gain; the reference's was a paired bootstrap).
@@ -153,7 +153,7 @@ def accuracy_by_ops(examples: list[dict], per_question: list[float]) -> dict[int
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m grpo.envs.processgrpo", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="HF checkpoint folder (e.g. a run's export)")
+    p.add_argument("--model_path", required=True, help="HF checkpoint folder (e.g. a run's export)")
     p.add_argument("--base", default=None, help="a second model for the paired gain (e.g. the base model)")
     p.add_argument("--data", default="multistep:test:100", help="sources as load_sources reads them")
     p.add_argument("--max_tokens", type=int, default=3072)
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     results = {}   # "model" / "base" -> evaluate(...)
-    for role, name in (("model", args.model), ("base", args.base)):
+    for role, name in (("model", args.model_path), ("base", args.base)):
         if name is None:
             continue
         model = Transformer.from_pretrained(name, dtype=dtype, device=device).eval()

@@ -76,7 +76,7 @@ class Config:
     weight_decay: float = 0.0         # AdamW weight decay
     adam_beta1: float = 0.9           # AdamW beta1
     adam_beta2: float = 0.99          # AdamW beta2
-    warmup_steps: int = 0             # linear warmup steps
+    warmup_steps: int = 0             # linear warmup, in optimizer steps (num_iterations per RL step)
     lr_scheduler_type: str = "constant"  # after warmup
     max_grad_norm: float = 1.0        # 0 = no clipping
     micro_batch_tokens: int = 8192    # token budget of one packed micro-batch (padding included)

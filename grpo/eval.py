@@ -183,7 +183,12 @@ def evaluate_run(run_dir: str, out: str | None = None) -> dict:
         raise SystemExit(f"python -m grpo.eval: {module.__file__} defines no eval_setup(cfg): use --task")
     env, examples = module.eval_setup(cfg)
     examples = list(examples[:cfg.eval_limit])
+    if not examples:  # an accuracy over 0 questions would print as 0.0000
+        raise SystemExit(f"python -m grpo.eval: the run has no eval questions (eval_limit={cfg.eval_limit})")
     export = os.path.join(run_dir, "export")
+    if not os.path.exists(os.path.join(export, "config.json")):   # export=False, or stopped by SIGTERM
+        raise SystemExit(f"python -m grpo.eval: {export} not found: make one from a checkpoint with "
+                         f"python -m grpo.export {run_dir}/checkpoints/step_NNNNNN {export}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = Transformer.from_pretrained(export, dtype=dtype, device=device).eval()

@@ -23,7 +23,8 @@ def base_model_path(checkpoint: Path) -> str:
     try:
         return json.loads(config.read_text())["model_path"]
     except (ValueError, KeyError) as e:
-        raise SystemExit(f"error: {config}: no readable model_path ({type(e).__name__}); pass --model_path") from None
+        raise SystemExit(f"error: {config}: no readable model_path ({type(e).__name__}); "
+                         "pass --model_path") from None
 
 
 def load_checkpoint(checkpoint: str, model_path: str, dtype: torch.dtype = torch.float32):
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("out_dir", help="the Hugging Face folder to write")
     p.add_argument("--model_path", help="the base model (default: model_path in the run's config.json)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights on disk")
-    p.add_argument("--push_to_hub", metavar="REPO", help="then upload the folder (needs huggingface_hub and a login)")
+    p.add_argument("--push_to_hub", metavar="REPO",
+                   help="then upload the folder (needs huggingface_hub and a login)")
     args = p.parse_args(argv)
     checkpoint = Path(args.checkpoint)
     model = load_checkpoint(args.checkpoint, args.model_path or base_model_path(checkpoint))

@@ -122,6 +122,7 @@ class ProcessCredit:
     def __post_init__(self):
         if self.mode not in ("process", "outcome", "shuffled"):
             raise ValueError(f"mode={self.mode!r}: process | outcome | shuffled")
+        self.term = getattr(self.env, "score_term", "correct")   # the reward term that means "solved"
 
     def __call__(self, trajs: list[Trajectory], advantages: torch.Tensor, step: int = 0) -> torch.Tensor:
         """(N,) outcome advantages -> (N, C_max) token advantages (0 past each completion)."""
@@ -137,7 +138,7 @@ class ProcessCredit:
             if rates[i] is None:      # over max_total_tokens: no progress, the outcome advantage only
                 progress = [0.0] * len(ends[i])
             else:
-                progress = step_progress(rates[i], t.rewards.get("correct", 0.0))
+                progress = step_progress(rates[i], t.rewards[self.term])
             if self.mode == "shuffled":
                 progress = shuffled(progress, rng)
             C_i = len(t.completion_ids)
@@ -154,8 +155,12 @@ class ProcessCredit:
         kept = [i for i in range(len(trajs)) if keep[i]]
         sequences = [trajs[i].prompt_ids + trajs[i].completion_ids for i in kept]
         cuts = [[len(trajs[i].prompt_ids) + b for b in [0] + ends[i][:-1]] for i in kept]
-        # one random stream per (solution, boundary), whichever other solutions are kept
-        request_ids = [i << 32 | k for i in kept for k in range(len(ends[i]))]
+        # one random stream per (solution, boundary), whichever other solutions are kept and
+        # whichever rank holds them: the solution's global id (prompt index, sample within group)
+        # (refill prompts have indices past 2^40: folded into 47 bits, so that the ids fit an int64)
+        nth = [sum(t.prompt_index == trajs[i].prompt_index for t in trajs[:i]) for i in range(len(trajs))]
+        gid = [(t.prompt_index * 1_000_003 + n) & ((1 << 47) - 1) for t, n in zip(trajs, nth)]
+        request_ids = [gid[i] << 16 | k for i in kept for k in range(len(ends[i]))]
         params = SamplingParams(n=K, temperature=self.temperature, max_tokens=self.max_continuation_tokens,
                                 seed=self.seed * 1_000_003 + step)
         before = self.sampler.tokens_prefilled
@@ -174,7 +179,7 @@ class ProcessCredit:
                     cont = Trajectory(example=t.example, prompt_index=t.prompt_index, prompt_ids=t.prompt_ids,
                                       completion_ids=ids, loss_mask=[], sampler_logprobs=[],
                                       finish_reason=c.finish_reason, num_turns=1, text=text, turns=[text])
-                    wins += self.env.reward(t.example, cont).get("correct", 0.0)
+                    wins += self.env.reward(t.example, cont)[self.term]
                 rates[i].append(wins / K)
                 j += 1
         reprefill = sum(sum(c) for c in cuts)              # every prefix prefilled as its own prompt

@@ -85,7 +85,7 @@ def refill(trajs: list, share: int, G: int, step: int, cfg: Config, sample, exam
     """Dynamic sampling (DAPO, arXiv 2503.14476): flat groups teach nothing; keep the others and
     roll out fresh prompts in their place, at most cfg.max_refills times, judged on the final
     rewards. Refill prompts come from a stream seeded by (seed, step, rank) and their sampler
-    seeds from prompt indices past any epoch's, so a resumed run draws the same ones."""
+    seeds from prompt indices past any epoch's, so a resumed run (on as many ranks) draws the same ones."""
     chunks = lambda ts: [ts[i:i + G] for i in range(0, len(ts), G)]   # noqa: E731
     split = lambda ts: list(zip(chunks(ts), flat_groups(final_rewards(ts, cfg), G)))  # noqa: E731
     groups = [g for g, f in split(trajs) if not f]
@@ -340,7 +340,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
         dist.print0(f"step {steps_done} | reward {metrics['reward/mean']:.3f} | "
                     f"len {metrics['completion/len']:.0f} | loss {metrics['loss']:.4f} | "
                     f"gap {metrics['sampler_gap']:.2e} | {t2 - t0:.1f}s")
-        if cfg.log_completions_steps and step % cfg.log_completions_steps == 0:  # every rank's, to rank 0
+        if cfg.log_completions_steps and steps_done % cfg.log_completions_steps == 0:  # all ranks', to rank 0
             records = dist.all_gather_objects(rollout_records(trajs, rewards, advantages, tokenizer))
             if logger:
                 logger.rollouts(records, steps_done)

@@ -7,7 +7,7 @@ raised a frozen copy's chance of finishing correctly (shared/seeds/processgrpo_q
         --train_data=runs/processgrpo_qwen25_05b/train_filtered.jsonl --output_dir=runs/processgrpo_outcome
     torchrun ... --credit=shuffled --train_data=runs/processgrpo_qwen25_05b/train_filtered.jsonl ...
     # the benchmark: the 700 fresh multi-step problems, by operation count, paired gain over the base
-    python -m grpo.envs.processgrpo --model runs/processgrpo_qwen25_05b/export \\
+    python -m grpo.envs.processgrpo --model_path runs/processgrpo_qwen25_05b/export \\
         --base Qwen/Qwen2.5-0.5B-Instruct
 
 Reference (one A100, one seed): mean validation accuracy over training 0.498 (process) vs 0.455
@@ -62,6 +62,7 @@ import torch
 
 from grpo import dist
 from grpo.config import Config, parse_args
+from grpo.checkpoint import RUN_FILES
 from grpo.data import DataError
 from grpo.envs.processgrpo import DEFAULT_WEIGHTS, OneShotMathEnv, filter_by_solve_rate, load_sources
 from grpo.model import Transformer
@@ -119,6 +120,10 @@ def filtered(cfg: Config, sampler, tokenizer, env, examples: list[dict]) -> list
     """The problems the base model solves 1 to 7 times in 8, saved beside the run (so the controls
     and a --resume train on exactly these)."""
     path = Path(cfg.output_dir) / "train_filtered.jsonl"
+    used = [name for name in RUN_FILES if (Path(cfg.output_dir) / name).exists()]
+    if used and not cfg.resume:  # before hours of filtering, and before this file is overwritten
+        raise SystemExit(f"error: {cfg.output_dir} holds another run ({', '.join(used)}): use --resume "
+                         "to continue it, or another --output_dir")
     if cfg.resume and path.exists():
         print(f"filter: reading {path} (--resume)")
         return [json.loads(line) for line in open(path)]
@@ -133,19 +138,28 @@ def filtered(cfg: Config, sampler, tokenizer, env, examples: list[dict]) -> list
     return kept
 
 
-def main(cls=ProcessGRPOQwen):
-    cfg = parse_args(cls)
-    if cfg.credit not in CREDITS:
-        raise SystemExit(f"error: --credit={cfg.credit!r}: one of {', '.join(CREDITS)}")
+def load(sources: str, *fields) -> list[dict]:
     try:
-        train_examples = load_sources(cfg.train_data, cfg.question_field, cfg.answer_field)
-        eval_examples = load_sources(cfg.eval_data) if cfg.eval_data else []
+        return load_sources(sources, *fields)
     except DataError as e:  # one line, not a traceback: the usual cause is a missing file or no network
         raise SystemExit(f"processgrpo recipe: {e} (offline: --train_data=gsm8k/train.jsonl,... local "
                          f"files with question and answer columns, or multistep:train:300 for generated "
                          f"problems)") from None
+
+
+def eval_setup(cfg: ProcessGRPOQwen) -> tuple:
+    """The one-shot boxed env and the validation problems (also `python -m grpo.eval --run`)."""
+    return OneShotMathEnv(), load(cfg.eval_data) if cfg.eval_data else []
+
+
+def main(cls=ProcessGRPOQwen):
+    cfg = parse_args(cls)
+    if cfg.credit not in CREDITS:
+        raise SystemExit(f"error: --credit={cfg.credit!r}: one of {', '.join(CREDITS)}")
+    train_examples = load(cfg.train_data, cfg.question_field, cfg.answer_field)
+    env, eval_examples = eval_setup(cfg)
     from transformers import AutoTokenizer
-    env, tokenizer = OneShotMathEnv(), AutoTokenizer.from_pretrained(cfg.model_path)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
     sampler = None   # the outcome control needs no frozen copy (unless it filters the data)
     if cfg.credit != "outcome" or cfg.filter_solve_rate:
         sampler = Sampler(frozen_copy(cfg, dist.device()), tokenizer, max_batch=cfg.continuation_batch,

@@ -9,8 +9,6 @@ import transformers
 
 from grpo.model import Transformer
 
-from conftest import make_hf_model
-
 # fp32 on CPU: the two implementations differ only in op order, ~1e-6; 1e-4 leaves room for
 # the larger-than-usual random weights of make_hf_model
 ATOL = 1e-4

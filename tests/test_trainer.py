@@ -15,7 +15,7 @@ from grpo.sampler import Sampler
 from grpo.loss import LossOptions, group_advantages, policy_loss
 from grpo import trainer, update
 from grpo.sampling import request_key
-from grpo.trainer import flat_groups, prompt_batch, refill, train
+from grpo.trainer import prompt_batch, refill, train
 from grpo.update import batch_logprobs, collate, micro_batches, policy_update, update_batches
 
 from toy import ToyEnv, make_toy_dir
@@ -287,10 +287,10 @@ def test_rollout_records(tmp_path):
     cfg = toy_config(tmp_path, max_steps=3, log_completions_steps=2, num_generations=4)
     train(cfg, ToyEnv(), EXAMPLES, [])
     files = sorted(p.name for p in (tmp_path / "run" / "rollouts").iterdir())
-    assert files == ["step_000001.jsonl", "step_000003.jsonl"]   # steps 0 and 2, logged as 1 and 3
-    records = [json.loads(line) for line in open(tmp_path / "run" / "rollouts" / "step_000001.jsonl")]
+    assert files == ["step_000002.jsonl"]                          # every 2 steps: step 2 of 3
+    records = [json.loads(line) for line in open(tmp_path / "run" / "rollouts" / "step_000002.jsonl")]
     assert len(records) == cfg.prompts_per_step * cfg.num_generations
-    first = EXAMPLES.index(prompt_batch(EXAMPLES, 0, cfg.prompts_per_step, cfg.seed)[0][0])
+    first = EXAMPLES.index(prompt_batch(EXAMPLES, 1, cfg.prompts_per_step, cfg.seed)[0][0])
     assert first >= 0 and records[0]["prompt"].startswith("<user> " + EXAMPLES[first]["question"])
     rewards = torch.tensor([r["reward"] for r in records])
     torch.testing.assert_close(torch.tensor([r["advantage"] for r in records]), group_advantages(rewards, 4))
