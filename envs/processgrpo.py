@@ -15,8 +15,8 @@ solves 1 to 7 times in 8, as the reference filtered its sources.
 
     python -m grpo.envs.processgrpo --model_path PATH [--base Qwen/Qwen2.5-0.5B-Instruct] [--data SOURCE]
 evaluates the 700 fresh multi-step problems (or SOURCE) greedily with up to 3,072 new tokens,
-by operation count, with the paired gain over --base and its 95% interval (a normal interval on
-per-question differences, grpo.eval.paired_gain; the reference's was a paired bootstrap).
+by operation count, with the paired gain over --base and its paired bootstrap 95% interval
+(grpo.eval.paired_bootstrap, as the reference reports).
 """
 import argparse
 import json
@@ -156,12 +156,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model_path", required=True, help="HF checkpoint folder (e.g. a run's export)")
     p.add_argument("--base", default=None, help="a second model for the paired gain (e.g. the base model)")
     p.add_argument("--data", default="multistep:test:100", help="sources as load_sources reads them")
-    p.add_argument("--max_tokens", type=int, default=3072)
+    p.add_argument("--max_completion_length", type=int, default=3072)
     p.add_argument("--out", default="eval_processgrpo.jsonl", help="per-question records")
     args = p.parse_args(argv)
     import torch
     from transformers import AutoTokenizer
-    from grpo.eval import evaluate, paired_gain
+    from grpo.eval import evaluate, paired_bootstrap
     from grpo.model import Transformer
     try:
         examples = load_sources(args.data)
@@ -175,15 +175,15 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         model = Transformer.from_pretrained(name, dtype=dtype, device=device).eval()
         r = results[role] = evaluate(model, AutoTokenizer.from_pretrained(name), OneShotMathEnv(), examples,
-                                     max_tokens=args.max_tokens)
+                                     max_tokens=args.max_completion_length)
         by_ops = " ".join(f"{k}:{v:.3f}" for k, v in accuracy_by_ops(examples, r["per_question"]).items())
         print(f"{role} {name}: {r['mean']:.4f} ± {r['ci95']:.4f} ({r['questions']} questions) | "
               f"by operation count {by_ops}")
         del model
     if args.base:
-        gain, ci = paired_gain(results["base"]["per_question"], results["model"]["per_question"])
-        lo, hi = 100 * (gain - ci), 100 * (gain + ci)
-        print(f"gain over the base: {100 * gain:+.1f} points, 95% interval [{lo:+.1f}, {hi:+.1f}] (paired)")
+        gain, lo, hi = paired_bootstrap(results["base"]["per_question"], results["model"]["per_question"])
+        print(f"gain over the base: {100 * gain:+.1f} points, 95% interval [{100 * lo:+.1f}, {100 * hi:+.1f}] "
+              "(paired bootstrap)")
     with open(args.out, "w") as f:
         f.writelines(json.dumps({"model": role, **rec}) + "\n"
                      for role, r in results.items() for rec in r["records"])

@@ -1,6 +1,6 @@
 """Accuracy of a model on an env's questions: mean@k and pass@k with 95% intervals.
 
-    python -m grpo.eval --model_path PATH --task gsm8k [--data SOURCE] [--n K] [--shots S] [--limit N]
+    python -m grpo.eval --model_path PATH --task gsm8k [--data SOURCE] [--eval_n K] [--eval_limit N]
     python -m grpo.eval --run runs/NAME      # a run's export, evaluated exactly as the run evaluated it
 
 Tasks and their default data (Hugging Face dataset ids) are in grpo.envs.tasks; `--data` takes a
@@ -36,6 +36,18 @@ def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
     """Mean per-question gain and its paired 95% half-width: the same questions, scored twice."""
     assert len(before) == len(after), "paired comparison needs the same questions"
     return mean_ci95([a - b for a, b in zip(after, before)])
+
+
+def paired_bootstrap(before: list[float], after: list[float], resamples: int = 10_000,
+                     seed: int = 0) -> tuple[float, float, float]:
+    """Mean per-question gain and its paired percentile-bootstrap 95% interval (lo, hi): the
+    questions resampled with replacement, each keeping its own before/after pair."""
+    assert len(before) == len(after) and before, "paired comparison needs the same questions"
+    d = torch.tensor([a - b for a, b in zip(after, before)], dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    means = d[torch.randint(len(d), (resamples, len(d)), generator=g)].mean(1)   # (resamples,)
+    lo, hi = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return float(d.mean()), lo, hi
 
 
 @torch.no_grad()
@@ -95,13 +107,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--question_field", default="question",
                    help="question column (default: question, else prompt, else problem)")
     p.add_argument("--answer_field", default="answer", help="answer column")
-    p.add_argument("--n", type=int, default=1, help="samples per question (mean@n, pass@n)")
+    # flags named as the training config's fields for the same idea
+    p.add_argument("--eval_n", type=int, default=1, help="samples per question (mean@n, pass@n)")
     p.add_argument("--shots", type=int, default=0, help="few-shot examples (gsm8k)")
     p.add_argument("--fewshot_data", default=None,
                    help="GSM8K train rows for the shots (default: openai/gsm8k:main:train)")
-    p.add_argument("--limit", type=int, default=0, help="first N questions only")
-    p.add_argument("--temperature", type=float, default=None, help="default: 0 (greedy) for n=1, else 1.0")
-    p.add_argument("--max_tokens", type=int, default=1024)
+    p.add_argument("--eval_limit", type=int, default=0, help="first N questions only; 0 = all")
+    p.add_argument("--eval_temperature", type=float, default=None,
+                   help="default: 0 (greedy) for eval_n=1, else 1.0")
+    p.add_argument("--max_completion_length", type=int, default=1024,
+                   help="completion tokens, tool output included")
     p.add_argument("--max_turns", type=int, default=0, help="0 = the env's own limit")
     p.add_argument("--enable_thinking", type=int, default=1,
                    help="chat template switch (Qwen3: 0 = non-thinking)")
@@ -120,9 +135,9 @@ def main(argv: list[str] | None = None) -> dict:
                                   args.fewshot_data)
     except DataError as e:
         raise SystemExit(f"python -m grpo.eval: {e}") from None
-    examples = examples[:args.limit] if args.limit else examples
+    examples = examples[:args.eval_limit] if args.eval_limit else examples
     if not examples:  # an accuracy over 0 questions would print as 0.0000
-        raise SystemExit(f"python -m grpo.eval: no questions to evaluate (--limit {args.limit})")
+        raise SystemExit(f"python -m grpo.eval: no questions to evaluate (--eval_limit {args.eval_limit})")
     if args.tool == "code_interpreter":
         if args.task not in ("math500", "aime24", "aime25"):
             raise SystemExit(f"python -m grpo.eval: --tool code_interpreter is for math tasks, "
@@ -135,15 +150,16 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = Transformer.from_pretrained(args.model_path, dtype=dtype, device=device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
-    temperature = args.temperature if args.temperature is not None else (0.0 if args.n == 1 else 1.0)
-    r = evaluate(model, tokenizer, env, examples, n=args.n, temperature=temperature,
-                 max_tokens=args.max_tokens, max_turns=args.max_turns,
+    n = args.eval_n
+    temperature = args.eval_temperature if args.eval_temperature is not None else (0.0 if n == 1 else 1.0)
+    r = evaluate(model, tokenizer, env, examples, n=n, temperature=temperature,
+                 max_tokens=args.max_completion_length, max_turns=args.max_turns,
                  chat_kwargs={"enable_thinking": bool(args.enable_thinking)})
     out = args.out or f"eval_{args.task}.jsonl"
     with open(out, "w") as f:
         f.writelines(json.dumps(rec) + "\n" for rec in r["records"])
-    print(f"| task | questions | n | mean@{args.n} | 95% CI | pass@{args.n} |")
-    print(f"| {args.task} | {r['questions']} | {args.n} | {r['mean']:.4f} | ± {r['ci95']:.4f} "
+    print(f"| task | questions | n | mean@{n} | 95% CI | pass@{n} |")
+    print(f"| {args.task} | {r['questions']} | {n} | {r['mean']:.4f} | ± {r['ci95']:.4f} "
           f"| {r['pass']:.4f} |")
     print(f"per-sample records: {out}")
     return r

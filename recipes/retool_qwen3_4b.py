@@ -3,7 +3,7 @@ interpreter, in its own native tool-call format (shared/seeds/retool_qwen3_4b_gr
 
     torchrun --nproc_per_node=8 recipes/retool_qwen3_4b.py --model_path=/models/Qwen3-4B-Instruct-2507 --resume
     python -m grpo.eval --model_path runs/retool_qwen3_4b/export --task aime25 --tool code_interpreter \\
-        --n 16 --temperature 1.0 --max_tokens 16384 --enable_thinking 0     # and --task aime24, math500
+        --eval_n 16 --eval_temperature 1.0 --max_completion_length 16384 --enable_thinking 0  # and aime24, math500
 
 Reference (slime: Megatron training on 2 B200 + SGLang rollouts on 6): AIME 2024 0.581, AIME
 2025 0.498 (mean of 16 samples), MATH-500 0.956, with the interpreter at a 16k-token budget,

@@ -32,8 +32,8 @@ def read_records(path) -> list[dict]:
 def test_eval_gsm8k_on_smollm2(smollm2_path, tmp_path, capsys):
     out = tmp_path / "gsm8k.jsonl"
     test_file = str(DATA / "gsm8k" / "test.jsonl")
-    r = main(["--model_path", smollm2_path, "--task", "gsm8k", "--data", test_file, "--limit", "3",
-              "--max_tokens", "32", "--out", str(out)])
+    r = main(["--model_path", smollm2_path, "--task", "gsm8k", "--data", test_file, "--eval_limit", "3",
+              "--max_completion_length", "32", "--out", str(out)])
     records = read_records(out)
     _, test = load_task("gsm8k", test_file)
     assert [x["question"] for x in records] == [x["question"] for x in test[:3]]
@@ -74,7 +74,7 @@ def test_eval_data_file(task, fmt, tmp_path, smollm2_path):
     else:
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.jsonl"
-    r = main(["--model_path", model, "--task", task, "--data", str(data), "--max_tokens", "6", "--n", "2",
+    r = main(["--model_path", model, "--task", task, "--data", str(data), "--max_completion_length", "6", "--eval_n", "2",
               "--out", str(out), *fields])
     records = read_records(out)
     assert len(records) == 2 * len(rows) and r["questions"] == len(rows) and r["n"] == 2
@@ -95,3 +95,19 @@ def test_several_samples_pair_by_question():
     assert r["pass"] == 1.0
     after = summarize([{"correct": c} for c in (1, 1, 0, 1, 1, 1)], 3)["per_question"]
     assert paired_gain(r["per_question"], after) == pytest.approx(mean_ci95([1 / 3, 0.0]))
+
+
+def test_paired_bootstrap():
+    """The percentile interval of the mean paired gain: close to the normal one on many
+    questions, exactly 0 when nothing changed, and deterministic under its seed."""
+    import random
+    from grpo.eval import paired_bootstrap, paired_gain
+    rng = random.Random(0)
+    before = [float(rng.random() < 0.4) for _ in range(500)]
+    after = [b if rng.random() < 0.8 else float(rng.random() < 0.6) for b in before]
+    gain, lo, hi = paired_bootstrap(before, after)
+    mean, ci = paired_gain(before, after)
+    assert gain == mean and lo < gain < hi
+    assert abs((hi - lo) / 2 - ci) < 0.15 * ci, (lo, hi, ci)   # bootstrap vs normal half-width
+    assert paired_bootstrap(before, after) == (gain, lo, hi)
+    assert paired_bootstrap([1.0, 0.0], [1.0, 0.0]) == (0.0, 0.0, 0.0)
