@@ -1,0 +1,418 @@
+"""One command that proves the CUDA paths: parity checks, and the figures of the GPU goals (issue 19).
+
+    python bench/gpu_check.py                    # one GPU of 80 GB or more, under 8 minutes
+    python bench/gpu_check.py --dry-run          # CPU (automatic without CUDA): the same code, tiny sizes
+    TRITON_INTERPRET=1 python bench/gpu_check.py --dry-run   # ...with the Triton kernels interpreted
+
+Random weights of the Qwen2.5-0.5B and 3B shapes, initialized as transformers does (std 0.02), no download.
+Parity, each against a reference defined here (any failure, or any part that raises, exits 1):
+  kernels  fused log-probs (Triton) -> advantages -> GRPO loss with every option on, values and gradients
+           w.r.t. hidden states and LM head, bf16 inputs, T 1 and 0.9; reference: the naive functions
+           (grpo.kernels.reference, grpo.loss's torch path) on the same values upcast to fp32.
+  sampler  greedy tokens of the FSDP2 model under dist.gathered() (as the trainer samples) with CUDA
+           graphs, with flash-attn, and with both; reference: eager decode with SDPA, same model. Random
+           logits have near-ties that bf16 noise may flip, so a row may part from the reference only
+           where both tokens are within TIE_REL of the top logit of a full forward of the common prefix.
+  update   two GRPO steps (grpo.update.policy_update, micro-batched) under FSDP2 with bf16 compute on fp32
+           master weights, one process (world size 1); reference: the same two steps on an unsharded fp32
+           copy of the initial weights in plain eager PyTorch with the torch log-prob and loss paths (no
+           Triton, no flash-attn). Compared: log-probs before and after, each step's grad norm, the
+           weight change. SGD, not AdamW: Adam's first step is lr * sign(g), where bf16 noise on near-zero
+           gradients flips whole steps; SGD's change is linear in the gradients, so it compares them.
+Figures, reported against the goals (never failing): sampler decode tokens/s at batch 256 and its share
+of the bandwidth roofline (weight + KV bytes read per step over the GPU's spec bandwidth), the share of
+a GRPO step spent generating and the update MFU (bench/step.py), fused log-probs' peak memory and time
+against naive at N = 32768, V = 151936, forward + backward (bench/logprobs.py).
+The dry run maps each part onto the CPU: the tiny model for both shapes, the torch kernels (Triton under
+TRITON_INTERPRET=1), eager decode (the sampler has no graphs on CPU), FSDP2 over gloo. Without flash-attn
+its parts are skipped with a message. --perturb breaks one side of every parity check (for the test).
+"""
+import argparse
+import contextlib
+import copy
+import dataclasses
+import gc
+import importlib
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+
+sys.path.insert(0, str(Path(__file__).parent))  # the other benches, reused
+import logprobs as bench_logprobs  # noqa: E402
+import sampler as bench_sampler  # noqa: E402
+import step as bench_step  # noqa: E402
+
+from grpo import dist, kv_cache  # noqa: E402
+from grpo import model as model_module  # noqa: E402
+from grpo.config import Config, pick_profile  # noqa: E402
+from grpo.kernels import linear_logprobs  # noqa: E402
+from grpo.kernels.reference import entropy_ref, linear_logprobs_ref  # noqa: E402
+from grpo.loss import LossOptions, group_advantages, policy_loss  # noqa: E402
+from grpo.model import Transformer  # noqa: E402
+from grpo.rollout import Trajectory  # noqa: E402
+from grpo.sampler import Sampler, SamplingParams  # noqa: E402
+from grpo.update import batch_logprobs, loss_options, policy_update, update_batches  # noqa: E402
+
+logprobs_module = importlib.import_module("grpo.kernels.logprobs")
+
+# ----------------------------------------------------------------------------- shapes, sizes, tolerances
+
+QWEN = dict(vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=32768)
+SHAPES = {"qwen2.5-0.5b": bench_step.QWEN25_05B,
+          "qwen2.5-3b": dict(QWEN, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                             num_attention_heads=16, num_key_value_heads=2),
+          "tiny": dict(QWEN, vocab_size=131, max_position_embeddings=512, hidden_size=64, num_hidden_layers=2,
+                       intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)}
+SIZES = {  # the GPU run, and the dry run's stand-ins for the same code
+    "gpu": dict(models=["qwen2.5-0.5b", "qwen2.5-3b"], kernels=(16, 250, 151936, (896, 2048)),
+                fused=(32768, 151936, (896, 2048)), greedy=(32, 96), update=(16, 4, 128, 256, 1024),
+                decode=(256, 256, 512),
+                step={"qwen2.5-0.5b": (16, 8, 256, 512), "qwen2.5-3b": (8, 8, 256, 512)}),
+    "dry": dict(models=["tiny"], kernels=(4, 9, 301, (40,)), fused=(256, 2048, (64,)), greedy=(6, 12),
+                update=(8, 4, 12, 16, 64), decode=(8, 16, 8), step={"tiny": (2, 2, 8, 4)}),
+}
+# spec HBM bytes/s by substrings of the device name, first match; another GPU gets no roofline share
+BANDWIDTH = [(("H200",), 4.8e12), (("H100", "PCIe"), 2.0e12), (("H100", "NVL"), 3.9e12), (("H100",), 3.35e12),
+             (("A100", "80GB"), 2.0e12), (("B200",), 8.0e12)]
+# kernels: max |err| (lp, entropy, advantages), else relative norm error. Log-probs: bf16 products are
+# exact in fp32, so only the summation order differs (~1e-5), far under a bf16 step at |log p| ~ 12
+# (0.06). Gradients: dz and the gradient itself are rounded to bf16 (2^-9 relative each).
+KERNEL_TOL = dict(lp=2e-3, entropy=2e-3, adv=1e-4, loss=1e-3, grad_hidden=2e-2, grad_weight=2e-2)
+# update: bf16 compute against fp32; mean |log-prob error| in nats, else relative errors. With the CPU's
+# bf16 at the 0.5B shape: 0.010 and 0.018 nats, 0.0008, 0.029 (the GRPO gradient sums +-A terms that
+# mostly cancel, so bf16 rounding shows more in it than in one sequence's gradient)
+UPDATE_TOL = dict(lp=0.05, grad_norm=0.01, weight_change=0.08)
+# a tie: both tokens within 1/64 of the top logit (2-4 bf16 steps); bf16 against fp32 decode of the
+# 0.5B shape (CPU) parted rows at gaps of 0.001-0.006 of the top logit, never more
+TIE_REL = 1 / 64
+LR = 0.5  # SGD, grad norm clipped to 1: each step moves the weights by ~1e-3 of their norm
+
+
+def build(name: str, device) -> Transformer:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Transformer({"model_type": "qwen2", **SHAPES[name]})  # fp32, as the trainer's master copy
+    with torch.no_grad():  # transformers' init: logits of a real checkpoint's scale (std ~0.6)
+        for n, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+            elif n.endswith("bias"):
+                p.zero_()
+    return model
+
+
+def row(part, model, what, value, target="", status="info", note="", **extra) -> dict:
+    return dict(part=part, model=model, what=what, value=value, target=target, status=status, note=note,
+                **extra)
+
+
+def parity(part, model, what, err, tol, note="", **extra) -> dict:  # NaN fails too
+    return row(part, model, what, err, f"<= {tol:g}", "pass" if err <= tol else "fail", note, **extra)
+
+
+def goal(part, model, what, value, shown: str, met: bool, target: str, note="", **extra) -> dict:
+    return row(part, model, what, value, target, "met" if met else "not met", note, shown=shown, **extra)
+
+
+@contextlib.contextmanager
+def fused_paths(triton: bool = True, flash: bool = True):
+    """Switch fused kernels off for a reference: linear_logprobs picks Triton, the model and the KV cache
+    pick flash-attn, each by a module global set at import, so those are cleared meanwhile."""
+    saved = logprobs_module.triton, model_module.flash_attn_varlen_func, kv_cache.flash_attn_with_kvcache
+    logprobs_module.triton = saved[0] if triton else None
+    model_module.flash_attn_varlen_func = saved[1] if flash else None
+    kv_cache.flash_attn_with_kvcache = saved[2] if flash else None
+    try:
+        yield
+    finally:
+        logprobs_module.triton, model_module.flash_attn_varlen_func, kv_cache.flash_attn_with_kvcache = saved
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+
+# ----------------------------------------------------------------------------- parity
+
+
+def kernel_parity(device, backend: str, sizes: dict, perturb: bool) -> list[dict]:
+    B, T, V, Hs = sizes["kernels"]
+    rows = []
+    for H, temp in [(H, temp) for H in Hs for temp in (1.0, 0.9)]:
+        g = torch.Generator(device).manual_seed(H)
+        hidden = torch.randn(B, T, H, generator=g, device=device).bfloat16()
+        weight = (torch.randn(V, H, generator=g, device=device) * H**-0.5).bfloat16()  # logits std ~1
+        labels = torch.randint(0, V, (B, T), generator=g, device=device)
+        labels[:, ::7] = -100  # ignored positions (prompt, injected tokens)
+        mask, rewards = (labels >= 0).float(), torch.rand(B, generator=g, device=device)
+        noise = torch.randn(3, B, T, generator=g, device=device)
+        with torch.no_grad():  # ratios spread over the clip range, so every branch of the loss is taken
+            old = linear_logprobs_ref(hidden, weight, labels, temp) + 0.3 * noise[0]
+        out = {}
+        for side, bk in (("fused", backend), ("ref", "torch")):
+            h, w = (x.clone() if side == "fused" else x.float() for x in (hidden, weight))
+            h.requires_grad_()
+            w.requires_grad_()
+            if side == "fused":
+                lp, ent = linear_logprobs(h, w, labels, temp, backend=bk, return_entropy=True)
+                lp = lp + 0.1 if perturb else lp  # a known-bad kernel, for the test of this check
+            else:
+                lp = linear_logprobs_ref(h, w, labels, temp)
+                with torch.no_grad():
+                    ent = entropy_ref(h, w, temp)
+            adv = group_advantages(rewards, 4, "group", backend=bk)
+            opts = LossOptions(eps_high=0.28, delta=4.0, dual_clip=3.0, beta=0.04, tis_cap=2.0, backend=bk)
+            loss, _ = policy_loss(lp, old, adv, mask, opts, num_sequences=B, num_tokens=mask.sum().item(),
+                                  ref_logprobs=old + 0.2 * noise[1], sampler_logprobs=old + 0.1 * noise[2])
+            loss.backward()
+            out[side] = dict(lp=lp.detach(), entropy=ent, adv=adv, loss=loss.detach(), gh=h.grad, gw=w.grad)
+        f, r = out["fused"], out["ref"]
+        err = {k: (f[k] - r[k]).abs().max().item() for k in ("lp", "entropy", "adv")}
+        err |= dict(loss=rel(f["loss"], r["loss"]), grad_hidden=rel(f["gh"], r["gh"]),
+                    grad_weight=rel(f["gw"], r["gw"]))
+        rows.append(parity("kernels", f"H={H}", f"{backend} log-probs+loss T={temp}: worst err/tol",
+                           max(err[k] / KERNEL_TOL[k] for k in err), 1.0,
+                           " ".join(f"{k} {v:.1e}" for k, v in err.items()), errors=err))
+    return rows
+
+
+@torch.no_grad()
+def greedy_rows(model, prompts, ref: list, out: list) -> tuple[int, int, int]:
+    """(rows equal, rows parted at a near-tie, rows parted elsewhere): see TIE_REL."""
+    equal = ties = bad = 0
+    device = next(model.parameters()).device
+    for p, a, b in zip(prompts, ref, out):
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if k is None:
+            equal, bad = equal + (len(a) == len(b)), bad + (len(a) != len(b))
+            continue
+        z = model(torch.tensor([p + a[:k]], device=device))[0, -1].float()  # (V,) where the rows part
+        tie = bool(z.max() - torch.minimum(z[a[k]], z[b[k]]) <= TIE_REL * z.max().abs())
+        ties, bad = ties + tie, bad + (not tie)
+    return equal, ties, bad
+
+
+def greedy_parity(name: str, device, sizes: dict, perturb: bool) -> list[dict]:
+    P, new = sizes["greedy"]
+    model = dist.shard(build(name, device), torch.bfloat16 if device.type == "cuda" else torch.float32)
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(8, 8 + 2 * new, (P,), generator=g).tolist()
+    prompts = [torch.randint(0, model.args.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    params = SamplingParams(temperature=0.0, max_tokens=new, stop_token_ids=[])
+
+    def run(graphs: bool, flash: bool, prompts: list) -> list:
+        with dist.gathered(model), fused_paths(flash=flash):
+            sampler = Sampler(model, max_batch=P, max_seq_len=max(lengths) + new, cuda_graphs=graphs)
+            out = [c.token_ids for c in sampler.generate(prompts, params)]
+            sampler.pool.shutdown()
+            return out
+
+    ref = run(False, False, prompts)  # eager decode with SDPA: the path CI runs on the CPU
+    # perturbed: another last prompt token on the tested side, which the check must catch
+    tested = [p[:-1] + [(p[-1] + 1) % model.args.vocab_size] for p in prompts] if perturb else prompts
+    rows, cases = [], [("cuda graphs", True, False)]
+    if kv_cache.flash_attn_with_kvcache is None:
+        rows.append(row("sampler", name, "greedy with flash-attn", None, status="skip",
+                        note="flash_attn does not import"))
+    else:
+        cases += [("flash-attn", False, True), ("graphs + flash-attn", True, True)]
+    for what, graphs, flash in cases:
+        out = run(graphs, flash, tested)
+        with dist.gathered(model):
+            equal, ties, bad = greedy_rows(model, prompts, ref, out)
+        note = f"{equal} equal, {ties} parted at a near-tie, {bad} elsewhere, of {P} rows x {new} tokens"
+        rows.append(parity("sampler", name, f"greedy, {what} vs eager SDPA: rows parted off a tie", bad, 0,
+                           note + (" (CPU: no graphs)" if device.type != "cuda" and graphs else "")))
+    return rows
+
+
+def synthetic_batch(V: int, rows: int, G: int, plen: int, clen: int, seed: int):
+    """Random prompts and completions (a few injected tokens masked out), and group advantages."""
+    g = torch.Generator().manual_seed(seed)
+    trajs = []
+    for i in range(rows):
+        P, C = (int(torch.randint(n // 2, n + 1, (), generator=g)) for n in (plen, clen))
+        ids = torch.randint(0, V, (P + C,), generator=g).tolist()
+        trajs.append(Trajectory(example={}, prompt_index=i // G, prompt_ids=ids[:P], completion_ids=ids[P:],
+                                loss_mask=[int(j % 11 != 5) for j in range(C)], sampler_logprobs=[0.0] * C,
+                                finish_reason="length", num_turns=1))
+    return trajs, group_advantages(torch.rand(rows, generator=g), G)
+
+
+def update_parity(name: str, device, sizes: dict, perturb: bool) -> list[dict]:
+    n, G, plen, clen, mbt = sizes["update"]
+    model = build(name, device)
+    ref = copy.deepcopy(model)  # the reference: unsharded fp32, eager, torch kernels
+    w0 = {k: p.detach().clone() for k, p in model.named_parameters()}
+    dist.shard(model, torch.bfloat16)  # on the CPU too: FSDP2 over gloo with bf16 compute
+    # tis_cap 0: the synthetic sampler log-probs are not the policy's
+    cfg = Config(num_generations=G, prompts_per_step=n // G, max_prompt_length=plen,
+                 max_completion_length=clen, micro_batch_tokens=mbt, learning_rate=LR, max_grad_norm=1.0,
+                 tis_cap=0.0).check()
+    batches = [synthetic_batch(model.args.vocab_size, n, G, plen, clen, seed) for seed in (1, 2)]
+
+    def logprobs(m) -> torch.Tensor:  # (mask tokens,) of the first batch, in update_batches' order
+        mbs = update_batches(*batches[0], cfg, device)
+        # gathered, so resharded after: a forward without backward leaves the FSDP root unsharded, and
+        # its parameters would then read as the bf16 copies, not the fp32 master weights
+        with dist.gathered(m):
+            return torch.cat([lp[b["loss_mask"] > 0] for lp, b in zip(batch_logprobs(m, mbs, 1.0), mbs)])
+
+    res = {}
+    for side, m in (("fsdp", model), ("ref", ref)):
+        opt = torch.optim.SGD(m.parameters(), lr=LR * (1.25 if perturb and side == "fsdp" else 1.0))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+        opts = dataclasses.replace(loss_options(cfg), backend="torch" if side == "ref" else None)
+        with fused_paths(triton=side == "fsdp", flash=side == "fsdp"):
+            before = logprobs(m)
+            norms = [policy_update(m, None, opt, sched, *batch, cfg, device, opts)["grad_norm"]
+                     for batch in batches]
+            res[side] = dict(before=before, after=logprobs(m), norms=norms)
+    num = den = 0.0
+    ref_params = dict(ref.named_parameters())
+    for k, p in model.named_parameters():  # the weight change, one tensor at a time
+        d_fsdp = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float() - w0[k]
+        d_ref = ref_params[k].detach().float() - w0[k]
+        num, den = num + (d_fsdp - d_ref).pow(2).sum().item(), den + d_ref.pow(2).sum().item()
+    f, r = res["fsdp"], res["ref"]
+    lp_err = lambda key: (f[key] - r[key]).abs().mean().item()  # noqa: E731
+    return [parity("update", name, "FSDP2 bf16 vs fp32 eager: log-probs before, mean abs err",
+                   lp_err("before"), UPDATE_TOL["lp"]),
+            parity("update", name, "...each step's grad norm, relative err",
+                   max(abs(a - b) / b for a, b in zip(f["norms"], r["norms"])), UPDATE_TOL["grad_norm"],
+                   " ".join(f"{a:.4g}/{b:.4g}" for a, b in zip(f["norms"], r["norms"]))),
+            parity("update", name, "...weight change after 2 SGD steps, relative err", math.sqrt(num / den),
+                   UPDATE_TOL["weight_change"]),
+            parity("update", name, "...log-probs after step 2, mean abs err", lp_err("after"),
+                   UPDATE_TOL["lp"])]
+
+# ----------------------------------------------------------------------------- figures
+
+
+def fused_figures(device, sizes: dict) -> list[dict]:
+    N, V, Hs = sizes["fused"]
+    rows = []
+    for H in Hs:
+        case = dict(N=N, V=V, H=H, dtype="bfloat16", mode="fwd+bwd", device=device.type)
+        ours = bench_logprobs.one_case({**case, "method": "ours"})
+        what = f"fused log-probs N={N} fwd+bwd"
+        try:
+            naive = bench_logprobs.one_case({**case, "method": "naive"})
+        except torch.cuda.OutOfMemoryError:  # naive holds (N, V) fp32 logits and their copies: 4 x 20 GB
+            rows.append(row("figures", f"H={H}", f"{what}: naive ran out of memory", ours["peak_mib"],
+                            note=f"ours {ours['ms']:.0f} ms, {ours['peak_mib']:.0f} MiB"))
+            continue
+        mem, t = ours["peak_mib"] / naive["peak_mib"], ours["ms"] / naive["ms"]
+        note = (f"ours {ours['ms']:.0f} ms {ours['peak_mib']:.0f} MiB, "
+                f"naive {naive['ms']:.0f} ms {naive['peak_mib']:.0f} MiB")
+        rows += [goal("figures", f"H={H}", f"{what}: peak memory / naive", mem, f"{mem:.1%}", mem <= 0.1,
+                      "<= 10%", note),
+                 goal("figures", f"H={H}", f"{what}: time / naive", t, f"{t:.2f}x", t <= 1.0, "<= 1x")]
+    return rows
+
+
+def decode_figures(name: str, device, sizes: dict) -> list[dict]:
+    B, plen, new = sizes["decode"]
+    model = build(name, device).to(torch.bfloat16 if device.type == "cuda" else torch.float32)  # no FSDP
+    g = torch.Generator().manual_seed(2)
+    prompts = torch.randint(0, model.args.vocab_size, (B, plen), generator=g).tolist()
+    t_prefill, t_all = bench_sampler.run_ours(model, prompts, new, B)  # CUDA graphs on, as in training
+    tps = B * (new - 1) / (t_all - t_prefill)
+    rows = [row("figures", name, f"decode tokens/s, batch {B}, {plen} + {new} tokens", tps,
+                shown=f"{tps:,.0f}")]
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    bw = next((bw for keys, bw in BANDWIDTH if all(k in gpu for k in keys)), None)
+    if bw is None:
+        return rows + [row("figures", name, "decode share of the bandwidth roofline", None, ">= 60%", "skip",
+                           f"no known bandwidth for {gpu}")]
+    share = tps / bench_sampler.roofline_tps(model, B, plen, new, bw)
+    return rows + [goal("figures", name, "decode share of the bandwidth roofline", share, f"{share:.1%}",
+                        share >= 0.6, ">= 60%", f"{gpu}: {bw / 1e12:.2f} TB/s")]
+
+
+def step_figures(name: str, device, sizes: dict) -> list[dict]:
+    B, G, plen, new = sizes["step"][name]
+    profile = {k: v for k, v in pick_profile().items() if k != "dtype"}
+    if name == "qwen2.5-3b":  # the profiles' micro-batches fit a ~0.5B model's activations, not a 3B's
+        profile["gradient_checkpointing"] = True
+    r = bench_step.bench(name, build(name, device), B, G, plen, new, device, 1, profile)
+    note = f"{B} x {G} rows, {plen} + {new} tokens, step {r['step_s']:.2f} s"
+    return [goal("figures", name, "generation share of a GRPO step", r["gen_share"], f"{r['gen_share']:.0%}",
+                 r["gen_share"] < 0.5, "< 50%", note, step=r),
+            goal("figures", name, "update MFU", r["update_mfu"], f"{r['update_mfu']:.1%}",
+                 r["update_mfu"] >= 0.4, ">= 40%", f"{r['update_tflops']:.1f} TFLOP/s against {r['peak']}")]
+
+# ----------------------------------------------------------------------------- main
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU (automatic without CUDA)")
+    ap.add_argument("--out", default="gpu_check.json", help="the JSON report")
+    ap.add_argument("--perturb", action="store_true", help="testing: break one side of every parity check")
+    args = ap.parse_args()
+    dry = args.dry_run or not torch.cuda.is_available()
+    device = torch.device("cpu") if dry else dist.device()
+    backend = "triton" if not dry or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+    sizes = SIZES["dry" if dry else "gpu"]
+    # one process, world size 1, with an in-memory store (no port), as grpo.dist.shard does on one GPU
+    if dry:
+        print(f"dry run on the CPU: tiny sizes, {backend} kernels" + ("" if args.dry_run else " (no CUDA)"))
+        tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    else:
+        torch.cuda.set_device(device)
+        tdist.init_process_group("nccl", store=tdist.HashStore(), rank=0, world_size=1, device_id=device)
+        gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+        if gib < 75:
+            print(f"warning: {gib:.0f} GiB of GPU memory; the sizes are for 80 GB or more")
+    rows, start = [], time.perf_counter()
+
+    def part(name: str, fn, *a):
+        t = time.perf_counter()
+        try:
+            out = fn(*a)
+        except Exception as e:  # reported, and fails the run; the other parts still run
+            traceback.print_exc()
+            out = [row(name, a[0] if isinstance(a[0], str) else "", "raised", None, status="error",
+                       note=f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")]
+        rows.extend(dict(r, seconds=round(time.perf_counter() - t, 1)) for r in out)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    part("kernels", kernel_parity, device, backend, sizes, args.perturb)
+    part("figures", fused_figures, device, sizes)
+    for i, name in enumerate(sizes["models"]):
+        if i == 0:  # one shape shows FSDP's arithmetic; the smaller leaves room for both fp32 copies
+            part("update", update_parity, name, device, sizes, args.perturb)
+        part("sampler", greedy_parity, name, device, sizes, args.perturb)
+        part("figures", decode_figures, name, device, sizes)
+        part("figures", step_figures, name, device, sizes)
+    seconds = time.perf_counter() - start
+
+    print("| part | model | check or figure | value | target | result | note |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        value = r.get("shown") or ("" if r["value"] is None else f"{r['value']:.3g}")
+        print(f"| {r['part']} | {r['model']} | {r['what']} | {value} | {r['target']} | {r['status']} "
+              f"| {r['note']} |")
+    failed = [r for r in rows if r["status"] in ("fail", "error")]
+    report = dict(ok=not failed, dry_run=dry, backend=backend, seconds=round(seconds, 1),
+                  torch=torch.__version__, device=torch.cuda.get_device_name(device) if not dry else "cpu",
+                  flash_attn=kv_cache.flash_attn_with_kvcache is not None, rows=rows)
+    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+    checks = [r for r in rows if r["status"] in ("pass", "fail")]
+    print(f"gpu_check: {sum(r['status'] == 'pass' for r in checks)}/{len(checks)} parity checks passed, "
+          f"{sum(r['status'] == 'error' for r in rows)} parts raised, {seconds:.0f} s; report in {args.out}")
+    tdist.destroy_process_group()
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

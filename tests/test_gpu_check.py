@@ -1,0 +1,95 @@
+"""bench/gpu_check.py's dry run, the part of the GPU check that runs on a CPU: every parity check and
+figure on the tiny model, the table, the JSON report and the exit code; and --perturb, which breaks one
+side of every parity check, must fail each of them and exit 1. And the sampler check's rule for
+near-ties, on fixed logits.
+
+The two runs go in parallel, one thread each (the dry run is small and mostly Python). The passing
+one runs the Triton kernels under TRITON_INTERPRET=1, the script's GPU branch for the kernels; the
+perturbed one runs the torch kernels, the branch a CPU without the interpreter takes.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
+PARITY_PARTS = {"kernels", "update", "sampler"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gpu_check")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    procs = {}
+    for name, flags, extra in (("ok", [], {"TRITON_INTERPRET": "1"}), ("perturbed", ["--perturb"], {})):
+        out = tmp / f"{name}.json"
+        procs[name] = (subprocess.Popen([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), *flags],
+                                        env={**env, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True), out)
+    results = {}
+    for name, (p, out) in procs.items():
+        stdout, stderr = p.communicate(timeout=600)
+        results[name] = (p.returncode, stdout, stderr, json.loads(out.read_text()) if out.exists() else None)
+    return results
+
+
+def table_rows(stdout: str) -> list[list[str]]:
+    lines = [line for line in stdout.splitlines() if line.startswith("| ")]
+    assert lines[0].startswith("| part | model | check or figure | value | target | result |"), lines[:1]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def test_dry_run_passes(runs):
+    rc, stdout, stderr, report = runs["ok"]
+    assert rc == 0, stdout[-4000:] + stderr[-4000:]
+    assert report["ok"] and report["dry_run"] and report["backend"] == "triton"  # TRITON_INTERPRET=1
+    rows = report["rows"]
+    assert {r["part"] for r in rows} == PARITY_PARTS | {"figures"}
+    assert not [r for r in rows if r["status"] in ("fail", "error")]
+    parity = [r for r in rows if r["part"] in PARITY_PARTS and r["status"] != "skip"]
+    assert len(parity) == 2 + 4 + 1 and all(r["status"] == "pass" for r in parity)  # T 1 and 0.9; 4; graphs
+    figures = " ".join(r["what"] for r in rows if r["part"] == "figures")
+    for what in ("peak memory / naive", "time / naive", "decode tokens/s", "roofline", "generation share",
+                 "update MFU"):
+        assert what in figures, what
+    # one table row per report row, in the same order, and the summary line
+    table = table_rows(stdout)
+    assert [(t[0], t[2], t[5]) for t in table] == [(r["part"], r["what"], r["status"]) for r in rows]
+    summary = stdout.strip().splitlines()[-1]
+    assert summary.startswith(f"gpu_check: {len(parity)}/{len(parity)} parity checks passed, 0 parts raised")
+
+
+def test_perturbed_parity_fails(runs):
+    rc, stdout, stderr, report = runs["perturbed"]
+    assert rc == 1, stdout[-4000:] + stderr[-4000:]
+    assert not report["ok"] and report["backend"] == "torch"
+    assert not [r for r in report["rows"] if r["status"] == "error"], stdout[-4000:]
+    assert {r["part"] for r in report["rows"] if r["status"] == "fail"} == PARITY_PARTS
+    assert any(t[5] == "fail" for t in table_rows(stdout))
+
+
+def test_greedy_ties():
+    """A row may part from the reference only where both tokens are within TIE_REL of the top logit."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import gpu_check
+
+    class FixedLogits(torch.nn.Module):  # the same logits at every position
+        def __init__(self):
+            super().__init__()
+            self.z = torch.nn.Parameter(torch.tensor([10.0, 9.9, 5.0, 1.0]))  # tokens 0 and 1: a near-tie
+
+        def forward(self, ids):
+            return self.z.expand(*ids.shape, -1)
+
+    ref = [[0, 0, 0]] * 4
+    out = [[0, 0, 0],   # equal
+           [0, 1, 3],   # parts at a near-tie (10 vs 9.9), whatever follows
+           [2, 0, 0],   # parts where the reference's top logit is far above the tested token's
+           [0, 0]]      # shorter
+    assert gpu_check.TIE_REL * 10 > 0.1
+    assert gpu_check.greedy_rows(FixedLogits(), [[1]] * 4, ref, out) == (1, 1, 2)
