@@ -17,6 +17,7 @@ from calculator_qwen25_3b import CalculatorQwen, main
 class CalculatorQwen05B(CalculatorQwen):
     model_path: str = "Qwen/Qwen2.5-0.5B-Instruct"
     output_dir: str = "runs/calculator_qwen25_05b"
+    gradient_checkpointing: bool = False  # a 0.5B model's activations fit every profile's micro-batch
 
 
 if __name__ == "__main__":

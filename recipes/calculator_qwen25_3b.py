@@ -56,6 +56,8 @@ class CalculatorQwen(Config):
     eval_steps: int = 50
     save_steps: int = 25
     dtype: str = "auto"               # bf16 compute on GPU, fp32 master weights
+    gradient_checkpointing: bool = True  # a 3B model's activations at the profiles' micro-batch sizes
+                                      # (32-64k tokens) would need ~200 GB without it (estimated)
 
 
 def load(cfg: CalculatorQwen, source: str, count: int, seed: int, split: str) -> list[dict]:
