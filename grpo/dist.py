@@ -18,6 +18,7 @@ Past STYLE.md's ~100 lines because it also holds the collectives that make losse
 means global, `gathered` for sampling, and the failure watch; STYLE.md keeps parallelism in
 this one file, so a reader finds the process-group primitives the trainer uses in one place.
 """
+import atexit
 import contextlib
 import datetime
 import functools
@@ -213,6 +214,7 @@ def gathered(model: torch.nn.Module):
 FAILURE_GRACE_S = 5.0  # the watcher gives the main thread this long to raise the message itself
 _store = None
 _handled = threading.Event()  # the main thread is raising a failure (its own, or another rank's)
+_done = threading.Event()     # the process is exiting: the watcher stops polling
 
 
 def _failure_store():
@@ -228,7 +230,7 @@ def _failure_store():
 
 def _watch_failures():
     def watch():
-        while True:
+        while not _done.is_set():
             try:
                 store = _failure_store()
                 message = store.get("failed").decode() if store.check(["failed"]) else None
@@ -239,9 +241,19 @@ def _watch_failures():
                     return
                 print(f"[rank{rank()}]: stopping, {message}", file=sys.stderr, flush=True)
                 os._exit(1)  # the main thread is stuck, e.g. in a collective that would wait out the timeout
-            threading.Event().wait(2.0)
+            _done.wait(2.0)
     _failure_store()  # connect from the main thread, at start: a bad address fails here, not later
-    threading.Thread(target=watch, name="grpo-failure-watch", daemon=True).start()
+    thread = threading.Thread(target=watch, name="grpo-failure-watch", daemon=True)
+    thread.start()
+
+    def stop():
+        # a daemon thread still inside a store call when the interpreter finalizes aborts the
+        # process ("terminate called without an active exception", seen at a clean exit in CI)
+        global _store
+        _done.set()
+        thread.join(timeout=10)
+        _store = None  # the store client goes while the interpreter is whole, from the main thread
+    atexit.register(stop)
 
 
 def fail_together(fn):

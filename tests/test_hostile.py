@@ -44,7 +44,14 @@ def reward(text):  # the calculator's rewards for a final turn
 CALLS = {"run_tool": calculator.run_tool, "step": calculator.CalculatorEnv().step, "reward": reward,
          "gsm8k.score": lambda text: gsm8k.score(text, "1"), "gsm8k.format_reward": gsm8k.format_reward}
 CALLS["all"] = lambda text, calls=dict(CALLS): {name: call(text) for name, call in calls.items()}
-CALLS["rss"] = lambda text: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+# the peak since this interpreter started: ru_maxrss would include the parent's size, which a
+# vfork-started child inherits before its exec (a 1.9 GB pytest process read as 1.9 GB here);
+# writing 5 to clear_refs resets the high-water mark VmHWM to now
+open("/proc/self/clear_refs", "w").write("5")
+def peak_rss(text):
+    line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM"))
+    return int(line.split()[1]) * 1024  # KiB
+CALLS["rss"] = peak_rss
 for line in sys.stdin:
     name, text, trace = json.loads(line)
     if trace:
