@@ -165,6 +165,14 @@ def main(argv: list[str] | None = None) -> dict:
     return r
 
 
+def run_eval_settings(cfg) -> dict:
+    """evaluate()'s settings from a run's config: the trainer's evals and `--run` use this one
+    mapping, so a run evaluated again is evaluated as it evaluated itself."""
+    return dict(n=cfg.eval_n, temperature=cfg.eval_temperature, max_tokens=cfg.max_completion_length,
+                max_turns=cfg.max_turns, chat_kwargs={"enable_thinking": cfg.enable_thinking},
+                gen_batch=cfg.gen_batch, kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
+
+
 def run_config(run_dir: str):
     """(recipe module, its config object) from a run's config.json."""
     import dataclasses
@@ -208,11 +216,7 @@ def evaluate_run(run_dir: str, out: str | None = None) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = Transformer.from_pretrained(export, dtype=dtype, device=device).eval()
-    r = evaluate(model, AutoTokenizer.from_pretrained(export), env, examples, n=cfg.eval_n,
-                 temperature=cfg.eval_temperature, max_tokens=cfg.max_completion_length,
-                 max_turns=cfg.max_turns,
-                 chat_kwargs={"enable_thinking": cfg.enable_thinking}, gen_batch=cfg.gen_batch,
-                 kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
+    r = evaluate(model, AutoTokenizer.from_pretrained(export), env, examples, **run_eval_settings(cfg))
     out = out or os.path.join(run_dir, "eval_rerun.jsonl")
     with open(out, "w") as f:
         f.writelines(json.dumps(rec) + "\n" for rec in r["records"])

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from grpo import dist
 from grpo.checkpoint import Checkpointer, export, open_run_dir, run_meta
 from grpo.config import PROFILES, Config, pick_profile
-from grpo.eval import evaluate, summarize
+from grpo.eval import evaluate, run_eval_settings, summarize
 from grpo.loss import group_advantages, overlong_penalty
 from grpo.metrics import Logger, credit_metrics, rollout_records, step_metrics
 from grpo.model import Transformer, _local_or_hub
@@ -203,11 +203,8 @@ def evaluate_on_ranks(model, tokenizer, env, examples: list, cfg: Config) -> dic
     share = -(-len(examples) // dist.world_size())
     lo, hi = min(dist.rank() * share, len(examples)), min((dist.rank() + 1) * share, len(examples))
     with dist.gathered(model):  # its own sampler: eval prompts may be longer (few-shot)
-        r = evaluate(model, tokenizer, env, examples[lo:hi], n=cfg.eval_n, temperature=cfg.eval_temperature,
-                     max_tokens=cfg.max_completion_length, max_turns=cfg.max_turns,
-                     chat_kwargs=dict(enable_thinking=cfg.enable_thinking), gen_batch=cfg.gen_batch,
-                     kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None, progress=dist.is_main(),
-                     prompt_offset=lo)
+        r = evaluate(model, tokenizer, env, examples[lo:hi], **run_eval_settings(cfg),
+                     progress=dist.is_main(), prompt_offset=lo)
     records = dist.all_gather_objects(r["records"])  # every rank holds the whole eval, in question order
     return summarize(records, cfg.eval_n) | {"records": records}
 
