@@ -148,6 +148,15 @@ SAME_RUN_FIELDS = ("model_path", "seed", "prompts_per_step", "num_generations",
                    "train_data", "question_field", "answer_field")
 
 
+def refuse_used_dir(out_dir: str) -> None:
+    """A fresh run never writes into another run's folder (also called by recipes that write
+    there before train(), e.g. a filtered data set)."""
+    used = [name for name in RUN_FILES if (Path(out_dir) / name).exists()]
+    if used:
+        raise FileExistsError(f"{out_dir} holds another run ({', '.join(used)}): use --resume to continue "
+                              "it, or another --output_dir")
+
+
 def open_run_dir(out_dir: str, config: dict, resume: bool, meta: dict) -> None:
     """Rank 0, before any model loads. A fresh run refuses a folder that holds another run (its
     checkpoints would be pruned and later resumed, its metrics appended to); --resume refuses a
@@ -156,10 +165,7 @@ def open_run_dir(out_dir: str, config: dict, resume: bool, meta: dict) -> None:
     out = Path(out_dir)
     record = out / "config.json"
     if not resume:
-        used = [name for name in RUN_FILES if (out / name).exists()]
-        if used:
-            raise FileExistsError(f"{out} holds another run ({', '.join(used)}): use --resume to continue "
-                                  "it, or another --output_dir")
+        refuse_used_dir(out_dir)
     elif record.exists():
         recorded = read_json(record)
         differ = [f"{k}: {recorded[k]!r} there, {config[k]!r} now" for k in SAME_RUN_FIELDS

@@ -62,7 +62,7 @@ import torch
 
 from grpo import dist
 from grpo.config import Config, parse_args
-from grpo.checkpoint import RUN_FILES
+from grpo.checkpoint import refuse_used_dir
 from grpo.data import DataError
 from grpo.envs.processgrpo import DEFAULT_WEIGHTS, OneShotMathEnv, filter_by_solve_rate, load_sources
 from grpo.model import Transformer
@@ -120,10 +120,11 @@ def filtered(cfg: Config, sampler, tokenizer, env, examples: list[dict]) -> list
     """The problems the base model solves 1 to 7 times in 8, saved beside the run (so the controls
     and a --resume train on exactly these)."""
     path = Path(cfg.output_dir) / "train_filtered.jsonl"
-    used = [name for name in RUN_FILES if (Path(cfg.output_dir) / name).exists()]
-    if used and not cfg.resume:  # before hours of filtering, and before this file is overwritten
-        raise SystemExit(f"error: {cfg.output_dir} holds another run ({', '.join(used)}): use --resume "
-                         "to continue it, or another --output_dir")
+    if not cfg.resume:  # before hours of filtering, and before this file is overwritten
+        try:
+            refuse_used_dir(cfg.output_dir)
+        except FileExistsError as e:
+            raise SystemExit(f"error: {e}") from None
     if cfg.resume and path.exists():
         print(f"filter: reading {path} (--resume)")
         return [json.loads(line) for line in open(path)]

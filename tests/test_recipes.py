@@ -234,3 +234,22 @@ def test_processgrpo_recipe_two_steps(credit, tmp_path, smollm2_path, monkeypatc
     for r in rows:  # the credit's costs are logged each step; forking prefilled fewer tokens than prefixes
         assert 0 < r["credit/time_share"] < 1 and r["credit/continuations"] == 2 * r["credit/boundaries"]
         assert r["credit/prefill_tokens"] <= r["credit/prefix_tokens"]
+
+
+def test_processgrpo_filter_refuses_another_runs_folder(tmp_path, smollm2_path, monkeypatch):
+    """The solve-rate filter writes into output_dir before train() runs: a fresh run refuses a
+    folder that holds another run before any filtering (and before that run's file is touched)."""
+    import grpo.envs.processgrpo
+    model = make_tiny_chat_model(tmp_path / "tiny-qwen2", "qwen2", smollm2_path)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "train_filtered.jsonl").write_text("another run's problems\n")
+    monkeypatch.setattr(grpo.envs.processgrpo, "filter_by_solve_rate",
+                        lambda *a, **k: pytest.fail("filtered into another run's folder"))
+    argv = [*tiny_flags(model, out), "--train_data=multistep:train:2", "--credit=outcome",
+            "--filter_solve_rate=true", "--continuation_batch=8"]
+    monkeypatch.setattr(sys, "argv", ["processgrpo_qwen25_05b.py", *argv])
+    with pytest.raises(SystemExit, match="holds another run"):
+        runpy.run_path(str(ROOT / "recipes" / "processgrpo_qwen25_05b.py"), run_name="__main__")
+    assert (out / "train_filtered.jsonl").read_text() == "another run's problems\n"
