@@ -9,6 +9,13 @@ import torch
 from grpo import dist
 
 
+def sequence_advantages(advantages, N: int):
+    """(N,) or (N, C) advantages -> (N,) fp64 on CPU: per-token credit as the mean over the tokens
+    that got any (0 for a sequence that got none)."""
+    A = advantages.reshape(N, -1).double().cpu()
+    return A.sum(1) / (A != 0).sum(1).clamp(min=1) if A.shape[1] > 1 else A[:, 0]
+
+
 def step_metrics(trajs, rewards, advantages, flat, update: dict, t_gen: float, t_update: float,
                  lr: float) -> dict:
     """The step's metrics over the global batch: each rank holds B/world groups, so per-sequence
@@ -18,8 +25,7 @@ def step_metrics(trajs, rewards, advantages, flat, update: dict, t_gen: float, t
     per_seq = torch.tensor([[len(t.completion_ids), t.finish_reason == "length", t.num_turns]
                             + [t.rewards[k] for k in terms] for t in trajs],
                            dtype=torch.float64)  # (N, 3 + terms)
-    A = advantages.reshape(len(trajs), -1).double()
-    A = A.sum(1) / (A != 0).sum(1).clamp(min=1) if A.shape[1] > 1 else A[:, 0]   # (N,) mean nonzero credit
+    A = sequence_advantages(advantages, len(trajs))
     per_seq = dist.all_gather_cat(torch.cat([rewards[:, None].double().cpu(), A[:, None].cpu(), per_seq], 1))
     rewards, advantages, lengths, truncated, turns = per_seq[:, :5].T
     flat = dist.all_gather_cat(torch.as_tensor(flat, dtype=torch.float64))  # (groups,)
@@ -52,14 +58,11 @@ def credit_metrics(credit, t_gen: float, t_credit: float) -> dict:
 
 def rollout_records(trajs, rewards, advantages, tokenizer) -> list[dict]:
     """One JSON-able record per trajectory of this rank: what the step trained on."""
-    A = advantages.reshape(len(trajs), -1).double().cpu()
     out = []
-    for t, r, a in zip(trajs, rewards.tolist(), A):
-        nonzero = a[a != 0]
+    for t, r, a in zip(trajs, rewards.tolist(), sequence_advantages(advantages, len(trajs)).tolist()):
         out.append({"prompt_index": t.prompt_index, "prompt": tokenizer.decode(t.prompt_ids),
                     "completion": t.text, "rewards": t.rewards, "reward": r,
-                    # per-token credit: the mean over the tokens that got any
-                    "advantage": float(nonzero.mean()) if len(nonzero) else 0.0,
+                    "advantage": a,
                     "finish_reason": t.finish_reason, "turns": t.num_turns, "tokens": len(t.completion_ids)})
     return out
 
