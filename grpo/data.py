@@ -45,6 +45,15 @@ def load_examples(source: str | Path, split: str | None = None, question_field: 
     return examples
 
 
+def load_or_exit(source: str | Path, prefix: str = "error", hint: str = "", **kwargs) -> list[dict]:
+    """load_examples for a command line: a DataError ends the program with one line
+    ("{prefix}: {message}{hint}"), not a traceback."""
+    try:
+        return load_examples(source, **kwargs)
+    except DataError as e:
+        raise SystemExit(f"{prefix}: {e}{hint}") from None
+
+
 def _example(row: dict, question_field: str, answer_field: str) -> dict:
     names = QUESTION_FALLBACKS if question_field == "question" else (question_field,)
     question = next((row[k] for k in names if row.get(k) not in (None, "")), None)

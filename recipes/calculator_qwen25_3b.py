@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 
 from grpo.config import Config, parse_args
-from grpo.data import DataError, load_examples
+from grpo.data import load_or_exit
 from grpo.envs.calculator import DEFAULT_WEIGHTS, CalculatorEnv, generate_questions
 from grpo.envs.tasks import calculator_example
 from grpo.trainer import train
@@ -61,11 +61,10 @@ class CalculatorQwen(Config):
 
 
 def load(cfg: CalculatorQwen, source: str, count: int, seed: int, split: str) -> list[dict]:
-    fields = dict(question_field=cfg.question_field, answer_field=cfg.answer_field, prepare=calculator_example)
-    try:
-        return load_examples(source, **fields) if source else generate_questions(count, seed, split)
-    except DataError as e:  # one line, not a traceback
-        raise SystemExit(f"calculator recipe: {e}") from None
+    if not source:
+        return generate_questions(count, seed, split)
+    return load_or_exit(source, "calculator recipe", question_field=cfg.question_field,
+                        answer_field=cfg.answer_field, prepare=calculator_example)
 
 
 def eval_setup(cfg: CalculatorQwen) -> tuple:

@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 
 from grpo.config import Config, parse_args
-from grpo.data import DataError, load_examples
+from grpo.data import load_or_exit
 from grpo.envs.math import is_equiv, last_boxed
 from grpo.trainer import train
 
@@ -99,10 +99,7 @@ def import_functions(names: str) -> dict:
 
 
 def load(cfg: CustomTask, source: str) -> list[dict]:
-    try:
-        return load_examples(source, question_field=cfg.question_field, answer_field=cfg.answer_field)
-    except DataError as e:
-        raise SystemExit(f"error: {e}") from None
+    return load_or_exit(source, question_field=cfg.question_field, answer_field=cfg.answer_field)
 
 
 def eval_setup(cfg: CustomTask) -> tuple:

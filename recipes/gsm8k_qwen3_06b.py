@@ -20,7 +20,7 @@ A100, H100/H200 (grpo.config.pick_profile).
 from dataclasses import dataclass
 
 from grpo.config import Config, parse_args
-from grpo.data import DataError, load_examples
+from grpo.data import load_or_exit
 from grpo.envs import gsm8k
 from grpo.envs.tasks import gsm8k_example
 from grpo.trainer import train
@@ -55,11 +55,9 @@ class GSM8KQwen3(Config):
 
 
 def load(cfg: GSM8KQwen3, source: str) -> list[dict]:
-    fields = dict(question_field=cfg.question_field, answer_field=cfg.answer_field, prepare=gsm8k_example)
-    try:
-        return load_examples(source, **fields)
-    except DataError as e:  # one line, not a traceback: the usual cause is a missing file or no network
-        raise SystemExit(f"gsm8k recipe: {e} (--train_data=FILE --eval_data=FILE)") from None
+    # the usual failure is a missing file or no network: one line, saying what to pass
+    return load_or_exit(source, "gsm8k recipe", " (--train_data=FILE --eval_data=FILE)",
+                        question_field=cfg.question_field, answer_field=cfg.answer_field, prepare=gsm8k_example)
 
 
 def eval_setup(cfg: GSM8KQwen3, train_set: list[dict] | None = None) -> tuple:

@@ -29,7 +29,7 @@ during training: AIME 2024 (HuggingFaceH4/aime_2024), 16 samples each.
 from dataclasses import dataclass
 
 from grpo.config import Config, parse_args
-from grpo.data import DataError, load_examples
+from grpo.data import load_or_exit
 from grpo.envs.math import aime_example
 from grpo.envs.retool import REWARD_WEIGHTS, ReToolEnv
 from grpo.trainer import train
@@ -66,10 +66,7 @@ class ReToolQwen3(Config):
 
 
 def load(source: str, **fields) -> list[dict]:
-    try:
-        return load_examples(source, **fields)
-    except DataError as e:
-        raise SystemExit(f"retool recipe: {e} (--train_data=FILE --eval_data=FILE)") from None
+    return load_or_exit(source, "retool recipe", " (--train_data=FILE --eval_data=FILE)", **fields)
 
 
 def eval_setup(cfg: ReToolQwen3) -> tuple:
