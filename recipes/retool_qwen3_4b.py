@@ -58,6 +58,7 @@ class ReToolQwen3(Config):
     max_turns: int = 16               # assistant turns: tool calls and the answer
     enable_thinking: bool = False     # the 2507 Instruct model has no thinking mode
     gradient_checkpointing: bool = True
+    micro_batch_tokens: int = 16384   # holds one 512 + 8,192-token sequence (GPU profiles set their own)
     eval_limit: int = 30
     eval_n: int = 16
     eval_temperature: float = 1.0
