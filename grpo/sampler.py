@@ -389,7 +389,9 @@ class Sampler:
         # every slot (free and tool-waiting ones compute too; `active` keeps them from moving):
         # one graph per cache_len bucket. Capturing per occupied-slot count as well would
         # multiply the graphs, their capture time and memory, by up to `slots`. Eager decode
-        # stops at the highest occupied slot (admit fills the lowest slots first).
+        # computes the occupied slots only: _compact keeps them at [0, len(live)).
+        if not self.use_graphs:
+            self._compact(call)
         num_slots = self.cache.slots if self.use_graphs else max(call.live) + 1
         longest = max(len(s.prompt) + len(s.token_ids) for s in call.live.values())
         cache_len = min(self.cache.max_seq_len, longest + W)  # keys a window reads: [0, cache_len)
@@ -410,6 +412,24 @@ class Sampler:
                     break
         if stopped:  # stop strings are found here, not on device: retire those rows there too
             st.active[torch.tensor(stopped, device=self.device)] = False
+
+    def _compact(self, call: _Call):
+        """Move the rows in the highest occupied slots down into the free slots below them, so
+        that a decode step over [0, max(live) + 1) computes no finished row. A move copies the
+        row's cached positions once (a fork) and its decode state; without it, rows that finished
+        early kept being computed until the highest slot finished (67% of the rows computed in a
+        32-row rollout). Randomness is keyed by request, not slot, so tokens do not change."""
+        n = len(call.live)
+        holes = [slot for slot in range(n) if slot not in call.live]
+        tops = sorted((slot for slot in call.live if slot >= n), reverse=True)
+        st = self.state
+        for dst, src in zip(holes, tops):
+            s = call.live.pop(src)
+            self.cache.fork(src, [dst], min(self.cache.max_seq_len, len(s.prompt) + len(s.token_ids)))
+            for t in (st.tok, st.pos, st.ntok, st.limit, st.key, st.active):
+                t[dst] = t[src]
+            st.active[src] = False
+            s.slot, call.live[dst] = dst, s
 
     def _graph(self, call: _Call, num_slots: int, cache_len: int):
         """A CUDA graph of one decode window; state tensors are static, so replay reads them.

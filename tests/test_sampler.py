@@ -152,6 +152,26 @@ def test_seeded_sampling_independent_of_batch(tiny_dir):
     assert other[0].token_ids != big[0].token_ids
 
 
+def test_decode_computes_only_live_rows(tiny_dir):
+    """Finished rows leave the decode batch (compaction): with one step per sync on CPU, the
+    rows a decode forward computes sum to one per token after each row's first; before
+    compaction, rows that stopped early were computed until the highest occupied slot stopped."""
+    path, _ = tiny_dir("llama", vocab_size=1000)
+    model = Transformer.from_pretrained(path)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 1000, (int(torch.randint(2, 30, (), generator=g)),), generator=g).tolist() for _ in range(6)]
+    p = SamplingParams(n=3, temperature=0.9, max_tokens=40, stop_token_ids=list(range(3, 43)), seed=5)
+    rows = []
+    hook = model.register_forward_hook(lambda m, args, out: rows.append(len(args[0])) if args[0].shape[1] == 1 else None)
+    try:
+        out = Sampler(model, max_batch=8).generate(prompts, p)
+    finally:
+        hook.remove()
+    assert len({len(c.token_ids) for c in out}) > 3, "rows should stop at different lengths"
+    assert sum(rows) == sum(len(c.token_ids) - 1 for c in out)
+    assert [c.token_ids for c in out] == [c.token_ids for c in Sampler(model, max_batch=64).generate(prompts, p)]
+
+
 def test_filter_masks_exact():
     logits = torch.tensor([[3.0, 1.0, 2.0, 0.0, 2.0, -1.0]])
     logp = logits.log_softmax(-1)
