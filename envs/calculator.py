@@ -264,12 +264,46 @@ def gold_call(example: dict) -> str:
     return f"<calculator>\n{body}\n</calculator>"
 
 
+MISTAKES = ("one_operand", "bad_name")
+_SYNONYM = {"add": "plus", "subtract": "minus", "multiply": "times", "divide": "over"}
+
+
+def mistaken_call(example: dict, kind: str) -> str:
+    """The gold call with one mistake that models make: `one_operand` wraps a number in an
+    operation of its own with a single operand (SmolLM2's habit after GRPO), `bad_name` names
+    the top operation with a word the tool does not know. Both come back as an error."""
+    tree = parse_expression(example["expression"])
+    if isinstance(tree, str):
+        raise ValueError(f"no mistake to make in a bare number: {example['expression']!r}")
+    if kind == "bad_name":
+        wrong = (_SYNONYM[tree[0]],) + tuple(tree[1:])
+        return f"<calculator>\n{chr(10).join(_yaml_lines(wrong))}\n</calculator>"
+    if kind != "one_operand":
+        raise ValueError(f"unknown mistake {kind!r}: one of {MISTAKES}")
+    def wrap(node):  # the first number met going down the right side gets a one-operand operation
+        if isinstance(node[2], str):
+            return (node[0], node[1], (tree[0], node[2]))
+        if isinstance(node[1], str):
+            return (node[0], (tree[0], node[1]), node[2])
+        return (node[0], node[1], wrap(node[2]))
+
+    return f"<calculator>\n{chr(10).join(_yaml_lines(wrap(tree)))}\n</calculator>"
+
+
 def gold_messages(example: dict) -> list[dict]:
-    """The ideal episode after the prompt: tool call, observation, final answer."""
+    """The ideal episode after the prompt: tool call, observation, final answer. With
+    example["mistake"] (one of MISTAKES) the episode opens with that mistaken call and its
+    error, marked `learn: False` (the warm-start does not train on it), then the correction:
+    a model that has seen a correction tries again instead of answering "Error"."""
     call = gold_call(example)
     observation = run_tool(call)
     value = observation.removeprefix("<output>").removesuffix("</output>")
-    return [
+    head = []
+    if example.get("mistake"):
+        wrong = mistaken_call(example, example["mistake"])
+        head = [{"role": "assistant", "content": wrong, "learn": False},
+                {"role": CalculatorEnv.observation_role, "content": run_tool(wrong)}]
+    return head + [
         {"role": "assistant", "content": call},
         {"role": CalculatorEnv.observation_role, "content": observation},
         {"role": "assistant", "content": f"The calculator gives {value}.\nAnswer: {value}"},

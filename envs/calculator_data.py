@@ -6,7 +6,8 @@ is binary here; the tool itself also accepts longer operand lists.
 
 Generated questions copy the shape of the reference run's data (shared/seeds/
 calculator_agent_qwen25.md): the four operations, 1 to 6 of them nested (mostly 2 to 5),
-numbers a person cannot multiply in their head, and many phrasings of the question.
+numbers a person cannot multiply in their head, and many phrasings of the question
+(grpo.envs.calculator_phrasing: a training book and a held-out one).
 """
 
 import csv
@@ -16,6 +17,8 @@ import random
 import re
 from fractions import Fraction
 from pathlib import Path
+
+from grpo.envs.calculator_phrasing import question_text
 
 OPS = ("add", "subtract", "multiply", "divide")
 SYMBOL = {"add": "+", "subtract": "-", "multiply": "*", "divide": "/"}
@@ -138,112 +141,29 @@ def count_ops(tree) -> int:
     return 0 if isinstance(tree, str) else 1 + count_ops(tree[1]) + count_ops(tree[2])
 
 
-# Noun phrases that open with "the ... of" delimit their start; a comma after a nested
-# first operand closes it ("the sum of 987 times 654, and 321"). The infix forms
-# ("987 times 654") only join two plain numbers, and only in a slot that a comma or the
-# end of the sentence closes, so that no precedence has to be guessed.
-_PREFIX = {
-    "add": ["the sum of {a} and {b}", "the total of {a} and {b}"],
-    "subtract": ["the difference between {a} and {b}"],
-    "multiply": ["the product of {a} and {b}"],
-    "divide": ["the quotient of {a} and {b}", "the ratio of {a} to {b}"],
-}
-_INFIX = {
-    "add": ["{a} plus {b}"],
-    "subtract": ["{a} minus {b}", "{b} subtracted from {a}"],
-    "multiply": ["{a} times {b}", "{a} multiplied by {b}"],
-    "divide": ["{a} divided by {b}"],
-}
-_VERB = {  # imperative forms for the top operation
-    "add": ["add {a} to {b}", "add {a} and {b}"],
-    "subtract": ["subtract {b} from {a}", "take {b} away from {a}"],
-    "multiply": ["multiply {a} by {b}", "multiply {a} and {b}"],
-    "divide": ["divide {a} by {b}", "divide {a} into {b} equal parts"],
-}
-_STEP = {"add": "add {b}", "subtract": "subtract {b}", "multiply": "multiply by {b}", "divide": "divide by {b}"}
-_ASK = ["What is {p}?", "What's {p}?", "Calculate {p}.", "Compute {p}.", "Find {p}.",
-        "How much is {p}?", "Can you work out {p}?", "Please evaluate {p}.", "I need {p}.",
-        "Tell me {p}.", "Determine {p}.", "What number is {p}?"]
-_ASK_VERB = ["What do you get when you {v}?", "If you {v}, what do you get?",
-             "What is the result if you {v}?", "Please {v}.", "{V}. What's the answer?"]
-_ASK_CHAIN = ["Start with {base}. {Steps}. What is the result?",
-              "Take {base}, {steps}. What do you end up with?",
-              "Begin with {base}, {steps}, and tell me the result."]
-_ASK_INFIX = ["Evaluate {e}.", "What is {e}?", "Calculate {e} for me.", "{e} = ?",
-              "Work out the value of {e}."]
-
-
-def _fill(rng: random.Random, template: str, left, right) -> str:
-    a_first = template.index("{a}") < template.index("{b}")
-    first, last = (left, right) if a_first else (right, left)
-    p_first = _phrase(rng, first, infix_ok=True) + ("" if isinstance(first, str) else ",")
-    p_last = _phrase(rng, last, infix_ok=False)
-    a, b = (p_first, p_last) if a_first else (p_last, p_first)
-    return template.format(a=a, b=b)
-
-
-def _phrase(rng: random.Random, tree, infix_ok: bool) -> str:
-    if isinstance(tree, str):
-        return tree
-    op, left, right = tree
-    if infix_ok and isinstance(left, str) and isinstance(right, str) and rng.random() < 0.5:
-        return rng.choice(_INFIX[op]).format(a=left, b=right)
-    return _fill(rng, rng.choice(_PREFIX[op]), left, right)
-
-
-def _chainable(tree) -> bool:
-    """A left spine of 2+ operations whose right operands have at most one operation each:
-    then no operand phrase holds a comma, and commas can separate the steps."""
-    if isinstance(tree[1], str):
-        return False
-    while not isinstance(tree, str):
-        if count_ops(tree[2]) > 1:
-            return False
-        tree = tree[1]
-    return True
-
-
-def _chain(rng: random.Random, tree) -> str:
-    """'Start with A times B. Subtract C, then divide by D.' for a left-leaning tree."""
-    spine = []
-    while not isinstance(tree[1], str):
-        spine.append(tree)
-        tree = tree[1]
-    steps = [_STEP[op].format(b=_phrase(rng, right, infix_ok=False)) for op, _, right in reversed(spine)]
-    steps = ", ".join(steps[:-1]) + (", then " if len(steps) > 1 else "") + steps[-1]
-    base = _phrase(rng, tree, infix_ok=True)
-    return rng.choice(_ASK_CHAIN).format(base=base, steps=steps, Steps=steps[0].upper() + steps[1:])
-
-
-def _question(rng: random.Random, tree) -> str:
-    if isinstance(tree, str):
-        return f"What is {tree}?"
-    style = rng.random()
-    if style < 0.15:
-        return rng.choice(_ASK_INFIX).format(e=to_infix(tree))
-    if style < 0.45 and _chainable(tree):
-        return _chain(rng, tree)
-    if style < 0.65:
-        v = _fill(rng, rng.choice(_VERB[tree[0]]), tree[1], tree[2])
-        return rng.choice(_ASK_VERB).format(v=v, V=v[0].upper() + v[1:])
-    q = rng.choice(_ASK).format(p=_phrase(rng, tree, infix_ok=True))
-    return q[0].upper() + q[1:]
-
-
 def split_of(expression: str) -> str:
     """'train' or 'eval', a pure function of the expression: the splits cannot overlap."""
     h = int.from_bytes(hashlib.sha256(expression.encode()).digest()[:8], "big")
     return "eval" if h < EVAL_FRACTION * 2**64 else "train"
 
 
-def generate_questions(n: int, seed: int = 0, split: str = "train") -> list[dict]:
-    """n distinct questions {question, expression, answer, ops}, deterministic in (n, seed, split)."""
+def generate_questions(n: int, seed: int = 0, split: str = "train", phrasing: str = "train",
+                       min_ops: int = 1) -> list[dict]:
+    """n distinct questions {question, expression, answer, ops, family, phrasing}, deterministic
+    in (n, seed, split, phrasing, min_ops). `split` picks the expressions (a hash of the expression:
+    the two splits never share one); `phrasing` the wording, "train" or "heldout"
+    (grpo.envs.calculator_phrasing: the two books share no template). `min_ops` drops smaller
+    trees (the eval's one-operation questions can be 1-in-12 at most otherwise)."""
     assert split in ("train", "eval"), f"{split=}"
-    rng = random.Random(f"calculator-{split}-{seed}")  # str seeds hash the same in every process
+    assert phrasing in ("train", "heldout"), f"{phrasing=}"
+    suffix = "" if phrasing == "train" else f"-{phrasing}"
+    rng = random.Random(f"calculator-{split}-{seed}{suffix}")  # str seeds hash the same in every process
     sizes, weights = list(OPS_WEIGHTS), list(OPS_WEIGHTS.values())
     out, seen = [], set()
     while len(out) < n:
         tree = _tree(rng, rng.choices(sizes, weights)[0])
+        if count_ops(tree) < min_ops:
+            continue
         expression = to_infix(tree)
         if expression in seen or split_of(expression) != split:
             continue
@@ -254,8 +174,9 @@ def generate_questions(n: int, seed: int = 0, split: str = "train") -> list[dict
         if abs(value) > MAX_ANSWER or (value and abs(value) < Fraction(1, 1000)):
             continue
         seen.add(expression)
-        out.append({"question": _question(rng, tree), "expression": expression,
-                    "answer": float(value), "ops": count_ops(tree)})
+        question, family = question_text(rng, tree, expression, phrasing)
+        out.append({"question": question, "expression": expression, "answer": float(value),
+                    "ops": count_ops(tree), "family": family, "phrasing": phrasing})
     return out
 
 

@@ -139,7 +139,8 @@ def gold_trajectory(tokenizer, env, example: dict, eos_id: int,
                     chat_kwargs: dict | None = None) -> Trajectory:
     """A demonstration rendered in the very layout a rollout produces: sampled-looking assistant
     turns (mask 1), template-made observation tokens between them (mask 0), the final EOS.
-    Used by the supervised warm-start; env.gold_messages(example) gives the turns."""
+    Used by the supervised warm-start; env.gold_messages(example) gives the turns. A turn with
+    `"learn": False` (e.g. a mistaken tool call before its correction) is context, mask 0."""
     chat_kwargs = {**getattr(env, "chat_kwargs", {}), **(chat_kwargs or {})}  # e.g. the env's tools
     messages = env.prompt(example)
     prompt = render_prompt(tokenizer, messages, **chat_kwargs)
@@ -148,7 +149,7 @@ def gold_trajectory(tokenizer, env, example: dict, eos_id: int,
     for i in range(0, len(gold), 2):
         turn = tokenizer.encode(gold[i]["content"], add_special_tokens=False)
         ids += turn
-        mask += [1] * len(turn)
+        mask += [int(gold[i].get("learn", True))] * len(turn)
         if i + 1 < len(gold):
             obs = continuation_ids(tokenizer, messages, gold[i]["content"], gold[i + 1]["content"],
                                    gold[i + 1]["role"], **chat_kwargs)

@@ -1,6 +1,7 @@
 """The calculator env: exact tool, hostile YAML, rewards, judge, question generator, loader."""
 
 import collections
+import re
 import json
 import threading
 import time
@@ -203,7 +204,7 @@ def test_generator_deterministic_and_exact():
     a, b = generate_questions(300, seed=7), generate_questions(300, seed=7)
     assert a == b and a != generate_questions(300, seed=8)
     for q in a:
-        assert set(q) == {"question", "expression", "answer", "ops"} and q["question"].strip()
+        assert set(q) == {"question", "expression", "answer", "ops", "family", "phrasing"} and q["question"].strip()
         value = evaluate(parse_expression(q["expression"]))
         assert q["answer"] == float(value)
         assert eval(q["expression"]) == pytest.approx(q["answer"], rel=1e-9)  # plain Python infix
@@ -217,6 +218,36 @@ def test_generator_deterministic_and_exact():
         assert msgs[2]["content"].splitlines()[-1].startswith("Answer: ")
         assert CalculatorEnv().reward(q, traj(*[m["content"] for m in msgs[::2]], observations=[out])) == \
             {"correct": 1.0, "tool_use": 1.0, "format": 1.0}
+
+
+def test_heldout_phrasings_unseen_in_training():
+    """The held-out book shares no template with the training one, and no held-out wording
+    (a template's fixed words) shows up in a training question, nor the reverse; each question
+    holds exactly its expression's numbers; every family of both books is drawn."""
+    from grpo.envs.calculator_phrasing import HELDOUT, TRAIN, templates
+    assert not templates(TRAIN) & templates(HELDOUT)
+
+    def fragments(book):  # the fixed words between placeholders, long enough to be distinctive
+        parts = set()
+        for t in templates(book):
+            parts.update(f.strip(" .,;?:") for f in re.split(r"\{\w+\}", t))
+        return {f for f in parts if len(f) >= 9}
+
+    only_train, only_held = fragments(TRAIN) - fragments(HELDOUT), fragments(HELDOUT) - fragments(TRAIN)
+    train = generate_questions(2000, seed=0)
+    held = generate_questions(600, seed=1, split="eval", phrasing="heldout")
+    for qs, foreign in ((train, only_held), (held, only_train)):
+        for q in qs:
+            hits = [f for f in foreign if f.lower() in q["question"].lower()]
+            assert not hits, (q["question"], hits)
+    for q in train[:300] + held[:300]:
+        numbers = sorted(re.findall(r"[0-9]+(?:\.[0-9]+)?", q["question"]))
+        assert numbers == sorted(re.findall(r"[0-9]+(?:\.[0-9]+)?", q["expression"])), q
+    assert {q["family"] for q in train} == {"noun", "verb", "steps", "symbols"}
+    assert {q["family"] for q in held} == {"noun", "gerund", "steps", "symbols"}
+    assert {q["phrasing"] for q in held} == {"heldout"} and all("×" in q["question"] or "*" not in q["question"]
+                                                                for q in held)
+    assert min(q["ops"] for q in generate_questions(100, seed=0, min_ops=2)) == 2
 
 
 def test_generator_splits_disjoint_and_spread():

@@ -131,6 +131,29 @@ def test_gold_trajectory_layout(smollm2_path):
         assert tok.decode(t.prompt_ids + t.completion_ids) == rendered.removesuffix("\n")
 
 
+@pytest.mark.parametrize("mistake", ["one_operand", "bad_name"])
+def test_gold_trajectory_with_a_corrected_mistake(smollm2_path, mistake):
+    """A gold episode that opens with a mistaken call: its tokens are context (mask 0), the tool's
+    error follows, then the correction and the answer are learned (mask 1), and the episode
+    scores as correct; rendered, it is the chat template's rendering of all five messages."""
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    env = CalculatorEnv()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    example = {**generate_questions(1, seed=4, min_ops=2)[0], "mistake": mistake}
+    gold = gold_messages(example)
+    assert gold[0]["learn"] is False and gold[1]["content"].startswith("<output>Error: ")
+    t = gold_trajectory(tok, env, example, eos)
+    segments = runs(t.loss_mask)
+    assert [m for m, _, _ in segments] == [0, 1, 0, 1] and t.num_turns == 3
+    (_, _, a), (_, _, b) = segments[0], segments[1]  # [0, a): the mistake and its error; [a, b): the fix
+    wrong = tok.encode(gold[0]["content"], add_special_tokens=False)
+    assert t.completion_ids[:len(wrong)] == wrong and "Error" in tok.decode(t.completion_ids[len(wrong):a])
+    assert t.completion_ids[a:b] == tok.encode(gold[2]["content"], add_special_tokens=False)
+    assert env.reward(example, t)["correct"] == 1.0 and t.observations[0] == gold[1]["content"]
+    rendered = tok.apply_chat_template(env.prompt(example) + gold, tokenize=False)
+    assert tok.decode(t.prompt_ids + t.completion_ids) == rendered.removesuffix("\n")
+
+
 def test_continuation_ids_refuse_a_template_that_rewrites_history(smollm2_path):
     """Appending observation tokens in place is only right if earlier turns render unchanged;
     a template that rewrites them (here: drops earlier assistant turns) must be an error."""
