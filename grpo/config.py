@@ -91,6 +91,8 @@ class Config:
     eval_limit: int = 200             # eval questions
     eval_n: int = 1                   # samples per eval question (mean@k, pass@k)
     eval_temperature: float = 0.0     # 0 = greedy
+    eval_greedy: bool = False         # with eval_temperature > 0: each eval also greedy, as "<phase>_greedy"
+    eval_before_limit: int = 0        # questions for the eval before training; 0 = eval_limit
     save_steps: int = 50              # checkpoint every N steps (and on SIGTERM); 0 = off
     save_total_limit: int = 2         # checkpoints kept
     resume: bool = False              # continue from the newest complete checkpoint
@@ -131,8 +133,8 @@ class Config:
              f"micro_batch_tokens={self.micro_batch_tokens} cannot hold one sequence of "
              f"{self.max_prompt_length}+{self.max_completion_length} tokens")
         need(self.gen_batch >= 1 and self.kv_budget_gb >= 0, "gen_batch >= 1 and kv_budget_gb >= 0")
-        need(self.eval_n >= 1 and self.eval_limit >= 0 and self.eval_temperature >= 0,
-             "eval_n >= 1, eval_limit >= 0, eval_temperature >= 0")
+        need(self.eval_n >= 1 and min(self.eval_limit, self.eval_before_limit, self.eval_temperature) >= 0,
+             "eval_n >= 1, eval_limit >= 0, eval_before_limit >= 0, eval_temperature >= 0")
         need(min(self.sft_steps, self.sft_batch - 1, self.save_steps, self.eval_steps, self.warmup_steps,
                  self.log_completions_steps, self.max_refills, self.time_budget_min) >= 0,
              "step counts, sft_batch, max_refills and time_budget_min must not be negative")

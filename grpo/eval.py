@@ -165,10 +165,12 @@ def main(argv: list[str] | None = None) -> dict:
     return r
 
 
-def run_eval_settings(cfg) -> dict:
+def run_eval_settings(cfg, greedy: bool = False) -> dict:
     """evaluate()'s settings from a run's config: the trainer's evals and `--run` use this one
-    mapping, so a run evaluated again is evaluated as it evaluated itself."""
-    return dict(n=cfg.eval_n, temperature=cfg.eval_temperature, max_tokens=cfg.max_completion_length,
+    mapping, so a run evaluated again is evaluated as it evaluated itself. `greedy`: the
+    one-sample greedy protocol that `eval_greedy` adds beside the sampled one."""
+    n, temperature = (1, 0.0) if greedy else (cfg.eval_n, cfg.eval_temperature)
+    return dict(n=n, temperature=temperature, max_tokens=cfg.max_completion_length,
                 max_turns=cfg.max_turns, chat_kwargs={"enable_thinking": cfg.enable_thinking},
                 gen_batch=cfg.gen_batch, kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
 

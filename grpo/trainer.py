@@ -197,16 +197,16 @@ def resume(ckpt: Checkpointer, model, optimizer, scheduler, cfg: Config) -> dict
     return found
 
 
-def evaluate_on_ranks(model, tokenizer, env, examples: list, cfg: Config) -> dict:
+def evaluate_on_ranks(model, tokenizer, env, examples: list, cfg: Config, greedy: bool = False) -> dict:
     """summarize(...) of the whole eval plus its records; each rank evaluates a contiguous
     share, seeded by global question index, so any world size gives the same records."""
     share = -(-len(examples) // dist.world_size())
     lo, hi = min(dist.rank() * share, len(examples)), min((dist.rank() + 1) * share, len(examples))
+    settings = run_eval_settings(cfg, greedy)
     with dist.gathered(model):  # its own sampler: eval prompts may be longer (few-shot)
-        r = evaluate(model, tokenizer, env, examples[lo:hi], **run_eval_settings(cfg),
-                     progress=dist.is_main(), prompt_offset=lo)
+        r = evaluate(model, tokenizer, env, examples[lo:hi], **settings, progress=dist.is_main(), prompt_offset=lo)
     records = dist.all_gather_objects(r["records"])  # every rank holds the whole eval, in question order
-    return summarize(records, cfg.eval_n) | {"records": records}
+    return summarize(records, settings["n"]) | {"records": records}
 
 
 def stop_reason(ckpt: Checkpointer, cfg: Config, t_start: float) -> str | None:
@@ -273,14 +273,17 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
     log = logger.log if logger else (lambda m, s: None)
     B, G, world, rank = cfg.prompts_per_step, cfg.num_generations, dist.world_size(), dist.rank()
 
-    def run_eval(name: str, at_step: int):
-        if eval_examples and name not in results:
+    def run_eval(phase: str, at_step: int):
+        # the untrained model's eval can be shorter: it scores ~0 and rambles to the token limit
+        limit = (cfg.eval_before_limit or cfg.eval_limit) if phase == "before" else cfg.eval_limit
+        protocols = [(phase, False)] + ([(f"{phase}_greedy", True)] if cfg.eval_greedy and cfg.eval_temperature else [])
+        for name, greedy in protocols:
+            if not eval_examples or name in results:
+                continue
             model.eval()
-            questions = list(eval_examples[:cfg.eval_limit])
-            r = evaluate_on_ranks(model, tokenizer, eval_env or env, questions, cfg)
+            r = evaluate_on_ranks(model, tokenizer, eval_env or env, list(eval_examples[:limit]), cfg, greedy)
             records, results[name] = r.pop("records"), r  # per_question: what a paired comparison pairs
-            dist.print0(f"eval {name}: mean@{cfg.eval_n} {r['mean']:.3f} ± {r['ci95']:.3f} | "
-                        f"pass@{cfg.eval_n} {r['pass']:.3f}")
+            dist.print0(f"eval {name}: mean@{r['n']} {r['mean']:.3f} ± {r['ci95']:.3f} | pass@{r['n']} {r['pass']:.3f}")
             log({f"eval/{name}/mean": r["mean"], f"eval/{name}/pass": r["pass"]}, at_step)
             if logger:
                 logger.dump_jsonl(f"eval_{name}.jsonl", records)

@@ -24,11 +24,12 @@ completions, a time budget on the RL phase, and a 51-token system prompt instead
 246-token explanation (the warm-start teaches the format; the long prompt would double the
 cost of every training forward on a CPU).
 """
+import random
 import time
 from dataclasses import dataclass
 
 from grpo.config import Config, parse_args
-from grpo.envs.calculator import SHORT_SYSTEM_PROMPT, CalculatorEnv, generate_questions
+from grpo.envs.calculator import MISTAKES, SHORT_SYSTEM_PROMPT, CalculatorEnv, generate_questions
 from grpo.eval import paired_gain
 from grpo.smollm2 import local_path
 from grpo.trainer import train
@@ -47,19 +48,21 @@ class CalculatorCPU(Config):
     model_path: str = ""              # default: the packaged SmolLM2 (grpo.smollm2.local_path())
     output_dir: str = "runs/calculator_smollm2_cpu"
     smoke: bool = False               # tiny sizes everywhere: checks the pipeline in minutes
-    train_questions: int = 2000
-    # warm-start: ~15 minutes on 2 cores (~14.5 s a step)
-    sft_steps: int = 60
+    train_questions: int = 2000       # worded from the TRAIN book, 1 to 6 operations
+    # warm-start: gold tool-call episodes, a fifth of them opening with a mistake and its correction
+    sft_steps: int = 30
     sft_batch: int = 8
-    sft_learning_rate: float = 3e-5
-    # GRPO: as many steps as fit in the time budget
+    sft_learning_rate: float = 5e-5
+    mistake_fraction: float = 0.2
+    # GRPO: as many steps as fit in the time budget, on every operation count; groups that are
+    # all right or all wrong (most 1-op and 6-op ones) are dropped and refilled once
     max_steps: int = 60
-    time_budget_min: float = 15.0
-    prompts_per_step: int = 8         # 8 x G=6: more questions per step than 4 x 8; about half the groups
-    num_generations: int = 6               # are all right or all wrong, and the update leaves those out
+    time_budget_min: float = 6.0
+    prompts_per_step: int = 8
+    num_generations: int = 6
+    drop_flat_groups: bool = True
+    max_refills: int = 1
     temperature: float = 1.0          # the warm-started model is sharp (entropy ~0.03/token): 0.9 left 5 groups in 8 flat
-    rl_min_ops: int = 2               # GRPO draws questions of 2 to 4 operations: the warm-started model solves
-    rl_max_ops: int = 4               # ~95% of 1-op ones and ~3% of 5-6-op ones, so their groups are nearly always flat
     learning_rate: float = 2e-5                  # with warmup: a first Adam step of 5e-5 (a sign step) broke the model
     warmup_steps: int = 3
     num_iterations: int = 1
@@ -67,14 +70,17 @@ class CalculatorCPU(Config):
     loss_type: str = "dr_grpo"
     max_prompt_length: int = 512
     max_completion_length: int = 224     # gold answers to the eval questions take up to 188 tokens (160 cut 18% of them)
-    max_turns: int = 4                # a tool call and the answer take 2; room for a second call
-    gen_batch: int = 128              # eval decodes 128 rows at a time (~30% faster a sequence than 64); GRPO's
-                                      # 48 completions fit in one wave (its 2 GiB KV budget holds 60 rows)
+    max_turns: int = 4                # a tool call and the answer take 2; room for a correction
+    gen_batch: int = 128              # eval decodes 128 rows at a time; GRPO's 48 completions fit in one wave
     micro_batch_tokens: int = 4096
-    # eval: the same 200 held-out questions after each phase, 2 samples each at the training temperature
+    # eval: held-out expressions worded from the HELDOUT book (no training template), greedy and
+    # 2 samples at the training temperature, after the warm-start and after GRPO; the untrained
+    # model (it scores ~0 and rambles to the token limit, the slowest eval) on the first 50
     eval_limit: int = 200
     eval_n: int = 2
     eval_temperature: float = 1.0
+    eval_greedy: bool = True
+    eval_before_limit: int = 50
     save_steps: int = 10
     dtype: str = "float32"
 
@@ -82,7 +88,26 @@ class CalculatorCPU(Config):
 def eval_setup(cfg: CalculatorCPU) -> tuple:
     """The env and the held-out questions of every eval (also `python -m grpo.eval --run`)."""
     env = CalculatorEnv(system_prompt=SHORT_SYSTEM_PROMPT)  # 51 tokens, not 246: every forward is cheaper
-    return env, generate_questions(cfg.eval_limit, seed=cfg.seed + 1, split="eval")
+    return env, generate_questions(cfg.eval_limit, seed=cfg.seed + 1, split="eval", phrasing="heldout")
+
+
+def with_mistakes(questions: list[dict], fraction: float, seed: int) -> list[dict]:
+    """Warm-start examples: a `fraction` of them (of 1+ operations) open with a mistaken call."""
+    rng = random.Random(f"mistakes-{seed}")
+    return [{**q, "mistake": rng.choice(MISTAKES)} if rng.random() < fraction else q for q in questions]
+
+
+def breakdown(examples: list[dict], results: dict, key: str) -> list[str]:
+    """Table rows of warm-start -> after accuracy by an example field (ops, family)."""
+    rows = []
+    for value in sorted({ex[key] for ex in examples}):
+        idx = [i for i, ex in enumerate(examples) if ex[key] == value]
+        cells = []
+        for name in ("warmstart_greedy", "after_greedy", "warmstart", "after"):
+            if name in results:
+                cells.append(f"{sum(results[name]['per_question'][i] for i in idx) / len(idx):.2f}")
+        rows.append(f"| {key} {value} | {len(idx)} | " + " | ".join(cells) + " |")
+    return rows
 
 
 def main():
@@ -90,26 +115,41 @@ def main():
     if cfg.smoke:
         cfg.train_questions, cfg.sft_steps, cfg.sft_batch, cfg.max_steps = 64, 3, 4, 2
         cfg.prompts_per_step, cfg.num_generations, cfg.eval_limit, cfg.max_completion_length = 2, 4, 8, 96
+        cfg.eval_before_limit = 4
         cfg.output_dir = cfg.output_dir.rstrip("/") + "_smoke"
     cfg.model_path = cfg.model_path or local_path()
     env, eval_qs = eval_setup(cfg)
     train_qs = generate_questions(cfg.train_questions, seed=cfg.seed, split="train")
+    sft_qs = with_mistakes(train_qs, cfg.mistake_fraction, cfg.seed)
     print(f"plan: warm-start {cfg.sft_steps} steps x {cfg.sft_batch} | GRPO up to {cfg.max_steps} steps "
-          f"x {cfg.prompts_per_step} prompts x G={cfg.num_generations} ({cfg.rl_min_ops}-{cfg.rl_max_ops} operations), budget {cfg.time_budget_min or 'none'} min | "
-          f"eval {len(eval_qs)} held-out questions x {cfg.eval_n} samples x 3 phases | output {cfg.output_dir}")
+          f"x {cfg.prompts_per_step} prompts x G={cfg.num_generations}, budget {cfg.time_budget_min or 'none'} min | "
+          f"eval {len(eval_qs)} held-out questions in unseen phrasings, greedy and {cfg.eval_n} samples | "
+          f"output {cfg.output_dir}")
     t0 = time.time()
-    rl_qs = [q for q in train_qs if cfg.rl_min_ops <= q["ops"] <= cfg.rl_max_ops]  # eval keeps every size
-    results = train(cfg, env, rl_qs, eval_qs, reward_weights=REWARD_WEIGHTS, sft_examples=train_qs)
+    results = train(cfg, env, train_qs, eval_qs, reward_weights=REWARD_WEIGHTS, sft_examples=sft_qs)
     minutes = (time.time() - t0) / 60
-    protocol = "greedy" if cfg.eval_temperature == 0 else f"mean of {cfg.eval_n} samples at temperature {cfg.eval_temperature}"
-    print(f"\n| phase | accuracy | 95% CI |   ({len(eval_qs)} held-out questions, {protocol}, {minutes:.1f} min)")
-    print("| --- | --- | --- |")
+    print(f"\n{len(eval_qs)} held-out questions, phrased unlike any training question; "
+          f"{minutes:.1f} min in all")
+    print(f"| phase | greedy | 95% CI | mean of {cfg.eval_n} samples at T {cfg.eval_temperature} | 95% CI |")
+    print("| --- | --- | --- | --- | --- |")
     for name in ("before", "warmstart", "after"):
         if name in results:
-            print(f"| {name} | {results[name]['mean']:.3f} | ± {results[name]['ci95']:.3f} |")
+            g = results.get(f"{name}_greedy", {"mean": float("nan"), "ci95": float("nan")})
+            note = f" ({results[name]['questions']} questions)" if results[name]["questions"] != len(eval_qs) else ""
+            print(f"| {name}{note} | {g['mean']:.3f} | ± {g['ci95']:.3f} | {results[name]['mean']:.3f} | "
+                  f"± {results[name]['ci95']:.3f} |")
     if "warmstart" in results and "after" in results:
-        gain, ci = paired_gain(results["warmstart"]["per_question"], results["after"]["per_question"])
-        print(f"| GRPO gain over warm-start | {gain:+.3f} | ± {ci:.3f} (paired) |")
+        cells = []
+        for name in ("_greedy", ""):
+            if f"warmstart{name}" in results:
+                gain, ci = paired_gain(results[f"warmstart{name}"]["per_question"],
+                                       results[f"after{name}"]["per_question"])
+                cells.append(f"**{gain:+.3f}** | ± {ci:.3f}")
+        print(f"| GRPO gain over warm-start (paired) | " + " | ".join(cells) + " |")
+        print(f"\n| by | questions | greedy warm-start | greedy after | sampled warm-start | sampled after |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for row in breakdown(eval_qs, results, "ops") + breakdown(eval_qs, results, "family"):
+            print(row)
     print(f"export: {cfg.output_dir}/export | TensorBoard: tensorboard --logdir {cfg.output_dir} | "
           f"eval again: python -m grpo.eval --run {cfg.output_dir}")
 
