@@ -57,7 +57,8 @@ class KVCache:
         self.w_slot, self.w_pos, self.w_b, self.w_t = slot_of[b], q_pos[b, t], b, t
         mask = torch.arange(span, device=start.device) <= q_pos[..., None]  # (B, T, span): causal, history
         self.read = (rows, span, mask[:, None])
-        flash = flash_attn_with_kvcache is not None and self.k.is_cuda and valid is None
+        flash = (flash_attn_with_kvcache is not None and self.k.is_cuda and valid is None
+                 and self.k.dtype in (torch.float16, torch.bfloat16))  # its only dtypes: fp32 takes SDPA
         self.attend = self._flash_attend if flash else None
         self.seqlens, self.rows_idx = start.to(torch.int32), slot_of.to(torch.int32)
 

@@ -253,9 +253,10 @@ class Transformer(nn.Module):
             mask = doc_mask(position_ids)  # a cache over history replaces it with its own
         freqs = position_ids[:, None, :, None].float() * self.inv_freq  # (B, 1, T, D/2) fp32
         cos, sin = freqs.cos(), freqs.sin()
-        varlen = (self._varlen(position_ids)
-                  if (flash_attn_varlen_func and input_ids.is_cuda and cache is None) else None)
         x = self.embed_tokens(input_ids)  # (B, T, H)
+        half = x.dtype in (torch.float16, torch.bfloat16)  # flash-attn's only dtypes: fp32 takes SDPA
+        varlen = (self._varlen(position_ids)
+                  if (flash_attn_varlen_func and input_ids.is_cuda and half and cache is None) else None)
         for block in self.layers:
             if self.activation_checkpointing and self.training:
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, None, varlen,

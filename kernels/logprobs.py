@@ -258,7 +258,7 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature:
 
     hidden (..., H), weight (V, H), labels (...) int64 -> logprobs (...) fp32
     (and entropy (...) fp32, not differentiable, if return_entropy). Labels < 0: log-prob 0,
-    no gradient. backend: "triton" | "torch" | None (triton on CUDA when importable).
+    entropy 0, no gradient, and no LM-head work (prompt tokens are ~half of a GRPO batch). backend: "triton" | "torch" | None (triton on CUDA when importable).
     chunk_size: vocab columns per backward (and torch forward) chunk; None picks one.
     """
     if backend is None:
@@ -269,8 +269,19 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature:
     H, V = hidden.shape[-1], weight.shape[0]
     assert hidden.shape[:-1] == lead and weight.shape[1] == H, \
         f"{hidden.shape=} {weight.shape=} {labels.shape=}"
-    hidden = hidden.reshape(-1, H).contiguous()               # (N, H)
-    labels = labels.reshape(-1).contiguous()                  # (N,)
+    hidden = hidden.reshape(-1, H)                            # (N, H)
+    labels = labels.reshape(-1)                               # (N,)
+    keep = labels >= 0
+    if not bool(keep.all()):  # host sync: prompt and padding rows skip the LM head altogether
+        idx = keep.nonzero().squeeze(1)                       # (M,)
+        if idx.numel() == 0:  # nothing to score: zeros, still attached to the graph
+            zero = (hidden[:, 0] * 0 + weight[0, 0] * 0).float().reshape(lead)
+            return (zero, zero.detach()) if return_entropy else zero
+        out = linear_logprobs(hidden[idx], weight, labels[idx], temperature, backend, return_entropy, chunk_size)
+        lp, ent = out if return_entropy else (out, None)
+        place = lambda x: torch.zeros(len(labels), dtype=x.dtype, device=x.device).index_put((idx,), x).reshape(lead)
+        return (place(lp), place(ent)) if return_entropy else place(lp)
+    hidden, labels = hidden.contiguous(), labels.contiguous()
     chunk = chunk_size or _chunk_size(hidden.shape[0], V, hidden.device)
     logprobs, entropy = LinearLogprobs.apply(hidden, weight.contiguous(), labels, float(temperature),
                                              backend, return_entropy, chunk, tuple(lead))
