@@ -1,0 +1,64 @@
+"""bench/rollout.py: its --quick run (our sampler and the transformers baseline on SmolLM2, one tool
+call per row) prints the table and a JSON line in which both sides sampled exactly the planned
+tokens per row and turns (the length oracle held), and the plan itself has the promised shape."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "rollout.py"
+COLS = ["case", "mode", "ours_tokens", "hf_tokens", "ours_s", "hf_s", "ours_tps", "hf_tps", "ours_prefill",
+        "hf_prefill", "ours_decode", "hf_decode", "ours_live", "hf_live", "x"]
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_rollout", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plan_fits_the_budget_and_fills_it_once():
+    bench = load_bench()
+    for R, turns, max_tokens in ((32, 1, 224), (48, 3, 224), (8, 2, 48), (5, 1, 64)):
+        plans = bench.plan_turns(R, turns, max_tokens, obs_len=27, seed=R)
+        assert len(plans) == R and all(len(p) == turns and min(p) >= 4 for p in plans), plans
+        totals = [sum(p) + (turns - 1) * 27 for p in plans]  # completion tokens: sampled + observations
+        assert max(totals) == max_tokens, totals  # at least one row runs to the budget
+        assert len(set(totals)) > 2, totals  # and the others do not all stop together
+
+
+def test_force_eos_bans_eos_before_the_end_and_forces_it_there():
+    bench = load_bench()
+    logits = torch.randn(3, 11)
+    logits[:, 4] = 50.0  # EOS would win everywhere
+    out = bench.force_eos(logits.clone(), torch.tensor([False, True, False]), eos=4)
+    assert out.argmax(-1)[1] == 4 and (out[1] == float("-inf")).sum() == 10
+    assert out[[0, 2], 4].eq(float("-inf")).all() and out[[0, 2]].argmax(-1).ne(4).all()
+
+
+def test_quick_run_oracle_gives_both_sides_the_same_tokens(smollm2_path):
+    # one thread: on a shared 2-core machine much faster than torch's default (conftest.one_thread)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--threads", "1"], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| case |"))
+    assert [c.strip() for c in lines[header].strip("|").split("|")] == COLS
+    table = lines[header + 2:-1]
+    assert len(table) == 1 and len(table[0].strip("|").split("|")) == len(COLS), table
+    (row,) = json.loads(lines[-1])
+    assert (row["case"], row["mode"], row["rows"], row["max_tokens"]) == ("2x4:2", "oracle", 8, 48)
+    plan = row["plan_row_tokens"]
+    assert len(plan) == 8 and len(set(plan)) > 1, plan
+    assert row["ours_row_tokens"] == plan == row["hf_row_tokens"], row
+    assert row["ours_row_turns"] == [2] * 8 == row["hf_row_turns"], row
+    assert row["ours_tokens"] == row["hf_tokens"] == sum(plan)
+    for who in ("ours", "hf"):  # a decode row-step makes at most one useful token
+        assert row[f"{who}_decode"] >= row[f"{who}_live"] == sum(plan) - 16 > 0, row
+        assert row[f"{who}_prefill"] > 0 and row[f"{who}_tps"] > 0
+    assert row["x"] == pytest.approx(row["ours_tps"] / row["hf_tps"])
