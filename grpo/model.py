@@ -32,6 +32,7 @@ try:  # optional: flash-attn's varlen kernel for packed training batches on CUDA
     from flash_attn import flash_attn_varlen_func
 except ImportError:
     flash_attn_varlen_func = None
+HALF = (torch.float16, torch.bfloat16)  # flash-attn's only dtypes: fp32 takes SDPA
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -166,25 +167,44 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if varlen is not None and cache is None:  # flash-attn on packed rows, CUDA only
-            y = flash_attention(q, k, v, varlen)
-        elif getattr(cache, "attend", None) is not None:
+        gqa = self.n_kv_heads != self.n_heads
+        if getattr(cache, "attend", None) is not None:
             # the cache runs its own kernel (flash-attn's KV-cache decode)
             y = cache.attend(self.layer_idx, q, k, v)
         else:
+            cache_mask = None
             if cache is not None:
                 # the sampler's hook: it stores this step's k, v and hands back what to attend
-                # over, (B, nkv, S, D) with a bool mask (B, 1, T, S); mask None = ours (prefill)
+                # over, (B, nkv, S, D) with a bool mask (B, 1, T, S); mask None = a packed prefill
                 k, v, cache_mask = cache.update(self.layer_idx, k, v)
+            if varlen is not None and cache_mask is None:  # packed documents: no (T x T) mask
+                flash = flash_attn_varlen_func is not None and q.is_cuda and q.dtype in HALF
+                y = flash_attention(q, k, v, varlen) if flash else per_document_attention(q, k, v, varlen, gqa)
+            else:
                 mask = cache_mask if cache_mask is not None else mask
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                               enable_gqa=self.n_kv_heads != self.n_heads)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def per_document_attention(q: Tensor, k: Tensor, v: Tensor, varlen: tuple, gqa: bool) -> Tensor:
+    """Causal SDPA on each packed document alone, for the sampler's packed prefill where
+    flash-attn is not used: work grows with the sum of squared document lengths, not with
+    (T x T), and each call is plain causal, so SDPA may pick a fused kernel instead of the
+    math one that an arbitrary boolean mask gets (an 8,192-token prefill: ~4 GiB of fp32 scores
+    per layer). q (B, nh, T, D), k, v (B, nkv, T, D) -> (B, nh, T, D)."""
+    B, nh, T, D = q.shape
+    flat = lambda t: t.transpose(1, 2).reshape(B * T, t.shape[1], D).transpose(0, 1)  # (heads, B*T, D)
+    qf, kf, vf = flat(q), flat(k), flat(v)
+    bounds = varlen[2]
+    y = torch.cat([F.scaled_dot_product_attention(qf[None, :, s:e], kf[None, :, s:e], vf[None, :, s:e],
+                                                  is_causal=True, enable_gqa=gqa)[0]
+                   for s, e in zip(bounds[:-1], bounds[1:])], dim=1)  # (nh, B*T, D)
+    return y.transpose(0, 1).reshape(B, T, nh, D).transpose(1, 2)
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, varlen: tuple) -> Tensor:
     """flash-attn's varlen kernel over packed documents: no (T x T) mask, no padding work."""
-    cu_seqlens, max_len = varlen
+    cu_seqlens, max_len, _ = varlen
     B, nh, T, D = q.shape
     flat = lambda t: t.transpose(1, 2).reshape(B * T, t.shape[1], D)  # (B*T, nh, D)
     y = flash_attn_varlen_func(flat(q), flat(k), flat(v), cu_seqlens, cu_seqlens, max_len, max_len,
@@ -246,17 +266,19 @@ class Transformer(nn.Module):
         if `return_entropy`. Packed rows: positions that do not count on by one start a new
         document, which attends only to itself. `cache`: the sampler's KV-cache object."""
         B, T = input_ids.shape
+        x = self.embed_tokens(input_ids)  # (B, T, H)
+        # packed documents without a (T x T) mask: the sampler's packed prefill always (flash-attn
+        # or SDPA per document), training batches where flash-attn runs (CUDA, fp16/bf16 only)
+        prefill = cache is not None and getattr(cache, "read", ()) is None
+        flash = flash_attn_varlen_func is not None and input_ids.is_cuda and x.dtype in HALF
+        varlen = self._varlen(position_ids) if position_ids is not None and (prefill or flash and cache is None) else None
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
             mask = None  # plain causal
-        else:
-            mask = doc_mask(position_ids)  # a cache over history replaces it with its own
+        else:  # a cache over history replaces it with its own; varlen needs none
+            mask = doc_mask(position_ids) if varlen is None else None
         freqs = position_ids[:, None, :, None].float() * self.inv_freq  # (B, 1, T, D/2) fp32
         cos, sin = freqs.cos(), freqs.sin()
-        x = self.embed_tokens(input_ids)  # (B, T, H)
-        half = x.dtype in (torch.float16, torch.bfloat16)  # flash-attn's only dtypes: fp32 takes SDPA
-        varlen = (self._varlen(position_ids)
-                  if (flash_attn_varlen_func and input_ids.is_cuda and half and cache is None) else None)
         for block in self.layers:
             if self.activation_checkpointing and self.training:
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, None, varlen,
@@ -281,7 +303,8 @@ class Transformer(nn.Module):
         starts[:: position_ids.shape[1]] = True  # every row starts a document
         idx = starts.nonzero().flatten()
         cu = torch.cat([idx, idx.new_tensor([flat.numel()])]).to(torch.int32)
-        return cu, int((cu[1:] - cu[:-1]).max())  # host sync: once per forward
+        bounds = cu.tolist()  # host sync: once per forward
+        return cu, max(e - s for s, e in zip(bounds[:-1], bounds[1:])), bounds
 
     # ------------------------------------------------------------------------- load / save
 

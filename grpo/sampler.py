@@ -129,6 +129,9 @@ def decode_step(model, cache: KVCache, state: _State, is_stop: Tensor, params: S
 
 
 class Sampler:
+    """`max_seq_len`: a fixed cache of rows of that length, allocated now (a longer prompt is
+    refused); without it, each call sizes the cache, growing it within `kv_budget_bytes` when
+    needed. `release()` frees it until the next call."""
     def __init__(self, model, tokenizer=None, max_batch: int = 64, max_seq_len: int | None = None,
                  kv_budget_bytes: int | None = None, prefill_tokens: int | None = None,
                  sync_every: int | None = None, cuda_graphs: bool = True, tool_workers: int = 8):
@@ -155,6 +158,11 @@ class Sampler:
             raise ValueError(f"kv_budget_bytes={self.budget} holds no row of {max_seq_len} tokens")
         self.cache = KVCache(self.model.args, slots, max_seq_len, self.dtype, self.device)
         self.state, self.graph_pool = _State(slots, self.window, self.device), None
+
+    def release(self):
+        """Free the KV cache (the trainer's update and a differently sized eval want the memory);
+        the next call allocates one sized to itself."""
+        self.cache, self.state, self.graph_pool = None, None, None
 
     # ------------------------------------------------------------------------- the loop
 
@@ -210,7 +218,7 @@ class Sampler:
         need = min(self.max_positions, fits, max((len(x) for x in prompts), default=0) + p.max_tokens)
         if self.cache is None or (self.fixed_len is None and self.cache.max_seq_len < need):
             # sized to this call; grown only if a later one needs more
-            self._allocate(min(-(-need // 64) * 64, fits))
+            self._allocate(self.fixed_len or min(-(-need // 64) * 64, fits))
         S, V, n = self.cache.max_seq_len, self.model.args.vocab_size, p.n
         stops = set(self.model.eos_token_ids() if p.stop_token_ids is None else p.stop_token_ids)
         is_stop = torch.zeros(V, dtype=torch.bool, device=self.device)

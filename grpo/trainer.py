@@ -24,6 +24,7 @@ from grpo import dist
 from grpo.checkpoint import Checkpointer, export, open_run_dir, run_meta
 from grpo.config import PROFILES, Config, pick_profile
 from grpo.eval import evaluate, run_eval_settings, summarize
+from grpo.kv_cache import KVCache
 from grpo.loss import group_advantages, overlong_penalty
 from grpo.metrics import Logger, credit_metrics, rollout_records, step_metrics
 from grpo.model import Transformer, _local_or_hub
@@ -172,11 +173,14 @@ def build(cfg: Config, device) -> tuple:
                                   betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
     total_steps = cfg.max_steps * cfg.num_iterations
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
-    # the KV cache takes the dtype of the weights it reads (bf16 under FSDP on GPU)
+    # the KV cache takes the dtype of the weights it reads (bf16 under FSDP on GPU); sized per
+    # call (rollouts and evals, whose few-shot prompts may be longer), so check the budget now
     with dist.gathered(model):
-        sampler = Sampler(model, tokenizer, max_batch=cfg.gen_batch,
-                          max_seq_len=cfg.max_prompt_length + cfg.max_completion_length,
-                          kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
+        sampler = Sampler(model, tokenizer, max_batch=cfg.gen_batch, kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
+    row = KVCache.slot_bytes(model.args, cfg.max_prompt_length + cfg.max_completion_length, sampler.dtype)
+    if sampler.budget < row:
+        raise ValueError(f"kv_budget_gb={cfg.kv_budget_gb}: {sampler.budget / 2**30:.2f} GiB of KV cache holds no "
+                         f"row of max_prompt_length + max_completion_length tokens ({row / 2**30:.2f} GiB)")
     return tokenizer, model, ref_model, optimizer, scheduler, sampler
 
 
@@ -197,14 +201,22 @@ def resume(ckpt: Checkpointer, model, optimizer, scheduler, cfg: Config) -> dict
     return found
 
 
-def evaluate_on_ranks(model, tokenizer, env, examples: list, cfg: Config, greedy: bool = False) -> dict:
+def evaluate_on_ranks(model, tokenizer, env, examples: list, cfg: Config, greedy: bool = False,
+                      sampler=None) -> dict:
     """summarize(...) of the whole eval plus its records; each rank evaluates a contiguous
-    share, seeded by global question index, so any world size gives the same records."""
+    share, seeded by global question index, so any world size gives the same records.
+    `sampler`: the rollouts' own, its cache freed before and after, so that the eval's is sized
+    to the eval (few-shot prompts are longer) and there is never a second cache."""
     share = -(-len(examples) // dist.world_size())
     lo, hi = min(dist.rank() * share, len(examples)), min((dist.rank() + 1) * share, len(examples))
     settings = run_eval_settings(cfg, greedy)
-    with dist.gathered(model):  # its own sampler: eval prompts may be longer (few-shot)
-        r = evaluate(model, tokenizer, env, examples[lo:hi], **settings, progress=dist.is_main(), prompt_offset=lo)
+    with dist.gathered(model):
+        if sampler is not None:
+            sampler.release()
+        r = evaluate(model, tokenizer, env, examples[lo:hi], **settings, progress=dist.is_main(), prompt_offset=lo,
+                     sampler=sampler)
+        if sampler is not None:
+            sampler.release()
     records = dist.all_gather_objects(r["records"])  # every rank holds the whole eval, in question order
     return summarize(records, settings["n"]) | {"records": records}
 
@@ -281,7 +293,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
             if not eval_examples or name in results:
                 continue
             model.eval()
-            r = evaluate_on_ranks(model, tokenizer, eval_env or env, list(eval_examples[:limit]), cfg, greedy)
+            r = evaluate_on_ranks(model, tokenizer, eval_env or env, list(eval_examples[:limit]), cfg, greedy, sampler)
             records, results[name] = r.pop("records"), r  # per_question: what a paired comparison pairs
             dist.print0(f"eval {name}: mean@{r['n']} {r['mean']:.3f} ± {r['ci95']:.3f} | pass@{r['n']} {r['pass']:.3f}")
             log({f"eval/{name}/mean": r["mean"], f"eval/{name}/pass": r["pass"]}, at_step)
@@ -319,6 +331,8 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
             trajs = rollouts(examples[rank * share:(rank + 1) * share], first + rank * share)
             if cfg.drop_flat_groups:
                 trajs = refill(trajs, share, G, step, cfg, rollouts, train_examples)
+            if device.type == "cuda":  # the update's activations get the KV cache's memory
+                sampler.release()
         t1 = time.time()
         # 3b. rewards -> advantages
         rewards = final_rewards(trajs, cfg).to(device)

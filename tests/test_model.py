@@ -215,3 +215,36 @@ def test_corrupt_config_and_truncated_weights_name_the_file(tiny_dir):
     (path / "config.json").write_text('{"model_type": "qwen2", "hidden_size": ')
     with pytest.raises(ValueError, match=f"{path / 'config.json'}: not valid JSON"):
         Transformer.from_pretrained(path)
+
+
+@pytest.mark.parametrize("n_kv", [2, 6])  # grouped-query and plain multi-head
+def test_per_document_attention_equals_the_document_mask(n_kv):
+    """The packed prefill's attention (causal SDPA per document, no (T x T) mask) against SDPA
+    under the dense document mask, on rows of several documents, lengths 1 to 9."""
+    import torch.nn.functional as F
+    from grpo.model import Transformer as M, doc_mask, per_document_attention
+    g = torch.Generator().manual_seed(0)
+    pos = torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0, 1, 2, 3, 4]])
+    B, T, nh, D = *pos.shape, 6, 8
+    q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (nh, n_kv, n_kv))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=doc_mask(pos), enable_gqa=n_kv != nh)
+    ours = per_document_attention(q, k, v, M._varlen(pos), gqa=n_kv != nh)
+    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_packed_prefill_builds_no_document_mask(tiny_dir, monkeypatch):
+    """A forward with a cache in packed mode (the sampler's prefill) never builds the (T x T)
+    mask, and gives the logits of the masked forward without a cache."""
+    import grpo.model as model_module
+    from grpo.kv_cache import KVCache
+    path, _ = tiny_dir("qwen2")
+    model = Transformer.from_pretrained(path)
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]])
+    ids = torch.randint(0, model.args.vocab_size, pos.shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids, pos)
+        cache = KVCache(model.args, 3, 16, torch.float32, "cpu")
+        cache.packed(torch.tensor([0] * 4 + [1] * 3 + [2] * 5), pos[0])
+        monkeypatch.setattr(model_module, "doc_mask", lambda p: pytest.fail("dense mask built"))
+        ours = model(ids, pos, cache=cache)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
