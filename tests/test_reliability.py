@@ -226,6 +226,13 @@ def test_batch_splits_over_ranks_are_checked_at_start(toy, tmp_path, monkeypatch
         run(cfg, ToyEnv())
 
 
+def test_a_kv_budget_that_holds_no_row_fails_at_start(toy, tmp_path):
+    """The sampler sizes its cache per call; the budget is still checked before any step runs."""
+    cfg = config(toy, tmp_path / "run", kv_budget_gb=1e-6)
+    with pytest.raises(ValueError, match=r"kv_budget_gb=1e-06: 0.00 GiB of KV cache holds no row"):
+        run(cfg, ToyEnv())
+
+
 def test_process_group_timeout_is_a_config_field(toy, tmp_path, monkeypatch):
     assert Config().dist_timeout_min == 60  # long rollouts: one rank's 16k-token turn while the others wait
     calls = []
