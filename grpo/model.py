@@ -267,11 +267,10 @@ class Transformer(nn.Module):
         document, which attends only to itself. `cache`: the sampler's KV-cache object."""
         B, T = input_ids.shape
         x = self.embed_tokens(input_ids)  # (B, T, H)
-        # packed documents without a (T x T) mask: the sampler's packed prefill always (flash-attn
-        # or SDPA per document), training batches where flash-attn runs (CUDA, fp16/bf16 only)
-        prefill = cache is not None and getattr(cache, "read", ()) is None
-        flash = flash_attn_varlen_func is not None and input_ids.is_cuda and x.dtype in HALF
-        varlen = self._varlen(position_ids) if position_ids is not None and (prefill or flash and cache is None) else None
+        # packed documents (position ids given, no history to attend to: a packed training batch
+        # or the sampler's packed prefill) take flash-attn or SDPA per document, never a (T x T) mask
+        fresh = cache is None or getattr(cache, "read", ()) is None
+        varlen = self._varlen(position_ids) if position_ids is not None and fresh else None
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
             mask = None  # plain causal

@@ -30,7 +30,7 @@ from grpo.metrics import Logger, credit_metrics, rollout_records, step_metrics
 from grpo.model import Transformer, _local_or_hub
 from grpo.rollout import gold_trajectory, rollout, sampling_params, score
 from grpo.sampler import Sampler
-from grpo.update import collate, loss_options, policy_update
+from grpo.update import loss_options, pack, policy_update
 
 # ----------------------------------------------------------------------------- data and rollouts
 
@@ -247,8 +247,8 @@ def warm_start(model, tokenizer, env, examples: list, cfg: Config, device, log):
     model.train()
     for step in tqdm(range(cfg.sft_steps), desc="warm-start", disable=not dist.is_main()):
         batch = rng.sample(examples, cfg.sft_batch)[rank * share:(rank + 1) * share]
-        b = collate([gold_trajectory(tokenizer, env, ex, eos, kw) for ex in batch], device)
-        logprobs = model(b["input_ids"], labels=b["labels"])
+        b = pack([gold_trajectory(tokenizer, env, ex, eos, kw) for ex in batch], device)  # (1, sum of lengths)
+        logprobs = model(b["input_ids"], b["position_ids"], labels=b["labels"])
         tokens = dist.all_sum(b["loss_mask"].sum().item())  # host sync: the global normalizer
         nll = -(logprobs * b["loss_mask"]).sum()
         (nll * world / tokens).backward()  # FSDP averages gradients over ranks: scale the local sum by world

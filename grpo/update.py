@@ -53,6 +53,17 @@ def collate(trajs: list, device) -> dict:
     return {k: v.to(device) for k, v in out.items()}
 
 
+def pack(trajs: list, device) -> dict:
+    """The sequences end to end in one row, no padding: (1, sum of lengths) input_ids, positions
+    restarting at 0 for each (the model attends within each sequence only), labels and loss_mask
+    as collate's. For losses that are a plain token sum (the warm-start's): right-padding a batch
+    of gold episodes of 150 to 450 tokens computed ~1.5x its tokens."""
+    rows = [collate([t], "cpu") for t in trajs]
+    cat = lambda key: torch.cat([r[key][0] for r in rows])[None].to(device)  # noqa: E731
+    positions = torch.cat([torch.arange(r["input_ids"].shape[1]) for r in rows])[None].to(device)
+    return dict(input_ids=cat("input_ids"), position_ids=positions, labels=cat("labels"), loss_mask=cat("loss_mask"))
+
+
 def token_advantages(trajs: list, advantages: torch.Tensor) -> torch.Tensor:
     """(N,) per sequence or (N, C) per completion token -> (N, T) aligned with collate's rows."""
     if advantages.dim() == 1:

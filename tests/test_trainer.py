@@ -296,3 +296,28 @@ def test_rollout_records(tmp_path):
     torch.testing.assert_close(torch.tensor([r["advantage"] for r in records]), group_advantages(rewards, 4))
     assert all(abs(r["rewards"]["correct"] - r["reward"]) < 1e-6 for r in records)   # fp32 reward tensor
     assert all(r["finish_reason"] in ("stop", "length") and r["turns"] == 1 for r in records)
+
+
+def test_packed_warm_start_batch_equals_the_padded_one(tmp_path):
+    """update.pack (one row, positions restarting per sequence, no padding) gives every scored
+    token the log-prob, and the loss the gradient, of the right-padded batch."""
+    from transformers import AutoTokenizer
+    model = Transformer.from_pretrained(make_toy_dir(tmp_path / "model"))
+    tok = AutoTokenizer.from_pretrained(tmp_path / "model")
+    params = sampling_params(ToyEnv(), tok, 3, 1.0, 8, seed=3)
+    trajs = rollout(Sampler(model, tok), tok, ToyEnv(), EXAMPLES[:4], params)
+    assert len({len(t.prompt_ids) + len(t.completion_ids) for t in trajs}) > 1, "lengths should differ"
+    padded, packed = collate(trajs, "cpu"), update.pack(trajs, "cpu")
+    assert packed["input_ids"].shape == (1, sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajs))
+    sums = []
+    for b, args in ((padded, ()), (packed, (packed["position_ids"],))):
+        model.zero_grad()
+        lp = model(b["input_ids"], *args, labels=b["labels"])
+        nll = -(lp * b["loss_mask"]).sum()
+        nll.backward()
+        sums.append((lp[b["loss_mask"] > 0], nll, [p.grad.clone() for p in model.parameters()]))
+    (lp_a, nll_a, g_a), (lp_b, nll_b, g_b) = sums
+    torch.testing.assert_close(lp_b, lp_a, atol=1e-5, rtol=1e-5)  # same tokens, in the same order
+    torch.testing.assert_close(nll_b, nll_a, atol=1e-4, rtol=1e-6)
+    for a, b in zip(g_a, g_b):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
