@@ -45,6 +45,7 @@ class Config:
     prompts_per_step: int = 8         # B: prompts per step over all ranks (TRL counts completions per device)
     num_generations: int = 8          # G: completions per prompt
     dtype: str = "auto"               # compute dtype: auto = bf16 on CUDA, fp32 on CPU
+    autocast_bf16: bool = False       # CPU, fp32 weights: bf16 matmuls in the blocks under torch.autocast
     profile: str = "auto"             # GPU profile (PROFILES): sizes and budgets; auto = detect, none = off
     # ---- sampling
     temperature: float = 1.0          # sampling temperature of the rollouts (log-probs use it too)

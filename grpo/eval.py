@@ -218,6 +218,7 @@ def evaluate_run(run_dir: str, out: str | None = None) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = Transformer.from_pretrained(export, dtype=dtype, device=device).eval()
+    model.autocast_bf16 = getattr(cfg, "autocast_bf16", False)  # as the run's own evals ran
     r = evaluate(model, AutoTokenizer.from_pretrained(export), env, examples, **run_eval_settings(cfg))
     out = out or os.path.join(run_dir, "eval_rerun.jsonl")
     with open(out, "w") as f:

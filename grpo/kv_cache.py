@@ -63,8 +63,9 @@ class KVCache:
         self.seqlens, self.rows_idx = start.to(torch.int32), slot_of.to(torch.int32)
 
     def update(self, layer: int, k: Tensor, v: Tensor):  # k, v (B, nkv, T, D), rotary applied
-        self.k[layer][self.w_slot, self.w_pos] = k[self.w_b, :, self.w_t]  # (N, nkv, D) real tokens only
-        self.v[layer][self.w_slot, self.w_pos] = v[self.w_b, :, self.w_t]
+        # (N, nkv, D) real tokens only; bf16 under autocast, stored in the cache's dtype
+        self.k[layer][self.w_slot, self.w_pos] = k[self.w_b, :, self.w_t].to(self.k.dtype)
+        self.v[layer][self.w_slot, self.w_pos] = v[self.w_b, :, self.w_t].to(self.v.dtype)
         if self.read is None:
             return k, v, None  # packed prefill: the model's document mask over the new tokens
         rows, span, mask = self.read

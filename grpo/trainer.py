@@ -163,6 +163,7 @@ def build(cfg: Config, device) -> tuple:
                 f"{cfg.max_steps} steps x {cfg.prompts_per_step} prompts x G={cfg.num_generations}")
     model = Transformer.from_pretrained(path, dtype=torch.float32, device=device)
     model.activation_checkpointing = cfg.gradient_checkpointing
+    model.autocast_bf16 = cfg.autocast_bf16  # the sampler and the evals run this same model
     dist.shard(model, compute_dtype)
     ref_model = None
     if cfg.beta > 0:

@@ -248,3 +248,21 @@ def test_packed_prefill_builds_no_document_mask(tiny_dir, monkeypatch):
         monkeypatch.setattr(model_module, "doc_mask", lambda p: pytest.fail("dense mask built"))
         ours = model(ids, pos, cache=cache)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_autocast_bf16_keeps_fp32_outside_the_blocks(tiny_dir):
+    """autocast_bf16: bf16 matmuls in the blocks, fp32 logits and log-probs, close to fp32's; the
+    sampler decodes under it (its fp32 cache takes the bf16 keys) and its greedy tokens follow."""
+    from grpo.sampler import Sampler, SamplingParams
+    path, _ = tiny_dir("qwen2")
+    model = Transformer.from_pretrained(path).eval()
+    ids = torch.randint(0, model.args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids)
+        model.autocast_bf16 = True
+        ours = model(ids)
+        lp = model(ids, labels=ids)
+    assert ours.dtype == torch.float32 and lp.dtype == torch.float32
+    assert 0 < (ours - ref).abs().max() < 0.05 * ref.abs().max()  # bf16 rounding, not another model
+    out = Sampler(model).generate(ids.tolist(), SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[]))
+    assert all(len(c.token_ids) == 6 for c in out)
