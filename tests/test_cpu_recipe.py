@@ -17,11 +17,13 @@ def test_cpu_recipe_smoke_end_to_end(tmp_path, smollm2_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
     run = Path(str(out) + "_smoke")
-    for phase in ("before", "warmstart", "after"):
-        records = [json.loads(line) for line in open(run / f"eval_{phase}.jsonl")]
-        assert len(records) == 8 * 2 and all({"question", "completion", "correct"} <= set(x) for x in records)  # 2 samples each
-        assert f"| {phase} |" in r.stdout
-    assert "GRPO gain over warm-start" in r.stdout
+    for phase in ("before", "warmstart", "after"):  # the untrained model on 4 questions, the others on 8
+        for protocol in ("", "_greedy"):  # one sample at T 1.0, and greedy
+            records = [json.loads(line) for line in open(run / f"eval_{phase}{protocol}.jsonl")]
+            assert len(records) == (4 if phase == "before" else 8)
+            assert all({"question", "completion", "correct"} <= set(x) for x in records)
+        assert f"| {phase}" in r.stdout
+    assert "GRPO gain over warm-start" in r.stdout and "| ops 1 |" in r.stdout and "| family " in r.stdout
     steps = [x for x in map(json.loads, open(run / "metrics.jsonl")) if "reward/mean" in x]
     assert [x["step"] for x in steps] == [1, 2]
     # `python -m grpo.eval --run` reproduces the final eval exactly: the same records, the same figure
