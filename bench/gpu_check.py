@@ -165,7 +165,7 @@ def kernel_parity(device, backend: str, sizes: dict, perturb: bool) -> list[dict
             else:
                 lp = linear_logprobs_ref(h, w, labels, temp)
                 with torch.no_grad():
-                    ent = entropy_ref(h, w, temp)
+                    ent = torch.where(labels >= 0, entropy_ref(h, w, temp), 0.0)  # ignored positions: 0
             adv = group_advantages(rewards, 4, "group", backend=bk)
             opts = LossOptions(eps_high=0.28, delta=4.0, dual_clip=3.0, beta=0.04, tis_cap=2.0, backend=bk)
             loss, _ = policy_loss(lp, old, adv, mask, opts, num_sequences=B, num_tokens=mask.sum().item(),
