@@ -30,11 +30,12 @@ from the prefill). Natural mode (--checkpoint) runs both with real stopping (EOS
 </calculator> stop string), 3 seeds summed; the sides then sample different lengths.
 """
 import argparse
-import json
 import random
+import sys
 import time
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -46,6 +47,8 @@ from grpo.model import Transformer
 from grpo.rollout import continuation_ids, render_prompt, rollout, sampling_params
 from grpo.sampler import Sampler, SamplingParams
 from grpo.sampling import request_key
+sys.path.insert(0, str(Path(__file__).parent))  # bench/table.py, also when loaded from a file path (the test)
+from table import print_table  # noqa: E402
 
 # the oracle's tool call: the real calculator answers it with <output>176.3571429</output>,
 # 27 tokens as SmolLM2's user turn plus the next assistant header
@@ -270,11 +273,7 @@ def main():
         rows.append(r)
     cols = ["case", "mode", "ours_tokens", "hf_tokens", "ours_s", "hf_s", "ours_tps", "hf_tps", "ours_prefill",
             "hf_prefill", "ours_decode", "hf_decode", "ours_live", "hf_live", "x"]
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
-    print(json.dumps(rows))
+    print_table(rows, cols)
 
 
 if __name__ == "__main__":

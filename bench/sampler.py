@@ -13,7 +13,6 @@ did nothing but the weight matmuls, and ceiling_x_decode that floor over transfo
 tokens/s: the most any sampler doing the same fp32 matmuls could gain over it.
 """
 import argparse
-import json
 import tempfile
 import time
 
@@ -22,6 +21,7 @@ import transformers
 
 from grpo.model import Transformer
 from grpo.sampler import Sampler, SamplingParams
+from table import print_table  # bench/table.py
 
 SHAPES = {  # random weights with the published configs' shapes
     "qwen2.5-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -162,11 +162,7 @@ def main():
     rows = gpu_rows(args.quick) if args.gpu else cpu_rows(args.quick, args.repeat)
     cols = ["model", "batch", "new", "ours_prefill_tps", "hf_prefill_tps", "ours_decode_tps", "hf_decode_tps", "ours_tps",
             "hf_tps", "x", "x_decode"] + (["roofline_frac"] if args.gpu else ["matmul_floor_decode_tps", "ceiling_x_decode"])
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
-    print(json.dumps(rows))
+    print_table(rows, cols)
 
 
 if __name__ == "__main__":

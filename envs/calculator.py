@@ -257,11 +257,14 @@ def _yaml_lines(tree) -> list[str]:
     return lines
 
 
-def gold_call(example: dict) -> str:
-    """The <calculator> block for the example's expression."""
-    tree = parse_expression(example["expression"])
+def _block(tree) -> str:
     body = tree if isinstance(tree, str) else "\n".join(_yaml_lines(tree))
     return f"<calculator>\n{body}\n</calculator>"
+
+
+def gold_call(example: dict) -> str:
+    """The <calculator> block for the example's expression."""
+    return _block(parse_expression(example["expression"]))
 
 
 MISTAKES = ("one_operand", "bad_name")
@@ -277,7 +280,7 @@ def mistaken_call(example: dict, kind: str) -> str:
         raise ValueError(f"no mistake to make in a bare number: {example['expression']!r}")
     if kind == "bad_name":
         wrong = (_SYNONYM[tree[0]],) + tuple(tree[1:])
-        return f"<calculator>\n{chr(10).join(_yaml_lines(wrong))}\n</calculator>"
+        return _block(wrong)
     if kind != "one_operand":
         raise ValueError(f"unknown mistake {kind!r}: one of {MISTAKES}")
     def wrap(node):  # the first number met going down the right side gets a one-operand operation
@@ -287,7 +290,7 @@ def mistaken_call(example: dict, kind: str) -> str:
             return (node[0], (tree[0], node[1]), node[2])
         return (node[0], node[1], wrap(node[2]))
 
-    return f"<calculator>\n{chr(10).join(_yaml_lines(wrap(tree)))}\n</calculator>"
+    return _block(wrap(tree))
 
 
 def gold_messages(example: dict) -> list[dict]:
