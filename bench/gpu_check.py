@@ -1,6 +1,8 @@
 """One command that proves the CUDA paths: parity checks, and the figures of the GPU goals (issue 19).
 
-    python bench/gpu_check.py                    # one GPU of 80 GB or more, under 8 minutes
+    python bench/gpu_check.py                    # one GPU of 80 GB or more, under 8 minutes; each part
+                                                 # in its own process under --part-timeout (a hang or
+                                                 # a poisoned CUDA context costs one part, not the run)
     python bench/gpu_check.py --dry-run          # CPU (automatic without CUDA): the same code, tiny sizes
     TRITON_INTERPRET=1 python bench/gpu_check.py --dry-run   # ...with the Triton kernels interpreted
 
@@ -26,6 +28,8 @@ against naive at N = 32768, V = 151936, forward + backward (bench/logprobs.py).
 The dry run maps each part onto the CPU: the tiny model for both shapes, the torch kernels (Triton under
 TRITON_INTERPRET=1), eager decode (the sampler has no graphs on CPU), FSDP2 over gloo. Without flash-attn
 its parts are skipped with a message. --perturb breaks one side of every parity check (for the test).
+The JSON report is rewritten after each isolated part ("partial": true until the end), so a run killed
+from outside keeps what it measured.
 """
 import argparse
 import contextlib
@@ -36,6 +40,7 @@ import importlib
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -351,49 +356,108 @@ def step_figures(name: str, device, sizes: dict) -> list[dict]:
 # ----------------------------------------------------------------------------- main
 
 
+def parts_of(device, backend: str, sizes: dict, perturb: bool) -> list[tuple]:
+    """(part, function, args), in the order they run."""
+    parts = [("kernels", kernel_parity, (device, backend, sizes, perturb)),
+             ("figures", fused_figures, (device, sizes))]
+    for i, name in enumerate(sizes["models"]):
+        if i == 0:  # one shape shows FSDP's arithmetic; the smaller leaves room for both fp32 copies
+            parts.append(("update", update_parity, (name, device, sizes, perturb)))
+        parts += [("sampler", greedy_parity, (name, device, sizes, perturb)),
+                  ("figures", decode_figures, (name, device, sizes)),
+                  ("figures", step_figures, (name, device, sizes))]
+    return parts
+
+
+def run_part(name: str, fn, a: tuple, device) -> list[dict]:
+    t = time.perf_counter()
+    try:
+        out = fn(*a)
+    except Exception as e:  # reported, and fails the run; the other parts still run
+        traceback.print_exc()
+        out = [row(name, a[0] if isinstance(a[0], str) else "", "raised", None, status="error",
+                   note=f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")]
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return [dict(r, seconds=round(time.perf_counter() - t, 1)) for r in out]
+
+
+def isolated(args, parts: list[tuple], device) -> list[dict]:
+    """Each part in its own process, under a time limit: a hang (a graph capture, a collective) or an
+    error that poisons the CUDA context then costs one part, not the rest of the run."""
+    rows = []
+    for i, (name, _, a) in enumerate(parts):
+        label = a[0] if isinstance(a[0], str) else ""
+        tmp = Path(f"{args.out}.part{i}")
+        cmd = [sys.executable, __file__, "--part", str(i), "--out", str(tmp)]
+        cmd += ["--dry-run"] * args.dry_run + ["--perturb"] * args.perturb
+        print(f"== part {i}: {name} {label}", flush=True)
+        t = time.perf_counter()
+        try:
+            rc = subprocess.run(cmd, timeout=args.part_timeout).returncode
+            out = json.loads(tmp.read_text()) if tmp.exists() else [
+                row(name, label, "raised", None, status="error", note=f"the part's process exited {rc}")]
+        except subprocess.TimeoutExpired:
+            out = [row(name, label, "raised", None, status="error",
+                       note=f"timed out after {args.part_timeout} s")]
+        tmp.unlink(missing_ok=True)
+        rows += [dict(r, seconds=r.get("seconds", round(time.perf_counter() - t, 1))) for r in out]
+        report(args, rows, device, partial=True)  # a run killed from outside keeps what it measured
+    return rows
+
+
+def report(args, rows: list[dict], device, seconds=None, partial=False) -> dict:
+    failed = [r for r in rows if r["status"] in ("fail", "error")]
+    out = dict(ok=not failed and not partial, partial=partial, dry_run=device.type != "cuda",
+               backend=args.backend, seconds=seconds, torch=torch.__version__,
+               device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               flash_attn=kv_cache.flash_attn_with_kvcache is not None, rows=rows)
+    Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU (automatic without CUDA)")
     ap.add_argument("--out", default="gpu_check.json", help="the JSON report")
     ap.add_argument("--perturb", action="store_true", help="testing: break one side of every parity check")
+    ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                    help="each part in its own process (default: on CUDA)")
+    ap.add_argument("--part-timeout", type=int, default=240, help="seconds per isolated part")
+    ap.add_argument("--part", type=int, help=argparse.SUPPRESS)  # internal: run one part, write its rows
     args = ap.parse_args()
     dry = args.dry_run or not torch.cuda.is_available()
+    args.dry_run = dry
     device = torch.device("cpu") if dry else dist.device()
-    backend = "triton" if not dry or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+    args.backend = "triton" if not dry or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
     sizes = SIZES["dry" if dry else "gpu"]
-    # one process, world size 1, with an in-memory store (no port), as grpo.dist.shard does on one GPU
-    if dry:
-        print(f"dry run on the CPU: tiny sizes, {backend} kernels" + ("" if args.dry_run else " (no CUDA)"))
-        tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    parts = parts_of(device, args.backend, sizes, args.perturb)
+    isolate = (not dry) if args.isolate is None else args.isolate
+    start = time.perf_counter()
+    if args.part is None and isolate:
+        rows = isolated(args, parts, device)
     else:
-        torch.cuda.set_device(device)
-        tdist.init_process_group("nccl", store=tdist.HashStore(), rank=0, world_size=1, device_id=device)
-        gib = torch.cuda.get_device_properties(device).total_memory / 2**30
-        if gib < 75:
-            print(f"warning: {gib:.0f} GiB of GPU memory; the sizes are for 80 GB or more")
-    rows, start = [], time.perf_counter()
-
-    def part(name: str, fn, *a):
-        t = time.perf_counter()
-        try:
-            out = fn(*a)
-        except Exception as e:  # reported, and fails the run; the other parts still run
-            traceback.print_exc()
-            out = [row(name, a[0] if isinstance(a[0], str) else "", "raised", None, status="error",
-                       note=f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")]
-        rows.extend(dict(r, seconds=round(time.perf_counter() - t, 1)) for r in out)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    part("kernels", kernel_parity, device, backend, sizes, args.perturb)
-    part("figures", fused_figures, device, sizes)
-    for i, name in enumerate(sizes["models"]):
-        if i == 0:  # one shape shows FSDP's arithmetic; the smaller leaves room for both fp32 copies
-            part("update", update_parity, name, device, sizes, args.perturb)
-        part("sampler", greedy_parity, name, device, sizes, args.perturb)
-        part("figures", decode_figures, name, device, sizes)
-        part("figures", step_figures, name, device, sizes)
+        if args.part is None:
+            print(f"dry run on the CPU: tiny sizes, {args.backend} kernels" if dry else
+                  f"{torch.cuda.get_device_name(device)}: {args.backend} kernels, one process")
+        # one process, world size 1, with an in-memory store (no port), as grpo.dist.shard does on one GPU
+        if dry:
+            tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+        else:
+            torch.cuda.set_device(device)
+            tdist.init_process_group("nccl", store=tdist.HashStore(), rank=0, world_size=1, device_id=device)
+            gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+            if gib < 75:
+                print(f"warning: {gib:.0f} GiB of GPU memory; the sizes are for 80 GB or more")
+        rows = []
+        for i, (name, fn, a) in enumerate(parts):
+            if args.part in (None, i):
+                rows += run_part(name, fn, a, device)
+        tdist.destroy_process_group()
+        if args.part is not None:
+            Path(args.out).write_text(json.dumps(rows, default=str))
+            return
     seconds = time.perf_counter() - start
 
     print("| part | model | check or figure | value | target | result | note |")
@@ -402,16 +466,11 @@ def main():
         value = r.get("shown") or ("" if r["value"] is None else f"{r['value']:.3g}")
         print(f"| {r['part']} | {r['model']} | {r['what']} | {value} | {r['target']} | {r['status']} "
               f"| {r['note']} |")
-    failed = [r for r in rows if r["status"] in ("fail", "error")]
-    report = dict(ok=not failed, dry_run=dry, backend=backend, seconds=round(seconds, 1),
-                  torch=torch.__version__, device=torch.cuda.get_device_name(device) if not dry else "cpu",
-                  flash_attn=kv_cache.flash_attn_with_kvcache is not None, rows=rows)
-    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+    out = report(args, rows, device, round(seconds, 1))
     checks = [r for r in rows if r["status"] in ("pass", "fail")]
     print(f"gpu_check: {sum(r['status'] == 'pass' for r in checks)}/{len(checks)} parity checks passed, "
           f"{sum(r['status'] == 'error' for r in rows)} parts raised, {seconds:.0f} s; report in {args.out}")
-    tdist.destroy_process_group()
-    sys.exit(1 if failed else 0)
+    sys.exit(0 if out["ok"] else 1)
 
 
 if __name__ == "__main__":

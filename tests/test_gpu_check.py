@@ -1,6 +1,7 @@
 """bench/gpu_check.py's dry run, the part of the GPU check that runs on a CPU: every parity check and
 figure on the tiny model, the table, the JSON report and the exit code; and --perturb, which breaks one
-side of every parity check, must fail each of them and exit 1. And the sampler check's rule for
+side of every parity check, must fail each of them and exit 1 (run as on a GPU, each part in its own
+process). And the sampler check's rule for
 near-ties, on fixed logits.
 
 The two runs go in parallel, one thread each (the dry run is small and mostly Python). The passing
@@ -26,7 +27,9 @@ def runs(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
     procs = {}
-    for name, flags, extra in (("ok", [], {"TRITON_INTERPRET": "1"}), ("perturbed", ["--perturb"], {})):
+    # the perturbed run also takes the GPU's default path: each part in its own process
+    for name, flags, extra in (("ok", [], {"TRITON_INTERPRET": "1"}),
+                               ("perturbed", ["--perturb", "--isolate"], {})):
         out = tmp / f"{name}.json"
         procs[name] = (subprocess.Popen([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), *flags],
                                         env={**env, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -67,7 +70,8 @@ def test_dry_run_passes(runs):
 def test_perturbed_parity_fails(runs):
     rc, stdout, stderr, report = runs["perturbed"]
     assert rc == 1, stdout[-4000:] + stderr[-4000:]
-    assert not report["ok"] and report["backend"] == "torch"
+    assert not report["ok"] and not report["partial"] and report["backend"] == "torch"
+    assert stdout.count("== part ") == 6  # isolated: kernels, fused, update, sampler, decode, step
     assert not [r for r in report["rows"] if r["status"] == "error"], stdout[-4000:]
     assert {r["part"] for r in report["rows"] if r["status"] == "fail"} == PARITY_PARTS
     assert any(t[5] == "fail" for t in table_rows(stdout))
