@@ -170,8 +170,14 @@ def shard(model: torch.nn.Module, compute_dtype: torch.dtype):
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     if not is_dist():  # FSDP2 wants a process group even for one GPU; an in-memory store needs no port
         tdist.init_process_group("nccl", store=tdist.HashStore(), rank=0, world_size=1, device_id=device())
+    # blocks take their inputs as given: x is already bf16 (the root's embedding runs in param_dtype)
+    # and the rope tables stay fp32. Casting block inputs made activation checkpointing fail on
+    # torch 2.11 (H200): FSDP2 skips its pre-forward hook in the backward's recompute, so the
+    # recomputed block saw fp32 tables where the forward had seen bf16 ones
+    block_mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
+                                    cast_forward_inputs=False)
     for block in model.layers:
-        fully_shard(block, mp_policy=mp)
+        fully_shard(block, mp_policy=block_mp)
     # the root keeps its weights after forward for the backward that follows (FSDP's default);
     # a frozen model (the KL reference) has no backward, so it frees them at once
     frozen = not any(p.requires_grad for p in model.parameters())

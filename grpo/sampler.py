@@ -97,6 +97,7 @@ class _Call:
     pending: dict = field(default_factory=dict)    # tool future -> _Seq
     prompt_logits: dict = field(default_factory=dict)  # prompt index -> (V,) logits of its last token
     graphs: dict = field(default_factory=dict)     # cache_len bucket -> CUDA graph of one decode window
+    graph_pool: tuple | None = None                # their memory pool, freed with them at the call's end
 
 
 class _State:
@@ -157,12 +158,12 @@ class Sampler:
         if slots < 1:
             raise ValueError(f"kv_budget_bytes={self.budget} holds no row of {max_seq_len} tokens")
         self.cache = KVCache(self.model.args, slots, max_seq_len, self.dtype, self.device)
-        self.state, self.graph_pool = _State(slots, self.window, self.device), None
+        self.state = _State(slots, self.window, self.device)
 
     def release(self):
         """Free the KV cache (the trainer's update and a differently sized eval want the memory);
         the next call allocates one sized to itself."""
-        self.cache, self.state, self.graph_pool = None, None, None
+        self.cache, self.state = None, None
 
     # ------------------------------------------------------------------------- the loop
 
@@ -455,9 +456,12 @@ class Sampler:
             for t, v in zip((st.tok, st.pos, st.ntok, st.active), saved):
                 t.copy_(v)
             g = torch.cuda.CUDAGraph()
-            # buckets replay in turn, so they share one memory pool
-            self.graph_pool = self.graph_pool or torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(g, pool=self.graph_pool):
+            # buckets replay in turn, so they share one memory pool. The pool lives and dies with the
+            # call's graphs: capturing into a pool whose graphs were freed trips an assert in the
+            # caching allocator (seen on an H200, torch 2.11). Graphs are not kept across calls: under
+            # FSDP the gathered weights they read may sit at other addresses in the next call
+            call.graph_pool = call.graph_pool or torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(g, pool=call.graph_pool):
                 window()
             call.graphs[cache_len] = g
         return call.graphs[cache_len]

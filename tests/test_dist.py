@@ -339,3 +339,40 @@ def test_a_used_folder_is_refused_on_every_rank(straight, toy):
     for rank in (0, 1):
         assert f"[rank{rank}]: FileExistsError: {refusal}" in out, out[-3000:]
     assert sorted(p.name for p in two.iterdir()) == before
+
+
+ROPE_DTYPES = r'''
+import torch, torch.distributed as tdist
+import grpo.model as gm
+from grpo import dist
+from toy import make_toy_dir
+import sys, pathlib
+tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+seen, rope = [], gm.apply_rope
+gm.apply_rope = lambda x, cos, sin: seen.append((x.dtype, cos.dtype, torch.is_grad_enabled())) or rope(x, cos, sin)
+grads = []
+for ckpt in (False, True):
+    model = dist.shard(gm.Transformer.from_pretrained(make_toy_dir(pathlib.Path(sys.argv[1]) / str(ckpt))),
+                       torch.bfloat16)
+    model.activation_checkpointing = ckpt
+    ids = torch.arange(24).reshape(2, 12) % 60 + 6
+    model(ids, labels=ids).sum().backward()
+    grads.append(torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()]))
+print(sorted({(str(a), str(b)) for a, b, _ in seen}), len(seen))
+print(((grads[0] - grads[1]).norm() / grads[0].norm()).item())
+'''
+
+
+def test_blocks_get_fp32_rope_tables_under_fsdp_mixed_precision(tmp_path):
+    """FSDP2 casts a module's floating inputs to param_dtype in its pre-forward hook, but skips that
+    hook in the backward's recompute under activation checkpointing (torch 2.11): the recomputed block
+    then saw fp32 rope tables where the forward had seen bf16, and checkpoint raised (found on an H200).
+    The blocks take their inputs uncast: q/k in bf16, tables fp32, in the forward and in the recompute,
+    and the gradients equal those without checkpointing."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    r = subprocess.run([sys.executable, "-c", ROPE_DTYPES, str(tmp_path)], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    dtypes, err = r.stdout.strip().splitlines()[-2:]
+    assert dtypes == "[('torch.bfloat16', 'torch.float32')] 12", dtypes  # 2 layers x (2 + 2 fwd + 2 recompute)
+    assert float(err) < 1e-6, err
