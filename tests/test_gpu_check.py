@@ -99,3 +99,15 @@ def test_greedy_ties():
            [0, 0]]      # shorter
     assert gpu_check.TIE_REL * 10 > 0.1
     assert gpu_check.greedy_rows(FixedLogits(), [[1]] * 4, ref, out) == (1, 1, 2)
+
+
+def test_decode_profile_dry_run():
+    """bench/decode_profile.py on the CPU's tiny model: its three timed variants and the profile."""
+    script = SCRIPT.with_name("decode_profile.py")
+    r = subprocess.run([sys.executable, str(script), "--dry-run"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("[{")))
+    assert [(x["sync_every"], x["temperature"]) for x in rows] == [(8, 1.0), (32, 1.0), (8, 0.0)]
+    assert all(x["decode_tok_s"] > 0 and x["decode_s"] > 0 for x in rows)
+    assert "profiled call (sync_every 8, temperature 1): wall" in r.stdout
