@@ -168,6 +168,18 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_kv_heads != self.n_heads
+        if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+            # autocast_bf16 on a CPU: the matmuls in bf16, attention in fp32. Its bf16 kernels are
+            # the slower ones there (decode, batch 128 x 113 keys: 13 ms a layer against 3 ms, with
+            # the fp32 cache cast to bf16 on every call; training fwd+bwd at T 100: 2.5 vs 1.1 ms)
+            with torch.autocast("cpu", enabled=False):
+                y = self._attend(q.float(), k.float(), v.float(), mask, cache, varlen, gqa)
+        else:
+            y = self._attend(q, k, v, mask, cache, varlen, gqa)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cache, varlen, gqa: bool) -> Tensor:
+        """q (B, nh, T, D), k, v (B, nkv, T, D), rotary applied -> (B, nh, T, D)."""
         if getattr(cache, "attend", None) is not None:
             # the cache runs its own kernel (flash-attn's KV-cache decode)
             y = cache.attend(self.layer_idx, q, k, v)
@@ -183,7 +195,7 @@ class Attention(nn.Module):
             else:
                 mask = cache_mask if cache_mask is not None else mask
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return y
 
 
 def per_document_attention(q: Tensor, k: Tensor, v: Tensor, varlen: tuple, gqa: bool) -> Tensor:

@@ -266,3 +266,27 @@ def test_autocast_bf16_keeps_fp32_outside_the_blocks(tiny_dir):
     assert 0 < (ours - ref).abs().max() < 0.05 * ref.abs().max()  # bf16 rounding, not another model
     out = Sampler(model).generate(ids.tolist(), SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[]))
     assert all(len(c.token_ids) == 6 for c in out)
+
+
+def test_autocast_bf16_attends_in_fp32(tiny_dir, monkeypatch):
+    """Under autocast_bf16 attention runs in fp32 (q, k, v and the kernel): on CPUs its bf16 kernels
+    are the slow ones (decode ~4x). Checked on every path: plain, packed documents, the sampler's
+    packed prefill and decode over the cache."""
+    import grpo.model as gm
+    from grpo.sampler import Sampler, SamplingParams
+    seen, sdpa = [], gm.F.scaled_dot_product_attention
+
+    def spy(q, k, v, *a, **kw):
+        seen.append((q.dtype, k.dtype, v.dtype, torch.is_autocast_enabled("cpu")))
+        return sdpa(q, k, v, *a, **kw)
+    monkeypatch.setattr(gm.F, "scaled_dot_product_attention", spy)
+    path, _ = tiny_dir("qwen2")
+    model = Transformer.from_pretrained(path).eval()
+    model.autocast_bf16 = True
+    ids = torch.randint(0, model.args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids)
+        model(ids, torch.tensor([list(range(6)) * 2, list(range(12))]))  # packed documents
+    Sampler(model).generate(ids.tolist(), SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[]))
+    assert len(seen) > 4 * model.args.n_layers
+    assert set(seen) == {(torch.float32, torch.float32, torch.float32, False)}
