@@ -148,12 +148,13 @@ def split_of(expression: str) -> str:
 
 
 def generate_questions(n: int, seed: int = 0, split: str = "train", phrasing: str = "train",
-                       min_ops: int = 1) -> list[dict]:
+                       min_ops: int = 1, max_ops: int | None = None) -> list[dict]:
     """n distinct questions {question, expression, answer, ops, family, phrasing}, deterministic
-    in (n, seed, split, phrasing, min_ops). `split` picks the expressions (a hash of the expression:
+    in (n, seed, split, phrasing, min_ops, max_ops). `split` picks the expressions (a hash of the expression:
     the two splits never share one); `phrasing` the wording, "train" or "heldout"
     (grpo.envs.calculator_phrasing: the two books share no template). `min_ops` drops smaller
-    trees (the eval's one-operation questions can be 1-in-12 at most otherwise)."""
+    trees (the eval's one-operation questions can be 1-in-12 at most otherwise), `max_ops` larger
+    ones."""
     assert split in ("train", "eval"), f"{split=}"
     assert phrasing in ("train", "heldout"), f"{phrasing=}"
     suffix = "" if phrasing == "train" else f"-{phrasing}"
@@ -162,7 +163,7 @@ def generate_questions(n: int, seed: int = 0, split: str = "train", phrasing: st
     out, seen = [], set()
     while len(out) < n:
         tree = _tree(rng, rng.choices(sizes, weights)[0])
-        if count_ops(tree) < min_ops:
+        if not min_ops <= count_ops(tree) <= (max_ops or count_ops(tree)):
             continue
         expression = to_infix(tree)
         if expression in seen or split_of(expression) != split:

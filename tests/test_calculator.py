@@ -248,6 +248,8 @@ def test_heldout_phrasings_unseen_in_training():
     assert {q["phrasing"] for q in held} == {"heldout"} and all("×" in q["question"] or "*" not in q["question"]
                                                                 for q in held)
     assert min(q["ops"] for q in generate_questions(100, seed=0, min_ops=2)) == 2
+    capped = generate_questions(100, seed=0, split="eval", phrasing="heldout", max_ops=4)
+    assert len(capped) == 100 and {q["ops"] for q in capped} == {1, 2, 3, 4}
 
 
 def test_generator_splits_disjoint_and_spread():
