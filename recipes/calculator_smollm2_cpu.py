@@ -54,6 +54,7 @@ class CalculatorCPU(Config):
     train_questions: int = 2000       # worded from the TRAIN book, 1 to 6 operations
     max_ops: int = 4                  # GRPO's and the eval's questions: 1 to max_ops operations (the
                                       # warm-start's go to 6); 5 and 6 scored 0.00 before and after GRPO
+    grpo_min_ops: int = 1             # GRPO's smallest questions (2 leaves out the one-operation ones)
     # warm-start: gold tool-call episodes, a fifth of them opening with a mistake and its correction
     sft_steps: int = 30
     sft_batch: int = 8
@@ -126,7 +127,7 @@ def main():
     cfg.model_path = cfg.model_path or local_path()
     env, eval_qs = eval_setup(cfg)
     sft_qs = generate_questions(cfg.train_questions, seed=cfg.seed, split="train")  # 1 to 6 operations
-    train_qs = [q for q in sft_qs if q["ops"] <= cfg.max_ops]
+    train_qs = [q for q in sft_qs if cfg.grpo_min_ops <= q["ops"] <= cfg.max_ops]
     sft_qs = with_mistakes(sft_qs, cfg.mistake_fraction, cfg.seed)
     print(f"plan: warm-start {cfg.sft_steps} steps x {cfg.sft_batch} | GRPO up to {cfg.max_steps} steps "
           f"x {cfg.prompts_per_step} prompts x G={cfg.num_generations}, budget {cfg.time_budget_min or 'none'} min | "
