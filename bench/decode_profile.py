@@ -13,26 +13,16 @@ GPU waited on the host: Python between windows, graph capture, launches, syncs.
 """
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_check import build  # noqa: E402  (random weights, transformers' init, the Qwen shapes)
+from sampler import timed  # noqa: E402  (bench/sampler.py: wall time with the device synchronized)
 from table import print_table  # noqa: E402
 
 from grpo.sampler import Sampler, SamplingParams  # noqa: E402
-
-
-def timed(fn, device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t
 
 
 def self_device_us(e) -> float:  # the attribute's name changed across torch versions
@@ -59,12 +49,11 @@ def main():
 
     def call(sync_every: int, temperature: float):
         sampler = Sampler(model, max_batch=B, max_seq_len=args.prompt + new, sync_every=sync_every)
-        params = SamplingParams(temperature=temperature, max_tokens=new, stop_token_ids=[])
-        prefill = SamplingParams(temperature=temperature, max_tokens=1, stop_token_ids=[])
-        sampler.generate(prompts[:8], SamplingParams(temperature=temperature, max_tokens=4, stop_token_ids=[]))
-        t_prefill = timed(lambda: sampler.generate(prompts, prefill), device)
-        t_all = timed(lambda: sampler.generate(prompts, params), device)
-        return sampler, params, t_prefill, t_all
+        params = lambda k: SamplingParams(temperature=temperature, max_tokens=k, stop_token_ids=[])  # noqa: E731
+        sampler.generate(prompts[:8], params(4))  # warm-up
+        t_prefill = timed(lambda: sampler.generate(prompts, params(1)), device)
+        t_all = timed(lambda: sampler.generate(prompts, params(new)), device)
+        return sampler, params(new), t_prefill, t_all
 
     rows = []
     for sync_every, temperature in ((8, 1.0), (32, 1.0), (8, 0.0)):

@@ -393,14 +393,18 @@ def parts_of(device, backend: str, sizes: dict, perturb: bool) -> list[tuple]:
     return parts
 
 
+def raised(name: str, a: tuple, note: str) -> list[dict]:
+    """The one row of a part that did not finish; its model is its first argument when that names one."""
+    return [row(name, a[0] if isinstance(a[0], str) else "", "raised", None, status="error", note=note)]
+
+
 def run_part(name: str, fn, a: tuple, device) -> list[dict]:
     t = time.perf_counter()
     try:
         out = fn(*a)
     except Exception as e:  # reported, and fails the run; the other parts still run
         traceback.print_exc()
-        out = [row(name, a[0] if isinstance(a[0], str) else "", "raised", None, status="error",
-                   note=f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")]
+        out = raised(name, a, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -412,19 +416,16 @@ def isolated(args, parts: list[tuple], device) -> list[dict]:
     error that poisons the CUDA context then costs one part, not the rest of the run."""
     rows = []
     for i, (name, _, a) in enumerate(parts):
-        label = a[0] if isinstance(a[0], str) else ""
         tmp = Path(f"{args.out}.part{i}")
         cmd = [sys.executable, __file__, "--part", str(i), "--out", str(tmp)]
         cmd += ["--dry-run"] * args.dry_run + ["--perturb"] * args.perturb
-        print(f"== part {i}: {name} {label}", flush=True)
+        print(f"== part {i}: {name} {a[0] if isinstance(a[0], str) else ''}", flush=True)
         t = time.perf_counter()
         try:
             rc = subprocess.run(cmd, timeout=args.part_timeout).returncode
-            out = json.loads(tmp.read_text()) if tmp.exists() else [
-                row(name, label, "raised", None, status="error", note=f"the part's process exited {rc}")]
+            out = json.loads(tmp.read_text()) if tmp.exists() else raised(name, a, f"the part's process exited {rc}")
         except subprocess.TimeoutExpired:
-            out = [row(name, label, "raised", None, status="error",
-                       note=f"timed out after {args.part_timeout} s")]
+            out = raised(name, a, f"timed out after {args.part_timeout} s")
         tmp.unlink(missing_ok=True)
         rows += [dict(r, seconds=r.get("seconds", round(time.perf_counter() - t, 1))) for r in out]
         report(args, rows, device, partial=True)  # a run killed from outside keeps what it measured
