@@ -25,9 +25,12 @@ the trajectory text itself; this runs in the trainer's process, with no CPU or m
 Rewards (weights in DEFAULT_WEIGHTS): `correct` (the final answer matches), `tool_use`
 (at least one tool call and none failed), `format` (the final turn ends on an Answer
 line), and an optional `judge` from an OpenAI-compatible LLM endpoint, off by default.
+`CalculatorEnv(structure=True)` adds `structure`: partial credit for a last call that computes
+some of the question's sub-results (structure_credit), for questions that carry an expression.
 """
 
 import re
+from collections import Counter
 from decimal import Decimal, localcontext
 from fractions import Fraction
 
@@ -115,9 +118,10 @@ def _bounded(x: Fraction) -> Fraction:
     return x
 
 
-def _eval_node(node, depth: int, count: list) -> Fraction:
+def _eval_node(node, depth: int, count: list, steps: list | None = None) -> Fraction:
     """Evaluate a yaml.compose node tree. The count is shared by the whole walk, so even
-    a node reached twice (an alias, were _Loader to let one through) counts twice."""
+    a node reached twice (an alias, were _Loader to let one through) counts twice. `steps`,
+    if given, collects every intermediate result: one per operand after the first."""
     count[0] += 1
     if count[0] > MAX_NODES:
         raise ToolError(f"expression too big (more than {MAX_NODES} numbers and operations)")
@@ -146,7 +150,7 @@ def _eval_node(node, depth: int, count: list) -> Fraction:
         raise ToolError(f"'operands' of {op} must be a list")
     if len(operands.value) < 2:
         raise ToolError(f"{op} needs at least 2 operands, got {len(operands.value)}")
-    values = [_eval_node(child, depth + 1, count) for child in operands.value]
+    values = [_eval_node(child, depth + 1, count, steps) for child in operands.value]
     result = values[0]
     for v in values[1:]:  # left to right: a - b - c, a / b / c
         if op == "add":
@@ -160,6 +164,8 @@ def _eval_node(node, depth: int, count: list) -> Fraction:
         else:
             result /= v
         result = _bounded(result)
+        if steps is not None:
+            steps.append(result)
     return result
 
 
@@ -192,8 +198,9 @@ class _Loader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
-def calculate(yaml_text: str) -> Fraction:
-    """The exact value of one tool call's YAML; ToolError says what is wrong."""
+def calculate(yaml_text: str, steps: list | None = None) -> Fraction:
+    """The exact value of one tool call's YAML; ToolError says what is wrong. `steps`, if
+    given, receives every intermediate result (add: [a, b, c] gives a + b, then a + b + c)."""
     text = yaml_text.strip()
     text = re.sub(r"^```\w*\n|\n?```$", "", text)  # tolerate a markdown fence in the block
     if len(text) > MAX_CHARS:
@@ -208,7 +215,7 @@ def calculate(yaml_text: str) -> Fraction:
         raise ToolError(f"invalid YAML ({getattr(e, 'problem', None) or type(e).__name__})") from None
     if root is None:
         raise ToolError("empty calculator block")
-    return _eval_node(root, 0, [0])
+    return _eval_node(root, 0, [0], steps)
 
 
 def last_block(text: str) -> str | None:
@@ -356,6 +363,39 @@ def is_close(pred: float | None, target: float, rel_tol: float = 1e-6, abs_tol: 
     return pred is not None and abs(pred - target) <= max(rel_tol * abs(target), abs_tol)
 
 
+def gold_steps(tree) -> list[Fraction]:
+    """The value of every operation of an expression tree, innermost first."""
+    if isinstance(tree, str):
+        return []
+    return gold_steps(tree[1]) + gold_steps(tree[2]) + [evaluate(tree)]
+
+
+def structure_credit(example: dict, trajectory) -> float:
+    """Partial credit for the last tool call's shape: how many of the expression's sub-results
+    it computes, over the larger of its own number of steps and the expression's, so a call that
+    computes every sub-result and nothing else scores 1 and piling up extra steps does not pay.
+    Values, not text: 12 + 3 matches 3 + 12, 12 - 3 does not match 3 - 12, and add: [a, b, c]
+    computes a + b and a + b + c. A flat call of the first two numbers of a nested question
+    scores 0 unless they happen to form a sub-result; one that errs scores 0. Where `correct` is
+    0 for every sample of a question (most nested ones, for a small model), this term still
+    tells a call that got the inner steps right from one that did not."""
+    if "expression" not in example:
+        return 0.0
+    calls = [block for block in map(last_block, trajectory.turns) if block is not None]
+    if not calls:
+        return 0.0
+    steps = []
+    try:
+        calculate(calls[-1], steps)
+    except Exception:  # ToolError or the parser's own: an error scores 0, never raises
+        return 0.0
+    gold = gold_steps(parse_expression(example["expression"]))
+    if not gold:
+        return 0.0
+    matched = sum((Counter(gold) & Counter(steps)).values())
+    return matched / max(len(gold), len(steps))
+
+
 # ----------------------------------------------------------------------------
 # optional LLM judge (grpo.envs.judge), with a rubric for this env
 
@@ -381,8 +421,8 @@ class CalculatorEnv:
 
     def __init__(self, rel_tol: float = 1e-6, judge_base_url: str | None = None,
                  judge_model: str | None = None, judge_api_key: str | None = None,
-                 judge_timeout: float = 30.0, system_prompt: str = SYSTEM_PROMPT):
-        self.rel_tol, self.system_prompt = rel_tol, system_prompt
+                 judge_timeout: float = 30.0, system_prompt: str = SYSTEM_PROMPT, structure: bool = False):
+        self.rel_tol, self.system_prompt, self.structure = rel_tol, system_prompt, structure
         self.judge_base_url, self.judge_model = judge_base_url, judge_model
         self.judge_api_key, self.judge_timeout = judge_api_key, judge_timeout
 
@@ -411,6 +451,8 @@ class CalculatorEnv:
             "format": float(bool(lines) and "<calculator>" not in last and
                             _FORMAT_LINE.fullmatch(lines[-1].strip()) is not None),
         }
+        if self.structure:
+            rewards["structure"] = structure_credit(example, trajectory)
         if self.judge_base_url:
             rewards["judge"] = judge_score(example["question"], example["answer"], trajectory.text,
                                            self.judge_base_url, self.judge_model, self.judge_api_key,

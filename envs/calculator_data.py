@@ -151,12 +151,12 @@ def generate_questions(n: int, seed: int = 0, split: str = "train", phrasing: st
                        min_ops: int = 1, max_ops: int | None = None) -> list[dict]:
     """n distinct questions {question, expression, answer, ops, family, phrasing}, deterministic
     in (n, seed, split, phrasing, min_ops, max_ops). `split` picks the expressions (a hash of the expression:
-    the two splits never share one); `phrasing` the wording, "train" or "heldout"
-    (grpo.envs.calculator_phrasing: the two books share no template). `min_ops` drops smaller
+    the two splits never share one); `phrasing` the wording, "train", "heldout" or "rl"
+    (grpo.envs.calculator_phrasing: the books share no template). `min_ops` drops smaller
     trees (the eval's one-operation questions can be 1-in-12 at most otherwise), `max_ops` larger
     ones."""
     assert split in ("train", "eval"), f"{split=}"
-    assert phrasing in ("train", "heldout"), f"{phrasing=}"
+    assert phrasing in ("train", "heldout", "rl"), f"{phrasing=}"
     suffix = "" if phrasing == "train" else f"-{phrasing}"
     rng = random.Random(f"calculator-{split}-{seed}{suffix}")  # str seeds hash the same in every process
     sizes, weights = list(OPS_WEIGHTS), list(OPS_WEIGHTS.values())

@@ -2,9 +2,10 @@
 
 A model trained on one generator's templates can learn the templates instead of the task:
 measured on questions people wrote (other verbs, word orders and sentence forms), the CPU
-recipe's GRPO gain over its warm-start vanished. So the words come in two books that share
-no template: TRAIN words every training question, HELDOUT only eval questions, and an eval on
-HELDOUT measures the calculator skill on phrasings the model never saw.
+recipe's GRPO gain over its warm-start vanished. So the words come in books that share no
+template: TRAIN words the warm-start's questions, HELDOUT only eval questions, and an eval on
+HELDOUT measures the calculator skill on phrasings the model never saw. RL, a third, words
+questions that only GRPO sees.
 
 Each book has families, the shape of the sentence:
 - noun     a question about a noun phrase: "What is the product of 12 and the sum of 3 and 4?"
@@ -89,7 +90,42 @@ HELDOUT = {
     "symbols": {"*": "×", "/": "÷"},
 }
 
-BOOKS = {"train": TRAIN, "heldout": HELDOUT}
+# A third book, for the GRPO phase only: the warm-start never reads it and the eval never uses it,
+# so GRPO meets wordings the warm-start did not drill, as it would meet people's questions. It
+# shares no template and no distinctive wording with either book (tests/test_calculator.py).
+RL = {
+    "prefix": {
+        "add": ["the addition of {a} and {b}", "the amount from combining {a} with {b}"],
+        "subtract": ["the subtraction of {b} from {a}", "what is left when {b} is removed from {a}"],
+        "multiply": ["the multiplication of {a} by {b}", "the number of items in {a} groups of {b}"],
+        "divide": ["the division of {a} by {b}", "the size of each piece when {a} is cut into {b} pieces"],
+    },
+    "infix": {
+        "add": ["{a} together with {b}"],
+        "subtract": ["{a} take away {b}", "{a} with {b} removed"],
+        "multiply": ["{a} groups of {b}"],
+        "divide": ["{a} per {b}", "{a} cut into {b} pieces"],
+    },
+    "verb": {
+        "add": ["sum {a} and {b}", "combine {a} with {b}"],
+        "subtract": ["deduct {b} from {a}", "remove {b} from {a}"],
+        "multiply": ["multiply together {a} and {b}"],
+        "divide": ["share {a} among {b}", "cut {a} into {b} pieces"],
+    },
+    "step": {"add": "add on {b}", "subtract": "take off {b}", "multiply": "times it by {b}",
+             "divide": "share it among {b}"},
+    "then": " and next, ",
+    "ask_noun": ["Find the value of {p}.", "Show me {p}.", "How large is {p}?", "Report {p}.",
+                 "I'm looking for {p}.", "Do you know {p}?"],
+    "ask_verb": ["I want you to {v}.", "Would you {v} for me?", "Go ahead and {v}.",
+                 "What happens when you {v}?"],
+    "ask_steps": ["Your starting number is {base}. {Steps}. What number do you have now?",
+                  "Open with {base}, {steps}. Report the final number."],
+    "ask_symbols": ["Compute: {e}", "Give the value of {e}.", "{e} is how much?"],
+    "symbols": {"*": "x", "/": "/"},
+}
+
+BOOKS = {"train": TRAIN, "heldout": HELDOUT, "rl": RL}
 
 
 def templates(book: dict) -> set[str]:

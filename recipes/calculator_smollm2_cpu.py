@@ -44,6 +44,8 @@ from grpo.trainer import train
 # them learned flat calls with five operands that always parse and are wrong (run 2 in the
 # README: greedy accuracy 0.405 -> 0.210). Both terms are still logged.
 REWARD_WEIGHTS = {"correct": 1.0, "tool_use": 0.0, "format": 0.0}
+# `structure` (partial credit for a call that computes some of the question's sub-results; see
+# grpo.envs.calculator.structure_credit) is weighed by the config's structure_weight.
 
 
 @dataclass
@@ -55,6 +57,8 @@ class CalculatorCPU(Config):
     max_ops: int = 4                  # GRPO's and the eval's questions: 1 to max_ops operations (the
                                       # warm-start's go to 6); 5 and 6 scored 0.00 before and after GRPO
     grpo_min_ops: int = 1             # GRPO's smallest questions (2 leaves out the one-operation ones)
+    grpo_phrasing: str = "train"      # GRPO's wording: the warm-start's book, or "rl", a third one only GRPO reads
+    structure_weight: float = 0.5     # reward for the last call's share of the right sub-results (0: off)
     # warm-start: gold tool-call episodes, a fifth of them opening with a mistake and its correction
     sft_steps: int = 30
     sft_batch: int = 8
@@ -73,6 +77,7 @@ class CalculatorCPU(Config):
     num_iterations: int = 1
     max_grad_norm: float = 1.0
     loss_type: str = "dr_grpo"
+    mask_truncated_completions: bool = True  # a cut answer is long, nested and wrong: its loss taught "do not nest"
     max_prompt_length: int = 512
     max_completion_length: int = 224     # gold answers to the eval questions take up to 188 tokens (160 cut 18% of them)
     max_turns: int = 3                # a tool call and the answer take 2; room for one correction
@@ -93,7 +98,8 @@ class CalculatorCPU(Config):
 
 def eval_setup(cfg: CalculatorCPU) -> tuple:
     """The env and the held-out questions of every eval (also `python -m grpo.eval --run`)."""
-    env = CalculatorEnv(system_prompt=SHORT_SYSTEM_PROMPT)  # 51 tokens, not 246: every forward is cheaper
+    # 51-token system prompt, not 246: every forward is cheaper; the eval scores `correct` only
+    env = CalculatorEnv(system_prompt=SHORT_SYSTEM_PROMPT, structure=cfg.structure_weight > 0)
     return env, generate_questions(cfg.eval_limit, seed=cfg.seed + 1, split="eval", phrasing="heldout",
                                    max_ops=cfg.max_ops)
 
@@ -124,17 +130,21 @@ def main():
         cfg.prompts_per_step, cfg.num_generations, cfg.eval_limit, cfg.max_completion_length = 2, 4, 8, 96
         cfg.eval_before_limit = 4
         cfg.output_dir = cfg.output_dir.rstrip("/") + "_smoke"
+    if cfg.grpo_phrasing not in ("train", "rl"):
+        raise SystemExit(f"error: --grpo_phrasing={cfg.grpo_phrasing!r}, expected train or rl")
     cfg.model_path = cfg.model_path or local_path()
     env, eval_qs = eval_setup(cfg)
     sft_qs = generate_questions(cfg.train_questions, seed=cfg.seed, split="train")  # 1 to 6 operations
-    train_qs = [q for q in sft_qs if cfg.grpo_min_ops <= q["ops"] <= cfg.max_ops]
+    train_qs = generate_questions(cfg.train_questions, seed=cfg.seed, split="train", phrasing=cfg.grpo_phrasing,
+                                  min_ops=cfg.grpo_min_ops, max_ops=cfg.max_ops)
     sft_qs = with_mistakes(sft_qs, cfg.mistake_fraction, cfg.seed)
     print(f"plan: warm-start {cfg.sft_steps} steps x {cfg.sft_batch} | GRPO up to {cfg.max_steps} steps "
           f"x {cfg.prompts_per_step} prompts x G={cfg.num_generations}, budget {cfg.time_budget_min or 'none'} min | "
           f"eval {len(eval_qs)} held-out questions in unseen phrasings, greedy and {cfg.eval_n} samples | "
           f"output {cfg.output_dir}")
     t0 = time.time()
-    results = train(cfg, env, train_qs, eval_qs, reward_weights=REWARD_WEIGHTS, sft_examples=sft_qs)
+    weights = {**REWARD_WEIGHTS, "structure": cfg.structure_weight}
+    results = train(cfg, env, train_qs, eval_qs, reward_weights=weights, sft_examples=sft_qs)
     minutes = (time.time() - t0) / 60
     print(f"\n{len(eval_qs)} held-out questions, phrased unlike any training question; "
           f"{minutes:.1f} min in all")

@@ -14,7 +14,7 @@ import pytest
 from grpo.envs.calculator import (
     DEFAULT_WEIGHTS, CalculatorEnv, evaluate, final_answer, generate_questions, gold_call,
     gold_messages, judge_score, judge_scores, load_questions, parse_expression, parse_number,
-    run_tool, split_of,
+    run_tool, split_of, structure_credit,
 )
 
 
@@ -132,6 +132,33 @@ def test_reward_tool_use_and_near_zero():
     assert final_answer(traj("Answer: 7\nActually, Answer: 8")) == 8
 
 
+@pytest.mark.parametrize("yaml_text, credit", [
+    ("operation: multiply\noperands:\n  - operation: add\n    operands: [4, 3]\n  - 12.5", 1.0),  # gold
+    ("operation: multiply\noperands:\n  - 12.5\n  - operation: add\n    operands: [3, 4]", 1.0),  # commuted
+    ("operation: add\noperands: [3, 4]", 0.5),                   # the inner step only
+    ("operation: multiply\noperands: [3, 12.5]", 0.0),           # flat, wrong operands
+    ("operation: subtract\noperands: [4, -3]", 0.5),             # 4 - -3 = 7: values, not text
+    ("operation: add\noperands: [3, 4, 0, 0, 0]", 0.25),         # 7 four times: one match over 4 steps
+    ("operation: add\noperands: [3]", 0.0),                      # an error scores 0
+])
+def test_structure_credit(yaml_text, credit):
+    example = {"expression": "(3 + 4) * 12.5", "question": "q", "answer": "87.5"}
+    assert structure_credit(example, traj(f"<calculator>\n{yaml_text}\n</calculator>", "Answer: 1")) == credit
+
+
+def test_structure_credit_last_call_and_env_switch():
+    example = {"expression": "1 - 2 / 5", "question": "q", "answer": "0.6"}
+    right, flat = gold_call(example), "<calculator>\noperation: subtract\noperands: [1, 2]\n</calculator>"
+    assert structure_credit(example, traj(right, "Answer: 0.6")) == 1.0
+    assert structure_credit(example, traj(right, flat, "Answer: -1")) == 0.0  # the last call counts
+    assert structure_credit(example, traj(flat, right, "Answer: 0.6")) == 1.0
+    assert structure_credit(example, traj("Answer: 0.6")) == 0.0  # no call
+    assert structure_credit({"question": "q", "answer": 0.6}, traj(right)) == 0.0  # no expression
+    assert "structure" not in CalculatorEnv().reward(example, traj(right, "Answer: 0.6"))  # off by default
+    r = CalculatorEnv(structure=True).reward(example, traj(flat, "Answer: -1"))
+    assert r["structure"] == 0.0 and r["correct"] == 0.0
+
+
 def test_env_step_and_prompt():
     env = CalculatorEnv()
     assert env.stop_strings == ["</calculator>"] and env.observation_role == "user" and env.max_turns >= 2
@@ -221,11 +248,11 @@ def test_generator_deterministic_and_exact():
 
 
 def test_heldout_phrasings_unseen_in_training():
-    """The held-out book shares no template with the training one, and no held-out wording
-    (a template's fixed words) shows up in a training question, nor the reverse; each question
+    """The three books (warm-start, GRPO, held-out) share no template, and no book's own wording
+    (a template's fixed words) shows up in another book's question; each question
     holds exactly its expression's numbers; every family of both books is drawn."""
-    from grpo.envs.calculator_phrasing import HELDOUT, TRAIN, templates
-    assert not templates(TRAIN) & templates(HELDOUT)
+    from grpo.envs.calculator_phrasing import HELDOUT, RL, TRAIN, templates
+    assert not templates(TRAIN) & templates(HELDOUT) and not templates(RL) & (templates(TRAIN) | templates(HELDOUT))
 
     def fragments(book):  # the fixed words between placeholders, long enough to be distinctive
         parts = set()
@@ -233,14 +260,17 @@ def test_heldout_phrasings_unseen_in_training():
             parts.update(f.strip(" .,;?:") for f in re.split(r"\{\w+\}", t))
         return {f for f in parts if len(f) >= 9}
 
-    only_train, only_held = fragments(TRAIN) - fragments(HELDOUT), fragments(HELDOUT) - fragments(TRAIN)
-    train = generate_questions(2000, seed=0)
-    held = generate_questions(600, seed=1, split="eval", phrasing="heldout")
-    for qs, foreign in ((train, only_held), (held, only_train)):
+    books = {"train": TRAIN, "heldout": HELDOUT, "rl": RL}
+    questions = {"train": generate_questions(2000, seed=0), "rl": generate_questions(600, seed=0, phrasing="rl"),
+                 "heldout": generate_questions(600, seed=1, split="eval", phrasing="heldout")}
+    for name, qs in questions.items():  # no question holds another book's own wording
+        foreign = set().union(*(fragments(b) for n, b in books.items() if n != name)) - fragments(books[name])
         for q in qs:
             hits = [f for f in foreign if f.lower() in q["question"].lower()]
-            assert not hits, (q["question"], hits)
-    for q in train[:300] + held[:300]:
+            assert not hits, (name, q["question"], hits)
+    train, held = questions["train"], questions["heldout"]
+    assert {q["family"] for q in questions["rl"]} == {"noun", "verb", "steps", "symbols"}
+    for q in train[:300] + held[:300] + questions["rl"][:300]:
         numbers = sorted(re.findall(r"[0-9]+(?:\.[0-9]+)?", q["question"]))
         assert numbers == sorted(re.findall(r"[0-9]+(?:\.[0-9]+)?", q["expression"])), q
     assert {q["family"] for q in train} == {"noun", "verb", "steps", "symbols"}
