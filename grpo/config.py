@@ -98,7 +98,7 @@ class Config:
     save_total_limit: int = 2         # checkpoints kept
     resume: bool = False              # continue from the newest complete checkpoint
     export: bool = True               # Hugging Face export at the end
-    time_budget_min: float = 0.0      # stop RL after this many minutes; 0 = no limit
+    time_budget_min: float = 0.0      # stop RL before a step that would end past this many minutes; 0 = no limit
     dist_timeout_min: float = 60.0    # how long a collective waits for the slowest rank (a long rollout)
 
     def check(self):

@@ -10,9 +10,11 @@ produces the tool format. So the run has three phases:
    exact token layout that rollouts produce, packed without padding; some open with a mistaken
    call and its error (context, not trained on) before the correction;
 2. GRPO with the multi-turn sampler: G completions per question of 1 to 4 operations, the
-   calculator answering each <calculator> call in place, reward = the correct answer
-   (REWARD_WEIGHTS says why not the format terms); groups all right or all wrong are left
-   out of the update;
+   calculator answering each <calculator> call in place, reward = the correct answer plus half
+   the share of the question's sub-results that the last call computes (`structure`: most groups
+   of nested questions are all wrong, and it still ranks their calls; REWARD_WEIGHTS says why not
+   the format terms); groups whose rewards are all equal are left out of the update, and so are
+   answers cut at the token limit;
 3. the table: accuracy after each phase, greedy and sampled (1 sample at the training
    temperature), with 95% intervals, the GRPO gain over the warm-start with a paired 95%
    interval, and accuracy by operation count and phrasing family.
@@ -38,14 +40,15 @@ from grpo.smollm2 import local_path
 from grpo.trainer import train
 
 
-# Correctness only. The env's shaping terms (tool_use 0.2: a call that parses; format 0.1)
+# Correctness, and the structure of the last call. The env's shaping terms (tool_use 0.2: a call that parses; format 0.1)
 # teach the format to a cold model, but after the warm-start both are ~1 already, and within
 # an all-wrong group they pay a wrong call that parses over a nested call that errs: a run with
 # them learned flat calls with five operands that always parse and are wrong (run 2 in the
-# README: greedy accuracy 0.405 -> 0.210). Both terms are still logged.
+# README: greedy accuracy 0.405 -> 0.210). Both terms are still logged. `structure` (partial
+# credit for a call that computes some of the question's sub-results, by value: see
+# grpo.envs.calculator.structure_credit) does not pay a flat call that parses, and is weighed by
+# the config's structure_weight.
 REWARD_WEIGHTS = {"correct": 1.0, "tool_use": 0.0, "format": 0.0}
-# `structure` (partial credit for a call that computes some of the question's sub-results; see
-# grpo.envs.calculator.structure_credit) is weighed by the config's structure_weight.
 
 
 @dataclass
