@@ -99,6 +99,7 @@ class Config:
     resume: bool = False              # continue from the newest complete checkpoint
     export: bool = True               # Hugging Face export at the end
     time_budget_min: float = 0.0      # stop RL before a step that would end past this many minutes; 0 = no limit
+    run_budget_min: float = 0.0       # ...or past what leaves the run (this process), its last eval included, within this; 0 = none
     dist_timeout_min: float = 60.0    # how long a collective waits for the slowest rank (a long rollout)
 
     def check(self):
@@ -137,8 +138,8 @@ class Config:
         need(self.eval_n >= 1 and min(self.eval_limit, self.eval_before_limit, self.eval_temperature) >= 0,
              "eval_n >= 1, eval_limit >= 0, eval_before_limit >= 0, eval_temperature >= 0")
         need(min(self.sft_steps, self.sft_batch - 1, self.save_steps, self.eval_steps, self.warmup_steps,
-                 self.log_completions_steps, self.max_refills, self.time_budget_min) >= 0,
-             "step counts, sft_batch, max_refills and time_budget_min must not be negative")
+                 self.log_completions_steps, self.max_refills, self.time_budget_min, self.run_budget_min) >= 0,
+             "step counts, sft_batch, max_refills and the time budgets must not be negative")
         return self
 
 

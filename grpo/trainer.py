@@ -222,17 +222,27 @@ def evaluate_on_ranks(model, tokenizer, env, examples: list, cfg: Config, greedy
     return summarize(records, settings["n"]) | {"records": records}
 
 
-def stop_reason(ckpt: Checkpointer, cfg: Config, t_start: float, steps_run: int) -> str | None:
+def rl_budget(cfg: Config, run_seconds: float, last_eval_seconds: float) -> float | None:
+    """Seconds RL may take, the same on every rank (the smallest): time_budget_min, and what
+    run_budget_min leaves after the `run_seconds` already spent and a last eval as long as the
+    previous one (`last_eval_seconds`). None: no limit."""
+    limits = [60 * cfg.time_budget_min] if cfg.time_budget_min else []
+    if cfg.run_budget_min:
+        limits.append(60 * cfg.run_budget_min - run_seconds - last_eval_seconds)
+    return -dist.all_max_floats([-min(limits)])[0] if limits else None
+
+
+def stop_reason(ckpt: Checkpointer, budget_s: float | None, t_start: float, steps_run: int) -> str | None:
     """Why RL stops after this step, the same on every rank: SIGTERM on any rank, or the time
     budget by the slowest clock (each rank's own clock would let ranks leave at different steps,
     and the next collective would hang). The budget stops RL before a step that would end past
     it, judged by the mean of the `steps_run` steps so far: stopping only once it was spent ran
-    the CPU recipe's 6-minute budget to 6.8 minutes."""
+    the CPU recipe past its 6-minute budget by most of a step, its run to 20.7 minutes."""
     sigterm, elapsed = dist.all_max_floats([float(ckpt.stop_requested), time.time() - t_start])
     if sigterm:
         return "sigterm"
     next_end = elapsed * (steps_run + 1) / max(steps_run, 1)
-    return "budget" if cfg.time_budget_min and next_end > 60 * cfg.time_budget_min else None
+    return "budget" if budget_s is not None and next_end > budget_s else None
 
 
 # ----------------------------------------------------------------------------- warm-start
@@ -274,6 +284,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
     `credit(trajs, advantages, step) -> advantages`: per-token credit on top of the outcome
     advantages ((N,) in, (N,) or (N, C) out), e.g. grpo.process.ProcessCredit."""
     # ---- 1. setup: checks, the run folder (never another run's), models, optimizer, sampler, logs
+    t_run, eval_seconds = time.time(), [0.0]  # eval_seconds: the last eval phase's, for run_budget_min
     cfg.check()
     dist.init(cfg.dist_timeout_min)
     sft_examples = sft_examples or train_examples
@@ -293,6 +304,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
         # the untrained model's eval can be shorter: it scores ~0 and rambles to the token limit
         limit = (cfg.eval_before_limit or cfg.eval_limit) if phase == "before" else cfg.eval_limit
         protocols = [(phase, False)] + ([(f"{phase}_greedy", True)] if cfg.eval_greedy and cfg.eval_temperature else [])
+        t = time.time()
         for name, greedy in protocols:
             if not eval_examples or name in results:
                 continue
@@ -303,6 +315,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
             log({f"eval/{name}/mean": r["mean"], f"eval/{name}/pass": r["pass"]}, at_step)
             if logger:
                 logger.dump_jsonl(f"eval_{name}.jsonl", records)
+            eval_seconds[0] = time.time() - t
 
     def save(at_step: int):  # the data position is a function of (step, B, seed): saved to be checked
         data = {"next_prompt": at_step * B, "prompts_per_step": B, "seed": cfg.seed}
@@ -324,6 +337,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
     rollouts = functools.partial(sample, sampler, tokenizer, env, params,
                                  dict(enable_thinking=cfg.enable_thinking), reward_weights)
     opts, share, t_start, steps_done, stop = loss_options(cfg), B // world, time.time(), start, False
+    budget_s = rl_budget(cfg, t_start - t_run, eval_seconds[0])
     bar = tqdm(range(start, cfg.max_steps), desc="grpo", disable=not dist.is_main(), initial=start,
                total=cfg.max_steps)
     for step in bar:
@@ -364,13 +378,14 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
                 logger.rollouts(records, steps_done)
         if cfg.eval_steps and steps_done % cfg.eval_steps == 0 and steps_done < cfg.max_steps:
             run_eval(f"step{steps_done}", steps_done)
-        reason = stop_reason(ckpt, cfg, t_start, steps_done - start)
+        reason = stop_reason(ckpt, budget_s, t_start, steps_done - start)
         stop = reason == "sigterm"  # SIGTERM: save, then leave cleanly
         if stop or cfg.save_steps and steps_done % cfg.save_steps == 0:
             save(steps_done)
         if reason:
             dist.print0(f"SIGTERM: checkpoint written at step {steps_done}, exiting" if stop else
-                        f"time budget of {cfg.time_budget_min} min reached after {steps_done} steps")
+                        f"time budget ({budget_s / 60:.1f} min for RL): stopping after {steps_done} steps "
+                        f"(the next would end past it)")
             break
     bar.close()
     if not stop and cfg.save_steps and steps_done > start and steps_done % cfg.save_steps:

@@ -71,7 +71,8 @@ class CalculatorCPU(Config):
     # all right or all wrong (most 1-op and 6-op ones) are left out of the update (a refill pass
     # would double the sampling time of a step)
     max_steps: int = 60
-    time_budget_min: float = 6.0
+    run_budget_min: float = 19.5      # GRPO takes what is left of 19.5 minutes after the other phases and
+                                      # the last eval (as long as the warm-start's): 4-7 steps, by the machine
     prompts_per_step: int = 8
     num_generations: int = 6
     temperature: float = 1.0          # the warm-started model is sharp (entropy ~0.03/token): 0.9 left 5 groups in 8 flat
@@ -142,7 +143,8 @@ def main():
                                   min_ops=cfg.grpo_min_ops, max_ops=cfg.max_ops)
     sft_qs = with_mistakes(sft_qs, cfg.mistake_fraction, cfg.seed)
     print(f"plan: warm-start {cfg.sft_steps} steps x {cfg.sft_batch} | GRPO up to {cfg.max_steps} steps "
-          f"x {cfg.prompts_per_step} prompts x G={cfg.num_generations}, budget {cfg.time_budget_min or 'none'} min | "
+          f"x {cfg.prompts_per_step} prompts x G={cfg.num_generations}, budget {cfg.time_budget_min or 'none'} min, "
+          f"run {cfg.run_budget_min or 'none'} min | "
           f"eval {len(eval_qs)} held-out questions in unseen phrasings, greedy and {cfg.eval_n} samples | "
           f"output {cfg.output_dir}")
     t0 = time.time()

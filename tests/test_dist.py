@@ -306,7 +306,7 @@ def test_the_time_budget_is_one_clock(toy, tmp_path):
     collectives alone), after step 1, and both exit 0."""
     log = launch(2, tmp_path, timeout=120, model_path=toy, time_budget_min=10, fast_clock_rank=1,
                  eval_limit=0)
-    assert "time budget of 10.0 min reached after 1 steps" in log
+    assert "time budget (10.0 min for RL): stopping after 1 steps" in log
     assert [r["step"] for r in metrics(tmp_path) if "reward/mean" in r] == [1]
 
 
