@@ -40,14 +40,14 @@ from grpo.smollm2 import local_path
 from grpo.trainer import train
 
 
-# Correctness, and the structure of the last call. The env's shaping terms (tool_use 0.2: a call that parses; format 0.1)
-# teach the format to a cold model, but after the warm-start both are ~1 already, and within
-# an all-wrong group they pay a wrong call that parses over a nested call that errs: a run with
-# them learned flat calls with five operands that always parse and are wrong (run 2 in the
-# README: greedy accuracy 0.405 -> 0.210). Both terms are still logged. `structure` (partial
-# credit for a call that computes some of the question's sub-results, by value: see
-# grpo.envs.calculator.structure_credit) does not pay a flat call that parses, and is weighed by
-# the config's structure_weight.
+# Correctness, and the structure of the last call. The env's shaping terms (tool_use 0.2: a
+# call that parses; format 0.1) teach the format to a cold model, but after the warm-start both
+# are ~1 already, and within an all-wrong group they pay a wrong call that parses over a nested
+# call that errs: a run with them learned flat calls with five operands that always parse and
+# are wrong (run 2 in the README: greedy accuracy 0.405 -> 0.210). Both terms are still logged.
+# `structure` (grpo.envs.calculator.structure_credit: the share of the question's sub-results
+# the last call computes, by value) does not pay a flat call that parses; its weight is the
+# config's structure_weight.
 REWARD_WEIGHTS = {"correct": 1.0, "tool_use": 0.0, "format": 0.0}
 
 
@@ -143,8 +143,8 @@ def main():
                                   min_ops=cfg.grpo_min_ops, max_ops=cfg.max_ops)
     sft_qs = with_mistakes(sft_qs, cfg.mistake_fraction, cfg.seed)
     print(f"plan: warm-start {cfg.sft_steps} steps x {cfg.sft_batch} | GRPO up to {cfg.max_steps} steps "
-          f"x {cfg.prompts_per_step} prompts x G={cfg.num_generations}, budget {cfg.time_budget_min or 'none'} min, "
-          f"run {cfg.run_budget_min or 'none'} min | "
+          f"x {cfg.prompts_per_step} prompts x G={cfg.num_generations}, RL budget {cfg.time_budget_min or '-'} min, "
+          f"run budget {cfg.run_budget_min or '-'} min | "
           f"eval {len(eval_qs)} held-out questions in unseen phrasings, greedy and {cfg.eval_n} samples | "
           f"output {cfg.output_dir}")
     t0 = time.time()
