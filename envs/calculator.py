@@ -381,12 +381,12 @@ def structure_credit(example: dict, trajectory) -> float:
     tells a call that got the inner steps right from one that did not."""
     if "expression" not in example:
         return 0.0
-    calls = [block for block in map(last_block, trajectory.turns) if block is not None]
-    if not calls:
+    call = next((block for block in map(last_block, reversed(trajectory.turns)) if block is not None), None)
+    if call is None:
         return 0.0
     steps = []
     try:
-        calculate(calls[-1], steps)
+        calculate(call, steps)
     except Exception:  # ToolError or the parser's own: an error scores 0, never raises
         return 0.0
     gold = gold_steps(parse_expression(example["expression"]))

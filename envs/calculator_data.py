@@ -7,7 +7,7 @@ is binary here; the tool itself also accepts longer operand lists.
 Generated questions copy the shape of the reference run's data (shared/seeds/
 calculator_agent_qwen25.md): the four operations, 1 to 6 of them nested (mostly 2 to 5),
 numbers a person cannot multiply in their head, and many phrasings of the question
-(grpo.envs.calculator_phrasing: a training book and a held-out one).
+(grpo.envs.calculator_phrasing: a training book, a GRPO-only one and a held-out one).
 """
 
 import csv
@@ -18,7 +18,7 @@ import re
 from fractions import Fraction
 from pathlib import Path
 
-from grpo.envs.calculator_phrasing import question_text
+from grpo.envs.calculator_phrasing import BOOKS, question_text
 
 OPS = ("add", "subtract", "multiply", "divide")
 SYMBOL = {"add": "+", "subtract": "-", "multiply": "*", "divide": "/"}
@@ -156,7 +156,7 @@ def generate_questions(n: int, seed: int = 0, split: str = "train", phrasing: st
     trees (the eval's one-operation questions can be 1-in-12 at most otherwise), `max_ops` larger
     ones."""
     assert split in ("train", "eval"), f"{split=}"
-    assert phrasing in ("train", "heldout", "rl"), f"{phrasing=}"
+    assert phrasing in BOOKS, f"{phrasing=}"
     suffix = "" if phrasing == "train" else f"-{phrasing}"
     rng = random.Random(f"calculator-{split}-{seed}{suffix}")  # str seeds hash the same in every process
     sizes, weights = list(OPS_WEIGHTS), list(OPS_WEIGHTS.values())

@@ -284,7 +284,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
     `credit(trajs, advantages, step) -> advantages`: per-token credit on top of the outcome
     advantages ((N,) in, (N,) or (N, C) out), e.g. grpo.process.ProcessCredit."""
     # ---- 1. setup: checks, the run folder (never another run's), models, optimizer, sampler, logs
-    t_run, eval_seconds = time.time(), [0.0]  # eval_seconds: the last eval phase's, for run_budget_min
+    t_run, eval_seconds = time.time(), 0.0  # eval_seconds: the last eval phase's, for run_budget_min
     cfg.check()
     dist.init(cfg.dist_timeout_min)
     sft_examples = sft_examples or train_examples
@@ -301,6 +301,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
     B, G, world, rank = cfg.prompts_per_step, cfg.num_generations, dist.world_size(), dist.rank()
 
     def run_eval(phase: str, at_step: int):
+        nonlocal eval_seconds
         # the untrained model's eval can be shorter: it scores ~0 and rambles to the token limit
         limit = (cfg.eval_before_limit or cfg.eval_limit) if phase == "before" else cfg.eval_limit
         protocols = [(phase, False)] + ([(f"{phase}_greedy", True)] if cfg.eval_greedy and cfg.eval_temperature else [])
@@ -315,7 +316,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
             log({f"eval/{name}/mean": r["mean"], f"eval/{name}/pass": r["pass"]}, at_step)
             if logger:
                 logger.dump_jsonl(f"eval_{name}.jsonl", records)
-            eval_seconds[0] = time.time() - t
+            eval_seconds = time.time() - t
 
     def save(at_step: int):  # the data position is a function of (step, B, seed): saved to be checked
         data = {"next_prompt": at_step * B, "prompts_per_step": B, "seed": cfg.seed}
@@ -337,7 +338,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
     rollouts = functools.partial(sample, sampler, tokenizer, env, params,
                                  dict(enable_thinking=cfg.enable_thinking), reward_weights)
     opts, share, t_start, steps_done, stop = loss_options(cfg), B // world, time.time(), start, False
-    budget_s = rl_budget(cfg, t_start - t_run, eval_seconds[0])
+    budget_s = rl_budget(cfg, t_start - t_run, eval_seconds)
     bar = tqdm(range(start, cfg.max_steps), desc="grpo", disable=not dist.is_main(), initial=start,
                total=cfg.max_steps)
     for step in bar:
