@@ -167,7 +167,7 @@ class Sampler:
 
     # ------------------------------------------------------------------------- the loop
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: under it autocast does not cache its weight casts (see _run)
     def generate(self, prompts: list[list[int]], params: SamplingParams, tool=None,
                  prompt_ids: list[int] | None = None, progress: bool = False) -> list[Completion]:
         """n completions per prompt, in prompt order (prompt i's samples at i*n .. i*n+n-1).
@@ -175,7 +175,7 @@ class Sampler:
         when a row stops on a tool-call stop. `prompt_ids`: global prompt indices for seeding."""
         return self._run(self._start(prompts, params, tool, prompt_ids, progress))
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def continue_from(self, sequences: list[list[int]], cuts: list[list[int]], params: SamplingParams,
                       prompt_ids: list[int] | None = None, progress: bool = False) -> list[Completion]:
         """n continuations of every prefix sequences[i][:c], c in cuts[i], in that order (prefix j's
@@ -194,13 +194,21 @@ class Sampler:
         return self._run(self._start(prompts, params, None, prompt_ids, progress, docs))
 
     def _run(self, call: _Call) -> list[Completion]:
-        while call.waiting or call.live or call.pending:
-            self._admit(call)
-            self._resume(call)
-            if any(not s.in_tool for s in call.live.values()):
-                self._decode(call)
-            elif call.pending and not (call.waiting and self._free(call)):
-                cf.wait(list(call.pending), return_when=cf.FIRST_COMPLETED)
+        # A disabled autocast around the loop keeps torch's autocast cache alive between forwards:
+        # under the model's autocast_bf16 each weight is cast to bf16 once per call, not once per
+        # decode step (CPU, SmolLM2-135M, 48 rows: ~110 -> ~93 ms a step). The weights do not change
+        # during a call; the cache is dropped at its end, also when a caller's autocast encloses it.
+        try:
+            with torch.autocast(self.device.type, enabled=False):
+                while call.waiting or call.live or call.pending:
+                    self._admit(call)
+                    self._resume(call)
+                    if any(not s.in_tool for s in call.live.values()):
+                        self._decode(call)
+                    elif call.pending and not (call.waiting and self._free(call)):
+                        cf.wait(list(call.pending), return_when=cf.FIRST_COMPLETED)
+        finally:
+            torch.clear_autocast_cache()
         call.bar.close()
         return [c if type(c) is Completion else _public(c) for c in call.out]
 

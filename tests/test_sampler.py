@@ -395,3 +395,45 @@ def test_model_left_as_found(tiny_dir):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     Sampler(model).generate([[1, 2, 3]], SamplingParams(max_tokens=4, seed=0))
     assert model.training and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_autocast_casts_each_weight_once_per_call_and_never_a_stale_one(tiny_dir):
+    """Under autocast_bf16 a call casts each block weight to bf16 once, not once per forward (the
+    autocast cache, kept alive for the call); after the weights change in place the next call
+    sees the new ones, also inside a caller's autocast, where torch would keep the cache."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountWeightCasts(TorchDispatchMode):
+        def __init__(self, params):
+            super().__init__()
+            self.ptrs, self.casts = {p.data_ptr() for p in params}, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.ptrs:
+                self.casts += 1
+            return func(*args, **(kwargs or {}))
+
+    path, _ = tiny_dir("llama", vocab_size=1000)
+    model = Transformer.from_pretrained(path)
+    model.autocast_bf16 = True
+    weights = [p for blk in model.layers for n, p in blk.named_parameters() if p.dim() == 2]
+    p = SamplingParams(n=2, temperature=0, max_tokens=12, stop_token_ids=[])
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    forwards = []
+    hook = model.register_forward_hook(lambda *a: forwards.append(1))
+    counter = CountWeightCasts(weights)
+    with counter:
+        first = Sampler(model).generate(prompts, p)
+    hook.remove()
+    assert len(forwards) > 5 and counter.casts == len(weights)
+    with torch.autocast("cpu", enabled=False):  # a caller's autocast: torch would keep the cache on exit
+        Sampler(model).generate(prompts, p)
+        with torch.no_grad():
+            for w in weights:
+                w.mul_(-1.5)
+        second = Sampler(model).generate(prompts, p)
+    fresh = Transformer.from_pretrained(path)
+    fresh.load_state_dict(model.state_dict())
+    fresh.autocast_bf16 = True
+    assert [c.token_ids for c in second] == [c.token_ids for c in Sampler(fresh).generate(prompts, p)]
+    assert [c.token_ids for c in second] != [c.token_ids for c in first]
