@@ -274,22 +274,25 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, *, labels: Tensor | None = None,
                 temperature: float = 1.0, cache=None, output_index: Tensor | None = None,
-                return_entropy: bool = False):
+                return_entropy: bool = False, attn_mask: Tensor | None = None):
         """input_ids (B, T) -> logits (B, T, V), or (B, K, V) at `output_index` (B, K).
 
         With `labels` (B, T), the token to score at each position (already shifted; -100 = ignore):
         returns log-probs (B, T) fp32 under softmax(logits / temperature), and the entropy too
         if `return_entropy`. Packed rows: positions that do not count on by one start a new
-        document, which attends only to itself. `cache`: the sampler's KV-cache object."""
+        document, which attends only to itself. `cache`: the sampler's KV-cache object. `attn_mask`
+        (B, 1, T, T) bool, True = may attend: replaces both (the update's shared-prompt rows)."""
         B, T = input_ids.shape
         x = self.embed_tokens(input_ids)  # (B, T, H)
         # packed documents (position ids given, no history to attend to: a packed training batch
         # or the sampler's packed prefill) take flash-attn or SDPA per document, never a (T x T) mask
         fresh = cache is None or getattr(cache, "read", ()) is None
-        varlen = self._varlen(position_ids) if position_ids is not None and fresh else None
+        varlen = self._varlen(position_ids) if position_ids is not None and fresh and attn_mask is None else None
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-            mask = None  # plain causal
+            mask = attn_mask  # None: plain causal
+        elif attn_mask is not None:
+            mask = attn_mask
         else:  # a cache over history replaces it with its own; varlen needs none
             mask = doc_mask(position_ids) if varlen is None else None
         freqs = position_ids[:, None, :, None].float() * self.inv_freq  # (B, 1, T, D/2) fp32

@@ -8,6 +8,8 @@
    micro-batch and every rank, so accumulation and world size never change the gradient.
 4. A sequence whose advantages are all zero has zero loss and zero gradient (without a KL
    term, and not under BNPO): it is left out of the forward and backward, and still counted.
+5. share_prompt: the sequences of one prompt share one row, the prompt computed once (a tree
+   mask); their log-probs are gathered back into the per-sequence layout the loss reads.
 """
 import math
 
@@ -64,6 +66,68 @@ def pack(trajs: list, device) -> dict:
     return dict(input_ids=cat("input_ids"), position_ids=positions, labels=cat("labels"), loss_mask=cat("loss_mask"))
 
 
+def prompt_rows(trajs: list, keep: list[int], budget: int) -> list[tuple[list[int], int]]:
+    """share_prompt: the kept sequences grouped by prompt into rows of (indices, tokens), each at
+    most `budget` tokens: the prompt once without its last token, then for each sequence that
+    token again and the completion. The last prompt token's output predicts a different first
+    token for each completion, so each completion needs its own copy of it."""
+    rows, open_rows = [], {}
+    for i in keep:
+        prompt, need = tuple(trajs[i].prompt_ids), len(trajs[i].completion_ids) + 1
+        row = open_rows.get(prompt)
+        if row is None or row[1] + need > budget:
+            row = open_rows[prompt] = [[], len(prompt) - 1]
+            rows.append(row)
+        row[0].append(i)
+        row[1] += need
+    return [(idx, n) for idx, n in rows]
+
+
+def shared_prompt_batch(rows: list[list], device) -> dict:
+    """Rows of one prompt's sequences (prompt_rows) -> (R, L) input_ids, position_ids, labels, an
+    (R, 1, L, L) mask in which each completion attends to the prompt and to itself only, and
+    `index` (N, T): where each of collate's (N, T) positions of these N sequences, in row order,
+    lies in the flattened (R * L) rows (R * L, one past the end, where none: it reads a zero).
+    A group of G sequences computes its prompt once instead of G times."""
+    R, N = len(rows), sum(len(r) for r in rows)
+    L = max(len(r[0].prompt_ids) - 1 + sum(len(t.completion_ids) + 1 for t in r) for r in rows)
+    T = max(len(t.prompt_ids) + len(t.completion_ids) for r in rows for t in r)
+    input_ids, position_ids = torch.zeros(R, L, dtype=torch.long), torch.zeros(R, L, dtype=torch.long)
+    labels, segment = torch.full((R, L), -100, dtype=torch.long), torch.full((R, L), -1, dtype=torch.long)
+    index, n = torch.full((N, T), R * L, dtype=torch.long), 0
+    for r, row in enumerate(rows):
+        prompt = row[0].prompt_ids
+        P, s = len(prompt), len(prompt) - 1
+        input_ids[r, :s], position_ids[r, :s], segment[r, :s] = torch.tensor(prompt[:-1]), torch.arange(s), 0
+        for k, t in enumerate(row, 1):
+            C = len(t.completion_ids)
+            input_ids[r, s:s + C + 1] = torch.tensor(prompt[-1:] + t.completion_ids)
+            position_ids[r, s:s + C + 1] = torch.arange(P - 1, P + C)
+            segment[r, s:s + C + 1] = k
+            ids, scored = torch.tensor(t.completion_ids), torch.tensor(t.loss_mask, dtype=torch.bool)
+            labels[r, s:s + C] = torch.where(scored, ids, -100)
+            index[n, P - 1:P - 1 + C] = r * L + torch.arange(s, s + C)
+            s, n = s + C + 1, n + 1
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    # query q may read key k: k not after q, and k in q's own segment or in the prompt (padding,
+    # segment -1, reads itself: no row of the mask is empty)
+    mask = causal & ((segment[:, :, None] == segment[:, None, :]) | (segment[:, None, :] == 0))
+    out = dict(input_ids=input_ids, position_ids=position_ids, labels=labels, attn_mask=mask[:, None], index=index)
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def sequence_logprobs(model, b: dict, temperature: float, return_entropy: bool = False):
+    """(N, T) log-probs (and entropies) of a micro-batch in collate's layout: from its own rows,
+    or from its shared-prompt rows (b["shared"]) gathered back into that layout."""
+    shared = b.get("shared")
+    if shared is None:
+        return model(b["input_ids"], labels=b["labels"], temperature=temperature, return_entropy=return_entropy)
+    out = model(shared["input_ids"], shared["position_ids"], labels=shared["labels"], temperature=temperature,
+                return_entropy=return_entropy, attn_mask=shared["attn_mask"])
+    unpack = lambda x: torch.cat([x.reshape(-1), x.new_zeros(1)])[shared["index"]]  # noqa: E731
+    return tuple(unpack(x) for x in out) if return_entropy else unpack(out)
+
+
 def token_advantages(trajs: list, advantages: torch.Tensor) -> torch.Tensor:
     """(N,) per sequence or (N, C) per completion token -> (N, T) aligned with collate's rows."""
     if advantages.dim() == 1:
@@ -79,7 +143,7 @@ def token_advantages(trajs: list, advantages: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def batch_logprobs(model, batches: list[dict], temperature: float) -> list[torch.Tensor]:
     """(B, T) log-probs under `model` for already collated micro-batches (old policy, reference)."""
-    return [model(b["input_ids"], labels=b["labels"], temperature=temperature).float() for b in batches]
+    return [sequence_logprobs(model, b, temperature).float() for b in batches]
 
 
 def masked_out(traj, cfg: Config) -> bool:
@@ -103,14 +167,21 @@ def update_batches(trajs: list, advantages: torch.Tensor, cfg: Config, device) -
     if cfg.beta == 0 and cfg.loss_type != "bnpo":
         zero = (advantages.reshape(len(trajs), -1) == 0).all(1).tolist()
         keep = [i for i in keep if not zero[i] and not masked_out(trajs[i], cfg)]
-    lengths = [len(trajs[i].prompt_ids) + len(trajs[i].completion_ids) for i in keep]
+    if cfg.share_prompt:  # rows of one prompt and its completions
+        units, lengths = map(list, zip(*prompt_rows(trajs, keep, cfg.micro_batch_tokens))) if keep else ([], [])
+    else:
+        units = [[i] for i in keep]
+        lengths = [len(trajs[i].prompt_ids) + len(trajs[i].completion_ids) for i in keep]
     batches = []
     for mb in micro_batches(lengths, cfg.micro_batch_tokens):
-        mb = [keep[j] for j in mb]
+        mb_units = [units[j] for j in mb]
+        mb = [i for u in mb_units for i in u]
         rows = [trajs[i] for i in mb]
         b = collate(rows, device)
         b["advantages"] = token_advantages(rows, advantages[mb]).to(device)
         b["loss_mask"][torch.tensor([masked_out(t, cfg) for t in rows], device=device)] = 0
+        if cfg.share_prompt:
+            b["shared"] = shared_prompt_batch([[trajs[i] for i in u] for u in mb_units], device)
         batches.append(b)
     for _ in range(max(1, dist.all_max(len(batches))) - len(batches)):  # the step's metrics need one
         b = collate(trajs[:1], device)
@@ -160,8 +231,7 @@ def policy_update(model, ref_model, optimizer, scheduler, trajs: list, advantage
     sums, grad_norm, skipped = {}, 0.0, 0
     for it in range(cfg.num_iterations):
         for k, b in enumerate(batches):
-            logprobs, entropy = model(b["input_ids"], labels=b["labels"], temperature=cfg.temperature,
-                                      return_entropy=True)
+            logprobs, entropy = sequence_logprobs(model, b, cfg.temperature, return_entropy=True)
             old_logprobs = old[k] if old is not None else logprobs.detach()
             loss, m = policy_loss(logprobs, old_logprobs, b["advantages"], b["loss_mask"], opts,
                                   num_sequences=num_sequences, num_tokens=num_tokens, world_size=world,

@@ -87,6 +87,7 @@ class CalculatorCPU(Config):
     max_turns: int = 3                # a tool call and the answer take 2; room for one correction
     gen_batch: int = 128              # eval decodes 128 rows at a time; GRPO's 48 completions fit in one wave
     micro_batch_tokens: int = 4096
+    share_prompt: bool = True         # the update computes each group's prompt once (~1/3 of its tokens)
     # eval: held-out expressions worded from the HELDOUT book (no training template), greedy and
     # 1 sample at the training temperature, after the warm-start and after GRPO; the untrained
     # model (it scores ~0 and rambles to the token limit, the slowest eval) on the first 10

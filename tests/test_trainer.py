@@ -73,14 +73,16 @@ def test_old_logprobs_equal_the_samplers(tmp_path):
             torch.testing.assert_close(lp * b["loss_mask"], b["sampler_logprobs"], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("loss_type", ["dr_grpo", "dapo", "bnpo"])
-def test_update_leaves_out_flat_groups_and_pads_micro_batches(tmp_path, monkeypatch, loss_type):
+@pytest.mark.parametrize("loss_type,share_prompt", [("dr_grpo", False), ("dapo", False), ("bnpo", False),
+                                                    ("dr_grpo", True), ("bnpo", True)])
+def test_update_leaves_out_flat_groups_and_pads_micro_batches(tmp_path, monkeypatch, loss_type, share_prompt):
     """Leaving out the zero-advantage groups (and the masked truncated sequences) changes no
-    gradient, nor do the fully masked micro-batches a rank short of the global count runs:
-    one SGD step at lr 1 through policy_update moves the weights by exactly minus the gradient
-    of the whole batch in one micro-batch."""
+    gradient, nor do the fully masked micro-batches a rank short of the global count runs, nor
+    rows that compute each group's prompt once (share_prompt): one SGD step at lr 1 through
+    policy_update moves the weights by exactly minus the gradient of the whole batch in one
+    plain micro-batch."""
     cfg = toy_config(tmp_path, loss_type=loss_type, num_generations=4, micro_batch_tokens=48, max_grad_norm=0.0,
-                     mask_truncated_completions=True, temperature=0.7)
+                     mask_truncated_completions=True, temperature=0.7, share_prompt=share_prompt)
     from transformers import AutoTokenizer
     model = Transformer.from_pretrained(cfg.model_path)
     tok = AutoTokenizer.from_pretrained(cfg.model_path)
@@ -113,6 +115,11 @@ def test_update_leaves_out_flat_groups_and_pads_micro_batches(tmp_path, monkeypa
     if loss_type == "bnpo":  # its per-micro-batch mean depends on the grouping: compare without padding
         monkeypatch.setattr(dist, "all_max", lambda n: n)
         cfg.micro_batch_tokens = 10_000  # one micro-batch, as the reference
+    if share_prompt:  # the update forwards rows of one prompt each, some of them split by the budget
+        batches = [b for b in update_batches(trajs, adv, cfg, "cpu") if "shared" in b]  # padding aside
+        shared_rows = sum(len(b["shared"]["input_ids"]) for b in batches)
+        sequences = sum(len(b["input_ids"]) for b in batches)
+        assert sum(len(b["shared"]["index"]) for b in batches) == sequences and shared_rows < sequences
     rows = []  # rows the update runs forward on, padding micro-batches aside
     forward = model.forward
     monkeypatch.setattr(model, "forward", lambda ids, *a, **k: rows.append(len(ids)) or forward(ids, *a, **k))
@@ -124,7 +131,48 @@ def test_update_leaves_out_flat_groups_and_pads_micro_batches(tmp_path, monkeypa
         torch.testing.assert_close(p0 - p.detach(), g, atol=1e-6, rtol=1e-4)
     # the left-out sequences were not trained on: a zero-advantage sequence adds no gradient, so
     # only counting the rows forwarded can tell
-    assert sum(rows) - pad * (loss_type != "bnpo") == (len(trajs) if loss_type == "bnpo" else trained), rows
+    expected = shared_rows if share_prompt else (len(trajs) if loss_type == "bnpo" else trained)
+    assert sum(rows) - pad * (loss_type != "bnpo") == expected, rows
+
+
+def test_shared_prompt_rows_equal_one_row_per_sequence(tmp_path):
+    """update.shared_prompt_batch: G sequences of one prompt in one row (the prompt computed once,
+    each completion attending to it and to itself) give every position of collate's layout the
+    log-prob and entropy of one row per sequence, and a loss over them the same gradient; the
+    completions hold injected tokens (loss mask 0), as tool observations are, and a row split by
+    the token budget repeats the prompt."""
+    from grpo.rollout import Trajectory
+    model = Transformer.from_pretrained(make_toy_dir(tmp_path / "model"))
+    V = model.args.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(3, V, (n,), generator=g).tolist()  # noqa: E731
+    prompts, trajs = [ids(9), ids(5)], []
+    for k, prompt in enumerate(prompts):
+        for j in range(3 + k):
+            C = 4 + 3 * j
+            mask = [0 if 2 <= c < 4 else 1 for c in range(C)]  # two injected tokens after the first turn
+            trajs.append(Trajectory({}, k, prompt, ids(C), mask, [0.0] * C, "stop", 2))
+    keep = list(range(len(trajs)))
+    rows = update.prompt_rows(trajs, keep, budget=40)
+    assert [idx for idx, _ in rows] == [[0, 1, 2], [3, 4, 5], [6]]  # prompt 1's fourth sequence: a new row
+    assert all(n <= 40 for _, n in rows) and rows[0][1] == 8 + 5 + 8 + 11
+    order = [i for idx, _ in rows for i in idx]
+    plain = collate([trajs[i] for i in order], "cpu")
+    shared = update.shared_prompt_batch([[trajs[i] for i in idx] for idx, _ in rows], "cpu")
+    assert shared["input_ids"].numel() < plain["input_ids"].numel()
+    weights = torch.randn(plain["labels"].shape, generator=g) * plain["loss_mask"]
+    outs = []
+    for b in (plain, {**plain, "shared": shared}):
+        model.zero_grad()
+        lp, ent = update.sequence_logprobs(model, b, temperature=0.8, return_entropy=True)
+        (lp * weights).sum().backward()
+        outs.append((lp * b["loss_mask"], ent * b["loss_mask"], [p.grad.clone() for p in model.parameters()]))
+    (lp_a, ent_a, g_a), (lp_b, ent_b, g_b) = outs
+    assert (lp_a != 0).sum() == sum(sum(t.loss_mask) for t in trajs)
+    torch.testing.assert_close(lp_b, lp_a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent_b, ent_a, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g_a, g_b):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
 
 
 def test_first_of_mu_iterations_has_ratio_exactly_one(tmp_path, monkeypatch):
