@@ -18,6 +18,7 @@ import torch
 from grpo import dist
 from grpo.config import Config
 from grpo.loss import LossOptions, policy_loss
+from grpo.model import SharedPrompts
 
 # ----------------------------------------------------------------------------- micro-batches
 
@@ -84,36 +85,42 @@ def prompt_rows(trajs: list, keep: list[int], budget: int) -> list[tuple[list[in
 
 
 def shared_prompt_batch(rows: list[list], device) -> dict:
-    """Rows of one prompt's sequences (prompt_rows) -> (R, L) input_ids, position_ids, labels, an
-    (R, 1, L, L) mask in which each completion attends to the prompt and to itself only, and
-    `index` (N, T): where each of collate's (N, T) positions of these N sequences, in row order,
-    lies in the flattened (R * L) rows (R * L, one past the end, where none: it reads a zero).
-    A group of G sequences computes its prompt once instead of G times."""
+    """Rows of one prompt's sequences (prompt_rows) -> (R, L) input_ids, position_ids, labels, the
+    rows' layout for the model's shared-prompt attention (grpo.model.SharedPrompts: each
+    completion attends to the prompt and to itself only), and `index` (N, T): where each of
+    collate's (N, T) positions of these N sequences, in row order, lies in the flattened (R * L)
+    rows (R * L, one past the end, where none: it reads a zero). A group of G sequences computes
+    its prompt once instead of G times."""
     R, N = len(rows), sum(len(r) for r in rows)
     L = max(len(r[0].prompt_ids) - 1 + sum(len(t.completion_ids) + 1 for t in r) for r in rows)
     T = max(len(t.prompt_ids) + len(t.completion_ids) for r in rows for t in r)
+    Pm = max(1, max(len(r[0].prompt_ids) - 1 for r in rows))
+    Mm = max(len(t.completion_ids) + 1 for r in rows for t in r)
     input_ids, position_ids = torch.zeros(R, L, dtype=torch.long), torch.zeros(R, L, dtype=torch.long)
-    labels, segment = torch.full((R, L), -100, dtype=torch.long), torch.full((R, L), -1, dtype=torch.long)
+    labels = torch.full((R, L), -100, dtype=torch.long)
     index, n = torch.full((N, T), R * L, dtype=torch.long), 0
+    prompt_at, segment_at = torch.full((R, Pm), R * L, dtype=torch.long), torch.full((N, Mm), R * L, dtype=torch.long)
+    segment_row, mask = torch.zeros(N, dtype=torch.long), torch.zeros(N, 1, Mm, Pm + Mm, dtype=torch.bool)
+    causal = torch.ones(Mm, Mm, dtype=torch.bool).tril()
     for r, row in enumerate(rows):
         prompt = row[0].prompt_ids
         P, s = len(prompt), len(prompt) - 1
-        input_ids[r, :s], position_ids[r, :s], segment[r, :s] = torch.tensor(prompt[:-1]), torch.arange(s), 0
-        for k, t in enumerate(row, 1):
+        input_ids[r, :s], position_ids[r, :s] = torch.tensor(prompt[:-1], dtype=torch.long), torch.arange(s)
+        prompt_at[r, :s] = r * L + torch.arange(s)
+        for t in row:
             C = len(t.completion_ids)
             input_ids[r, s:s + C + 1] = torch.tensor(prompt[-1:] + t.completion_ids)
             position_ids[r, s:s + C + 1] = torch.arange(P - 1, P + C)
-            segment[r, s:s + C + 1] = k
             ids, scored = torch.tensor(t.completion_ids), torch.tensor(t.loss_mask, dtype=torch.bool)
             labels[r, s:s + C] = torch.where(scored, ids, -100)
             index[n, P - 1:P - 1 + C] = r * L + torch.arange(s, s + C)
+            segment_at[n, :C + 1], segment_row[n] = r * L + torch.arange(s, s + C + 1), r
+            mask[n, 0, :, :P - 1] = True   # the row's real prompt tokens
+            mask[n, 0, :, Pm:] = causal    # its own segment, causally (padded queries read its first token)
             s, n = s + C + 1, n + 1
-    causal = torch.ones(L, L, dtype=torch.bool).tril()
-    # query q may read key k: k not after q, and k in q's own segment or in the prompt (padding,
-    # segment -1, reads itself: no row of the mask is empty)
-    mask = causal & ((segment[:, :, None] == segment[:, None, :]) | (segment[:, None, :] == 0))
-    out = dict(input_ids=input_ids, position_ids=position_ids, labels=labels, attn_mask=mask[:, None], index=index)
-    return {k: v.to(device) for k, v in out.items()}
+    out = dict(input_ids=input_ids, position_ids=position_ids, labels=labels, index=index)
+    return {k: v.to(device) for k, v in out.items()} | {
+        "layout": SharedPrompts(prompt_at, segment_at, segment_row, mask).to(device)}
 
 
 def sequence_logprobs(model, b: dict, temperature: float, return_entropy: bool = False):
@@ -123,7 +130,7 @@ def sequence_logprobs(model, b: dict, temperature: float, return_entropy: bool =
     if shared is None:
         return model(b["input_ids"], labels=b["labels"], temperature=temperature, return_entropy=return_entropy)
     out = model(shared["input_ids"], shared["position_ids"], labels=shared["labels"], temperature=temperature,
-                return_entropy=return_entropy, attn_mask=shared["attn_mask"])
+                return_entropy=return_entropy, shared=shared["layout"])
     unpack = lambda x: torch.cat([x.reshape(-1), x.new_zeros(1)])[shared["index"]]  # noqa: E731
     return tuple(unpack(x) for x in out) if return_entropy else unpack(out)
 
