@@ -8,8 +8,8 @@
    micro-batch and every rank, so accumulation and world size never change the gradient.
 4. A sequence whose advantages are all zero has zero loss and zero gradient (without a KL
    term, and not under BNPO): it is left out of the forward and backward, and still counted.
-5. share_prompt: the sequences of one prompt share one row, the prompt computed once (a tree
-   mask); their log-probs are gathered back into the per-sequence layout the loss reads.
+5. share_prompt: the sequences of one prompt share one row, the prompt computed once
+   (grpo.model.shared_prompt_attention); their log-probs are gathered back into the per-sequence layout the loss reads.
 """
 import math
 
@@ -81,7 +81,7 @@ def prompt_rows(trajs: list, keep: list[int], budget: int) -> list[tuple[list[in
             rows.append(row)
         row[0].append(i)
         row[1] += need
-    return [(idx, n) for idx, n in rows]
+    return [tuple(row) for row in rows]
 
 
 def shared_prompt_batch(rows: list[list], device) -> dict:
