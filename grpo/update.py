@@ -125,8 +125,8 @@ def shared_prompt_batch(rows: list[list], device) -> dict:
 
 def sequence_logprobs(model, b: dict, temperature: float, return_entropy: bool = False):
     """(N, T) log-probs (and entropies) of a micro-batch in collate's layout: from its own rows,
-    or from its shared-prompt rows (b["shared"]) gathered back into that layout."""
-    shared = b.get("shared")
+    or from its shared-prompt rows (b["prompt_rows"]) gathered back into that layout."""
+    shared = b.get("prompt_rows")
     if shared is None:
         return model(b["input_ids"], labels=b["labels"], temperature=temperature, return_entropy=return_entropy)
     out = model(shared["input_ids"], shared["position_ids"], labels=shared["labels"], temperature=temperature,
@@ -188,7 +188,7 @@ def update_batches(trajs: list, advantages: torch.Tensor, cfg: Config, device) -
         b["advantages"] = token_advantages(rows, advantages[mb]).to(device)
         b["loss_mask"][torch.tensor([masked_out(t, cfg) for t in rows], device=device)] = 0
         if cfg.share_prompt:
-            b["shared"] = shared_prompt_batch([[trajs[i] for i in u] for u in mb_units], device)
+            b["prompt_rows"] = shared_prompt_batch([[trajs[i] for i in u] for u in mb_units], device)
         batches.append(b)
     for _ in range(max(1, dist.all_max(len(batches))) - len(batches)):  # the step's metrics need one
         b = collate(trajs[:1], device)

@@ -116,10 +116,10 @@ def test_update_leaves_out_flat_groups_and_pads_micro_batches(tmp_path, monkeypa
         monkeypatch.setattr(dist, "all_max", lambda n: n)
         cfg.micro_batch_tokens = 10_000  # one micro-batch, as the reference
     if share_prompt:  # the update forwards rows of one prompt each, some of them split by the budget
-        batches = [b for b in update_batches(trajs, adv, cfg, "cpu") if "shared" in b]  # padding aside
-        shared_rows = sum(len(b["shared"]["input_ids"]) for b in batches)
+        batches = [b for b in update_batches(trajs, adv, cfg, "cpu") if "prompt_rows" in b]  # padding aside
+        shared_rows = sum(len(b["prompt_rows"]["input_ids"]) for b in batches)
         sequences = sum(len(b["input_ids"]) for b in batches)
-        assert sum(len(b["shared"]["index"]) for b in batches) == sequences and shared_rows < sequences
+        assert sum(len(b["prompt_rows"]["index"]) for b in batches) == sequences and shared_rows < sequences
     rows = []  # rows the update runs forward on, padding micro-batches aside
     forward = model.forward
     monkeypatch.setattr(model, "forward", lambda ids, *a, **k: rows.append(len(ids)) or forward(ids, *a, **k))
@@ -162,7 +162,7 @@ def test_shared_prompt_rows_equal_one_row_per_sequence(tmp_path):
     assert shared["input_ids"].numel() < plain["input_ids"].numel()
     weights = torch.randn(plain["labels"].shape, generator=g) * plain["loss_mask"]
     outs = []
-    for b in (plain, {**plain, "shared": shared}):
+    for b in (plain, {**plain, "prompt_rows": shared}):
         model.zero_grad()
         lp, ent = update.sequence_logprobs(model, b, temperature=0.8, return_entropy=True)
         (lp * weights).sum().backward()
