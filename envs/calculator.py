@@ -30,6 +30,7 @@ some of the question's sub-results (structure_credit), for questions that carry 
 """
 
 import re
+import zlib
 from collections import Counter
 from decimal import Decimal, localcontext
 from fractions import Fraction
@@ -275,7 +276,12 @@ def gold_call(example: dict) -> str:
 
 
 MISTAKES = ("one_operand", "bad_name")
-_SYNONYM = {"add": "plus", "subtract": "minus", "multiply": "times", "divide": "over"}
+# words a model writes as an operation's name: from the TRAIN and RL phrasebooks only, so a
+# correction learned on them is not one learned on the held-out eval's own words
+BAD_NAMES = {"add": ("plus", "sum", "addition", "together"),
+             "subtract": ("minus", "difference", "deduct", "remove"),
+             "multiply": ("times", "multiplication", "groups"),
+             "divide": ("quotient", "ratio", "division", "per")}
 
 
 def mistaken_call(example: dict, kind: str) -> str:
@@ -285,8 +291,9 @@ def mistaken_call(example: dict, kind: str) -> str:
     tree = parse_expression(example["expression"])
     if isinstance(tree, str):
         raise ValueError(f"no mistake to make in a bare number: {example['expression']!r}")
-    if kind == "bad_name":
-        wrong = (_SYNONYM[tree[0]],) + tuple(tree[1:])
+    if kind == "bad_name":  # the word depends on the expression only: a gold episode is deterministic
+        names = BAD_NAMES[tree[0]]
+        wrong = (names[zlib.crc32(example["expression"].encode()) % len(names)],) + tuple(tree[1:])
         return _block(wrong)
     if kind != "one_operand":
         raise ValueError(f"unknown mistake {kind!r}: one of {MISTAKES}")
@@ -427,8 +434,13 @@ class CalculatorEnv:
         self.judge_api_key, self.judge_timeout = judge_api_key, judge_timeout
 
     def prompt(self, example: dict) -> list[dict]:
-        return [{"role": "system", "content": self.system_prompt},
-                {"role": "user", "content": example["question"]}]
+        messages = [{"role": "system", "content": self.system_prompt},
+                    {"role": "user", "content": example["question"]}]
+        if example.get("opening_mistake"):  # GRPO practice at recovering: the context already holds
+            wrong = mistaken_call(example, example["opening_mistake"])  # a mistaken call and its error
+            messages += [{"role": "assistant", "content": wrong},
+                         {"role": self.observation_role, "content": run_tool(wrong)}]
+        return messages
 
     def step(self, text: str) -> str | None:
         # a complete block means a tool call; anything else is the final answer

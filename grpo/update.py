@@ -154,8 +154,10 @@ def batch_logprobs(model, batches: list[dict], temperature: float) -> list[torch
 
 
 def masked_out(traj, cfg: Config) -> bool:
-    """A truncated answer says nothing about its reward: masked when the config says so."""
-    return cfg.mask_truncated_completions and traj.finish_reason == "length"
+    """A truncated completion says nothing about its reward: masked when the config says so,
+    unless it was cut after it had answered and the config keeps those (keep_truncated_answers)."""
+    return (cfg.mask_truncated_completions and traj.finish_reason == "length"
+            and not (cfg.keep_truncated_answers and traj.answered))
 
 
 def update_batches(trajs: list, advantages: torch.Tensor, cfg: Config, device) -> list[dict]:

@@ -10,9 +10,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from grpo.envs.calculator import SYSTEM_PROMPT, CalculatorEnv, generate_questions, gold_messages, run_tool
+from grpo.envs.calculator import (BAD_NAMES, SYSTEM_PROMPT, CalculatorEnv, generate_questions, gold_call, gold_messages,
+                                  mistaken_call, run_tool)
+from grpo.envs.calculator_phrasing import HELDOUT
 from grpo.model import Transformer
-from grpo.rollout import continuation_ids, gold_trajectory, render_prompt, rollout, sampling_params
+from grpo.rollout import Trajectory, continuation_ids, gold_trajectory, render_prompt, rollout, sampling_params
 from grpo.sampler import Sampler
 
 SHOT = {"question": "What is 2 plus 3?", "expression": "2 + 3", "answer": 5.0}
@@ -152,6 +154,38 @@ def test_gold_trajectory_with_a_corrected_mistake(smollm2_path, mistake):
     assert env.reward(example, t)["correct"] == 1.0 and t.observations[0] == gold[1]["content"]
     rendered = tok.apply_chat_template(env.prompt(example) + gold, tokenize=False)
     assert tok.decode(t.prompt_ids + t.completion_ids) == rendered.removesuffix("\n")
+
+
+@pytest.mark.parametrize("mistake", ["one_operand", "bad_name"])
+def test_a_grpo_prompt_can_open_with_the_warm_starts_mistake(smollm2_path, mistake):
+    """`opening_mistake` puts a mistaken call and its error in the prompt, so GRPO samples the
+    correction: the prompt reads as the warm-start's episode up to its correction, and a correct
+    correction scores 1."""
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    env = CalculatorEnv()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    example = generate_questions(1, seed=4, min_ops=2)[0]
+    gold = gold_trajectory(tok, env, {**example, "mistake": mistake}, eos)
+    context = runs(gold.loss_mask)[0][2]  # the mistake, its error and the next assistant header
+    prompt = render_prompt(tok, env.prompt({**example, "opening_mistake": mistake}))
+    assert prompt != render_prompt(tok, env.prompt(example))
+    assert tok.decode(prompt) == tok.decode(gold.prompt_ids + gold.completion_ids[:context])
+    fix = Trajectory({}, 0, prompt, [], [], [], "stop", 2, turns=[gold_call(example), f"Answer: {example['answer']}"],
+                     observations=[run_tool(gold_call(example))])
+    assert env.reward({**example, "opening_mistake": mistake}, fix)["correct"] == 1.0
+
+
+def test_bad_names_vary_and_avoid_the_held_out_words():
+    """The misnamed calls use words of the TRAIN and RL books only, several per operation, and the
+    tool refuses each of them."""
+    heldout = " ".join(str(v) for v in HELDOUT.values()).lower()
+    assert not [w for words in BAD_NAMES.values() for w in words if w in heldout]
+    names = set()
+    for example in generate_questions(60, seed=1):
+        call = mistaken_call(example, "bad_name")
+        names.add(call.split("operation: ")[1].split("\n")[0])
+        assert run_tool(call).startswith("<output>Error: unknown operation")
+    assert len(names) >= 12, names
 
 
 def test_continuation_ids_refuse_a_template_that_rewrites_history(smollm2_path):

@@ -135,6 +135,30 @@ def test_update_leaves_out_flat_groups_and_pads_micro_batches(tmp_path, monkeypa
     assert sum(rows) - pad * (loss_type != "bnpo") == expected, rows
 
 
+def test_truncated_answers_stay_in_the_loss_when_kept():
+    """mask_truncated_completions leaves out every completion cut at the token limit;
+    keep_truncated_answers keeps those cut after they answered (the env reads an answer), so
+    that repeating an answer line to the limit is not a free way out of a wrong answer."""
+    from grpo.envs.calculator import CalculatorEnv
+    from grpo.rollout import Trajectory
+    example = {"question": "2 + 3?", "expression": "2 + 3", "answer": 5.0}
+    call = "<calculator>\noperation: add\noperands:\n  - 2\n  - 3\n</calculator>"
+    cases = {  # last turn, finish_reason -> answered
+        "rambles": (["<calculator>\noperation: add\noperands:\n  - 2\n  - 3\n</calculator>",
+                     "Answer: 5\nAnswer: 5\nAnsw"], "length", True),
+        "cut in a call": ([call, "<calculator>\noperation: add\noperands:\n  - 2"], "length", False),
+        "stopped": ([call, "Answer: 5"], "stop", False),
+    }
+    trajs = [Trajectory(example, 0, [1], [5] * 4, [1] * 4, [0.0] * 4, reason, 2, turns=turns,
+                        observations=["<output>5</output>"]) for turns, reason, _ in cases.values()]
+    score(CalculatorEnv(), trajs)
+    assert [t.answered for t in trajs] == [answered for _, _, answered in cases.values()]
+    masked = lambda **kw: [update.masked_out(t, Config(**kw)) for t in trajs]  # noqa: E731
+    assert masked() == [False, False, False]
+    assert masked(mask_truncated_completions=True) == [True, True, False]
+    assert masked(mask_truncated_completions=True, keep_truncated_answers=True) == [False, True, False]
+
+
 def test_shared_prompt_rows_equal_one_row_per_sequence(tmp_path):
     """update.shared_prompt_batch: G sequences of one prompt in one row (the prompt computed once,
     each completion attending to it and to itself) give every position of collate's layout the
