@@ -277,7 +277,8 @@ def gold_call(example: dict) -> str:
 
 MISTAKES = ("one_operand", "bad_name")
 # words a model writes as an operation's name: from the TRAIN and RL phrasebooks only, so a
-# correction learned on them is not one learned on the held-out eval's own words
+# correction learned on them is not one learned on the held-out eval's own words (the RL book's
+# words thus reach the warm-start, as wrong operation names, never as question wording)
 BAD_NAMES = {"add": ("plus", "sum", "addition", "together"),
              "subtract": ("minus", "difference", "deduct", "remove"),
              "multiply": ("times", "multiplication", "groups"),
@@ -451,6 +452,12 @@ class CalculatorEnv:
 
     def extract(self, trajectory) -> float | None:  # for eval records
         return final_answer(trajectory)
+
+    def answered(self, trajectory) -> bool:
+        """The last turn holds an `Answer:` line and no call: a row cut there was answering
+        (for keep_truncated_answers; a bare number in cut prose is not an answer yet)."""
+        last = trajectory.turns[-1] if trajectory.turns else ""
+        return "<calculator>" not in last and _ANSWER_LINE.search(last) is not None
 
     def reward(self, example: dict, trajectory) -> dict[str, float]:
         pred = final_answer(trajectory)

@@ -31,7 +31,7 @@ class Trajectory:
     observations: list[str] = field(default_factory=list)  # the env's answers
     rewards: dict = field(default_factory=dict)            # named terms from env.reward
     reward: float = 0.0           # their weighted sum
-    answered: bool = False        # cut at the token limit, yet the env reads an answer in it (score())
+    answered: bool = False        # cut at the token limit after it answered (score(): env.answered)
 
 
 def render_prompt(tokenizer, messages: list[dict], **chat_kwargs) -> list[int]:
@@ -132,8 +132,8 @@ def score(env, trajectories: list[Trajectory], weights: dict[str, float] | None 
         terms = list(pool.map(lambda t: env.reward(t.example, t), trajectories))
     for t, r in zip(trajectories, terms):
         t.rewards = {k: float(v) for k, v in r.items()}
-        # cut in its answer turn (it answered, then did not stop), not inside a tool call or a thought
-        t.answered = t.finish_reason == "length" and hasattr(env, "extract") and env.extract(t) is not None
+        # cut after it answered (the env says so; an env without `answered` never does)
+        t.answered = t.finish_reason == "length" and bool(getattr(env, "answered", lambda t: False)(t))
         t.reward = sum(weights.get(k, 1.0) * v for k, v in t.rewards.items())
     return trajectories
 

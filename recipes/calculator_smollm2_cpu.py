@@ -66,7 +66,7 @@ class CalculatorCPU(Config):
     structure_weight: float = 0.5     # reward for the last call's share of the right sub-results (0: off)
     grpo_mistake_fraction: float = 0.25  # GRPO questions whose context opens with a mistaken call and its
                                       # error: practice at correcting a call, what held-out verbs ask for
-    # warm-start: gold tool-call episodes, a fifth of them opening with a mistake and its correction
+    # warm-start: gold tool-call episodes, 15% of them opening with a mistake and its correction
     sft_steps: int = 30
     sft_batch: int = 8
     sft_learning_rate: float = 2e-4
@@ -77,7 +77,7 @@ class CalculatorCPU(Config):
     max_steps: int = 60
     run_budget_min: float = 18.5      # GRPO takes what is left of 18.5 minutes after the other phases and
                                       # the last eval (planned as long as the warm-start's): 19.5 ran to 20.4
-                                      # minutes once, its last eval the longer by ~0.5 min; 6-9 steps, by the machine
+                                      # minutes once, its last eval the longer by 1.1 min; 5-8 steps, by the machine
     prompts_per_step: int = 8
     num_generations: int = 6
     temperature: float = 1.0          # the warm-started model is sharp (entropy ~0.03/token): 0.9 left 5 groups in 8 flat
@@ -121,7 +121,8 @@ def with_mistakes(questions: list[dict], fraction: float, seed: int, key: str = 
     for a warm-start episode (the call and its error are context, then the correction),
     `opening_mistake` for a GRPO prompt (the env puts them in the prompt)."""
     rng = random.Random(f"{key}-{seed}")
-    return [{**q, key: rng.choice(MISTAKES)} if rng.random() < fraction else q for q in questions]
+    return [{**q, key: rng.choice(MISTAKES)} if rng.random() < fraction and q.get("ops", 0) >= 1 else q
+            for q in questions]
 
 
 def breakdown(examples: list[dict], results: dict, key: str) -> list[str]:

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from grpo.envs.calculator import (BAD_NAMES, SYSTEM_PROMPT, CalculatorEnv, generate_questions, gold_call, gold_messages,
                                   mistaken_call, run_tool)
-from grpo.envs.calculator_phrasing import HELDOUT
+from grpo.envs.calculator_phrasing import HELDOUT, RL, TRAIN
 from grpo.model import Transformer
 from grpo.rollout import Trajectory, continuation_ids, gold_trajectory, render_prompt, rollout, sampling_params
 from grpo.sampler import Sampler
@@ -159,8 +159,8 @@ def test_gold_trajectory_with_a_corrected_mistake(smollm2_path, mistake):
 @pytest.mark.parametrize("mistake", ["one_operand", "bad_name"])
 def test_a_grpo_prompt_can_open_with_the_warm_starts_mistake(smollm2_path, mistake):
     """`opening_mistake` puts a mistaken call and its error in the prompt, so GRPO samples the
-    correction: the prompt reads as the warm-start's episode up to its correction, and a correct
-    correction scores 1."""
+    correction: the prompt's text is the warm-start's episode up to its correction (the template
+    tokenizes it whole, so the ids may split differently), and a right correction scores 1."""
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     env = CalculatorEnv()
     eos = tok.convert_tokens_to_ids("<|im_end|>")
@@ -179,7 +179,9 @@ def test_bad_names_vary_and_avoid_the_held_out_words():
     """The misnamed calls use words of the TRAIN and RL books only, several per operation, and the
     tool refuses each of them."""
     heldout = " ".join(str(v) for v in HELDOUT.values()).lower()
-    assert not [w for words in BAD_NAMES.values() for w in words if w in heldout]
+    training = " ".join(str(v) for book in (TRAIN, RL) for v in book.values()).lower()
+    words = [w for names in BAD_NAMES.values() for w in names]
+    assert not [w for w in words if w in heldout] and not [w for w in words if w not in training]
     names = set()
     for example in generate_questions(60, seed=1):
         call = mistaken_call(example, "bad_name")

@@ -147,6 +147,7 @@ def test_truncated_answers_stay_in_the_loss_when_kept():
         "rambles": (["<calculator>\noperation: add\noperands:\n  - 2\n  - 3\n</calculator>",
                      "Answer: 5\nAnswer: 5\nAnsw"], "length", True),
         "cut in a call": ([call, "<calculator>\noperation: add\noperands:\n  - 2"], "length", False),
+        "cut in prose": ([call, "The calculator gives 5, so the sum of 2 and"], "length", False),
         "stopped": ([call, "Answer: 5"], "stop", False),
     }
     trajs = [Trajectory(example, 0, [1], [5] * 4, [1] * 4, [0.0] * 4, reason, 2, turns=turns,
@@ -154,9 +155,11 @@ def test_truncated_answers_stay_in_the_loss_when_kept():
     score(CalculatorEnv(), trajs)
     assert [t.answered for t in trajs] == [answered for _, _, answered in cases.values()]
     masked = lambda **kw: [update.masked_out(t, Config(**kw)) for t in trajs]  # noqa: E731
-    assert masked() == [False, False, False]
-    assert masked(mask_truncated_completions=True) == [True, True, False]
-    assert masked(mask_truncated_completions=True, keep_truncated_answers=True) == [False, True, False]
+    assert masked() == [False, False, False, False]
+    assert masked(mask_truncated_completions=True) == [True, True, True, False]
+    assert masked(mask_truncated_completions=True, keep_truncated_answers=True) == [False, True, True, False]
+    score(ToyEnv(), trajs)  # an env that cannot tell an answer keeps every cut completion masked
+    assert not any(t.answered for t in trajs)
 
 
 def test_shared_prompt_rows_equal_one_row_per_sequence(tmp_path):
