@@ -69,9 +69,9 @@ class Config:
     beta: float = 0.0                 # k3 KL weight; 0 = no reference model is loaded
     tis_cap: float = 2.0              # truncated importance sampling cap C; 0 = off
     mask_truncated_completions: bool = False  # no loss on completions cut at max_completion_length...
-    keep_truncated_answers: bool = False  # ...except those cut after they answered (env.answered(t); envs without it: none):
-                                      # masking them too makes not stopping free while a wrong answer that
-                                      # stops is pushed down, and a model learns to repeat its answer line
+    keep_truncated_answers: bool = False  # ...except those cut after they answered (env.answered(t), if the env
+                                      # has it): masking them too makes not stopping free while a wrong answer
+                                      # that stops is pushed down, and a model can learn to repeat its answer line
     overlong_buffer: int = 0          # DAPO overlong penalty buffer L_buf; 0 = off
     drop_flat_groups: bool = False    # dynamic sampling (DAPO): drop groups whose rewards are all equal...
     max_refills: int = 2              # ...and refill them with fresh prompts, at most this many times a step
