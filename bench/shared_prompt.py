@@ -57,8 +57,7 @@ def main():
         cfg = Config(num_generations=G, prompts_per_step=P, loss_type="dr_grpo", micro_batch_tokens=4096,
                      max_prompt_length=plen, max_completion_length=hi, share_prompt=share)
         batches = update_batches(trajs, advantages, cfg, "cpu")
-        rows_key = "prompt_rows" if share else None
-        tokens = sum((b[rows_key] if rows_key else b)["input_ids"].numel() for b in batches)
+        tokens = sum((b["prompt_rows"] if share else b)["input_ids"].numel() for b in batches)
         rows.append(dict(share_prompt=share, cfg=cfg, tokens=tokens, micro_batches=len(batches), seconds=[]))
     timed_update(model, trajs, advantages, rows[0]["cfg"])  # warm-up
     for _ in range(args.repeat):

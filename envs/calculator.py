@@ -308,6 +308,13 @@ def mistaken_call(example: dict, kind: str) -> str:
     return _block(wrap(tree))
 
 
+def mistake_turns(example: dict, kind: str) -> list[dict]:
+    """The opening of a corrected episode: a mistaken call (one of MISTAKES) and the tool's error."""
+    wrong = mistaken_call(example, kind)
+    return [{"role": "assistant", "content": wrong},
+            {"role": CalculatorEnv.observation_role, "content": run_tool(wrong)}]
+
+
 def gold_messages(example: dict) -> list[dict]:
     """The ideal episode after the prompt: tool call, observation, final answer. With
     example["mistake"] (one of MISTAKES) the episode opens with that mistaken call and its
@@ -316,11 +323,9 @@ def gold_messages(example: dict) -> list[dict]:
     call = gold_call(example)
     observation = run_tool(call)
     value = observation.removeprefix("<output>").removesuffix("</output>")
-    head = []
-    if example.get("mistake"):
-        wrong = mistaken_call(example, example["mistake"])
-        head = [{"role": "assistant", "content": wrong, "learn": False},
-                {"role": CalculatorEnv.observation_role, "content": run_tool(wrong)}]
+    head = mistake_turns(example, example["mistake"]) if example.get("mistake") else []
+    if head:
+        head[0]["learn"] = False
     return head + [
         {"role": "assistant", "content": call},
         {"role": CalculatorEnv.observation_role, "content": observation},
@@ -438,9 +443,7 @@ class CalculatorEnv:
         messages = [{"role": "system", "content": self.system_prompt},
                     {"role": "user", "content": example["question"]}]
         if example.get("opening_mistake"):  # GRPO practice at recovering: the context already holds
-            wrong = mistaken_call(example, example["opening_mistake"])  # a mistaken call and its error
-            messages += [{"role": "assistant", "content": wrong},
-                         {"role": self.observation_role, "content": run_tool(wrong)}]
+            messages += mistake_turns(example, example["opening_mistake"])  # a mistaken call and its error
         return messages
 
     def step(self, text: str) -> str | None:

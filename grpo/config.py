@@ -86,7 +86,7 @@ class Config:
     micro_batch_tokens: int = 8192    # token budget of one packed micro-batch (padding included)
     gradient_checkpointing: bool = False  # recompute each block's activations in backward
     share_prompt: bool = False        # update: each prompt computed once for all its completions (CPU,
-                                      # G=6: 37% fewer tokens, update 1.34x; not yet measured on a GPU)
+                                      # G=6: 37% fewer tokens, update 1.14-1.34x; not yet measured on a GPU)
     # ---- supervised warm-start (before RL; 0 steps = off)
     sft_steps: int = 0                # supervised steps on the env's gold trajectories before RL
     sft_batch: int = 8                # examples per warm-start step

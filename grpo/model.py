@@ -328,7 +328,9 @@ class Transformer(nn.Module):
         # packed documents (position ids given, no history to attend to: a packed training batch
         # or the sampler's packed prefill) take flash-attn or SDPA per document, never a (T x T) mask
         fresh = cache is None or getattr(cache, "read", ()) is None
-        varlen = shared if shared is not None else (self._varlen(position_ids) if position_ids is not None and fresh else None)
+        varlen = shared
+        if varlen is None and position_ids is not None and fresh:
+            varlen = self._varlen(position_ids)
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
             mask = None  # plain causal

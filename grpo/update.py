@@ -9,7 +9,8 @@
 4. A sequence whose advantages are all zero has zero loss and zero gradient (without a KL
    term, and not under BNPO): it is left out of the forward and backward, and still counted.
 5. share_prompt: the sequences of one prompt share one row, the prompt computed once
-   (grpo.model.shared_prompt_attention); their log-probs are gathered back into the per-sequence layout the loss reads.
+   (grpo.model.shared_prompt_attention); their log-probs are gathered back into the
+   per-sequence layout the loss reads.
 """
 import math
 

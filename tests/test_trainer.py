@@ -144,8 +144,7 @@ def test_truncated_answers_stay_in_the_loss_when_kept():
     example = {"question": "2 + 3?", "expression": "2 + 3", "answer": 5.0}
     call = "<calculator>\noperation: add\noperands:\n  - 2\n  - 3\n</calculator>"
     cases = {  # last turn, finish_reason -> answered
-        "rambles": (["<calculator>\noperation: add\noperands:\n  - 2\n  - 3\n</calculator>",
-                     "Answer: 5\nAnswer: 5\nAnsw"], "length", True),
+        "rambles": ([call, "Answer: 5\nAnswer: 5\nAnsw"], "length", True),
         "cut in a call": ([call, "<calculator>\noperation: add\noperands:\n  - 2"], "length", False),
         "cut in prose": ([call, "The calculator gives 5, so the sum of 2 and"], "length", False),
         "stopped": ([call, "Answer: 5"], "stop", False),
