@@ -176,15 +176,20 @@ def run_hf(ref, tok, env, examples, G, max_tokens, seed, plans=None) -> list[tup
     while rows:
         # turn 0: each prompt once, G copies made by num_return_sequences; then the conversations
         prompts = first if turn == 0 else [render_prompt(tok, convs[r]) for r in rows]
+        if plans:  # each row's planned length for this turn, forced
+            cap = [plans[r][turn] for r in rows]
+        else:  # the budget left: the completion so far is what the template adds after the first prompt
+            cap = [max_tokens - (len(prompts[b]) - len(first[r // G]) if turn else 0) for b, r in enumerate(rows)]
+            if turn:  # a row whose observation used up the budget ends there, as in grpo.sampler ("length")
+                keep = [b for b in range(len(rows)) if cap[b] > 0]
+                rows, prompts, cap = [rows[b] for b in keep], [prompts[b] for b in keep], [cap[b] for b in keep]
+                if not rows:
+                    break
         L = max(map(len, prompts))  # left padding, as generate wants for batches
         ids = torch.tensor([[eos] * (L - len(p)) + p for p in prompts])  # (B, L)
         attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
-        if plans:  # each row's planned length for this turn, forced
-            cap = [plans[r][turn] for r in rows]
-            kw = dict(logits_processor=transformers.LogitsProcessorList([PlannedEOS(cap, L, eos)]))
-        else:  # the budget left: the completion so far is what the template adds after the first prompt
-            cap = [max_tokens - (len(prompts[b]) - len(first[r // G]) if turn else 0) for b, r in enumerate(rows)]
-            kw = dict(stop_strings=env.stop_strings, tokenizer=tok)
+        kw = (dict(logits_processor=transformers.LogitsProcessorList([PlannedEOS(cap, L, eos)])) if plans
+              else dict(stop_strings=env.stop_strings, tokenizer=tok))
         out = ref.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                            max_new_tokens=max(cap), num_return_sequences=G if turn == 0 else 1,
                            eos_token_id=eos, pad_token_id=eos, **kw)  # (B * copies, L + new)

@@ -62,3 +62,27 @@ def test_quick_run_oracle_gives_both_sides_the_same_tokens(smollm2_path):
         assert row[f"{who}_decode"] >= row[f"{who}_live"] == sum(plan) - 16 > 0, row
         assert row[f"{who}_prefill"] > 0 and row[f"{who}_tps"] > 0
     assert row["x"] == pytest.approx(row["ours_tps"] / row["hf_tps"])
+
+
+def test_natural_baseline_ends_a_row_whose_observation_spends_the_budget(smollm2_path):
+    # natural mode (--checkpoint): a tool turn whose observation leaves no completion budget ends
+    # the row, as grpo.sampler does ("length"); it used to ask generate for max_new_tokens < 0
+    import transformers
+    from grpo.envs.calculator import SHORT_SYSTEM_PROMPT, CalculatorEnv
+    from grpo.envs.calculator import generate_questions
+    bench = load_bench()
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2_path)
+    call = tok.encode(bench.TOOL_CALL, add_special_tokens=False)  # every row's first turn: a whole tool call
+
+    class Ref:  # stands for the transformers model: each row writes the call, cut at the budget asked for
+        asked = []
+
+        def generate(self, input_ids, max_new_tokens, num_return_sequences, **kw):
+            self.asked.append(max_new_tokens)
+            rows = input_ids.repeat_interleave(num_return_sequences, 0)  # (B * copies, L)
+            return torch.cat([rows, torch.tensor([call[:max_new_tokens]] * len(rows))], 1)
+
+    env = CalculatorEnv(system_prompt=SHORT_SYSTEM_PROMPT)
+    out = bench.run_hf(Ref(), tok, env, generate_questions(2, seed=0), G=3, max_tokens=len(call) + 5, seed=0)
+    assert Ref.asked == [len(call) + 5], Ref.asked  # turn 2 would start past the budget: not asked for
+    assert out == [(len(call), 1)] * 6, out
