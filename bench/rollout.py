@@ -180,11 +180,15 @@ def run_hf(ref, tok, env, examples, G, max_tokens, seed, plans=None) -> list[tup
             cap = [plans[r][turn] for r in rows]
         else:  # the budget left: the completion so far is what the template adds after the first prompt
             cap = [max_tokens - (len(prompts[b]) - len(first[r // G]) if turn else 0) for b, r in enumerate(rows)]
-            if turn:  # a row whose observation used up the budget ends there, as in grpo.sampler ("length")
-                keep = [b for b in range(len(rows)) if cap[b] > 0]
-                rows, prompts, cap = [rows[b] for b in keep], [prompts[b] for b in keep], [cap[b] for b in keep]
-                if not rows:
+            # a row whose observation used up the budget ends there, its turn counted, as in grpo.sampler
+            # ("length"); turn 0 has one prompt per question for G rows and a full budget
+            if turn:
+                for r, c in zip(rows, cap):
+                    turns[r] += c <= 0
+                kept = [(r, p, c) for r, p, c in zip(rows, prompts, cap) if c > 0]
+                if not kept:
                     break
+                rows, prompts, cap = map(list, zip(*kept))
         L = max(map(len, prompts))  # left padding, as generate wants for batches
         ids = torch.tensor([[eos] * (L - len(p)) + p for p in prompts])  # (B, L)
         attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])

@@ -1,6 +1,7 @@
 """bench/rollout.py: its --quick run (our sampler and the transformers baseline on SmolLM2, one tool
 call per row) prints the table and a JSON line in which both sides sampled exactly the planned
-tokens per row and turns (the length oracle held), and the plan itself has the promised shape."""
+tokens per row and turns (the length oracle held), and the plan itself has the promised shape; natural
+mode's baseline ends a row whose tool observation spent its budget, with a stand-in model."""
 import importlib.util
 import json
 import subprocess
@@ -64,25 +65,41 @@ def test_quick_run_oracle_gives_both_sides_the_same_tokens(smollm2_path):
     assert row["x"] == pytest.approx(row["ours_tps"] / row["hf_tps"])
 
 
+
 def test_natural_baseline_ends_a_row_whose_observation_spends_the_budget(smollm2_path):
     # natural mode (--checkpoint): a tool turn whose observation leaves no completion budget ends
-    # the row, as grpo.sampler does ("length"); it used to ask generate for max_new_tokens < 0
+    # the row, its turn counted, as grpo.sampler does ("length"), while the other rows of the batch
+    # go on; it used to ask generate for max_new_tokens < 0 (or count such a row's tokens wrong)
     import transformers
-    from grpo.envs.calculator import SHORT_SYSTEM_PROMPT, CalculatorEnv
-    from grpo.envs.calculator import generate_questions
+    from grpo.envs.calculator import SHORT_SYSTEM_PROMPT, CalculatorEnv, generate_questions
     bench = load_bench()
     tok = transformers.AutoTokenizer.from_pretrained(smollm2_path)
-    call = tok.encode(bench.TOOL_CALL, add_special_tokens=False)  # every row's first turn: a whole tool call
+    env = CalculatorEnv(system_prompt=SHORT_SYSTEM_PROMPT)
+    eos = tok.eos_token_id
+    call = tok.encode(bench.TOOL_CALL, add_special_tokens=False)
+    filler = tok.encode("Let me work this out with the calculator, one step at a time, carefully. ",
+                        add_special_tokens=False)[:20]
+    answer = tok.encode("Answer: 176.36", add_special_tokens=False)
+    # the budget the first turn of a bare call spends (the call, its observation, the next header), + 10
+    messages = env.prompt(generate_questions(1, seed=0)[0])
+    spent = len(bench.render_prompt(tok, messages + [{"role": "assistant", "content": bench.TOOL_CALL},
+                                                     {"role": env.observation_role,
+                                                      "content": env.step(bench.TOOL_CALL)}]))
+    max_tokens = spent - len(bench.render_prompt(tok, messages)) + 10
 
-    class Ref:  # stands for the transformers model: each row writes the call, cut at the budget asked for
-        asked = []
+    class Ref:  # stands for the transformers model: turn 1, even rows a bare call and odd rows 20 tokens
+        def __init__(self):  # before it (their observation then spends the budget); turn 2, an answer
+            self.asked = []
 
         def generate(self, input_ids, max_new_tokens, num_return_sequences, **kw):
             self.asked.append(max_new_tokens)
             rows = input_ids.repeat_interleave(num_return_sequences, 0)  # (B * copies, L)
-            return torch.cat([rows, torch.tensor([call[:max_new_tokens]] * len(rows))], 1)
+            if len(self.asked) > 1:
+                return torch.cat([rows, torch.tensor([answer] * len(rows))], 1)
+            new = [call + [eos] * len(filler) if b % 2 == 0 else filler + call for b in range(len(rows))]
+            return torch.cat([rows, torch.tensor(new)], 1)
 
-    env = CalculatorEnv(system_prompt=SHORT_SYSTEM_PROMPT)
-    out = bench.run_hf(Ref(), tok, env, generate_questions(2, seed=0), G=3, max_tokens=len(call) + 5, seed=0)
-    assert Ref.asked == [len(call) + 5], Ref.asked  # turn 2 would start past the budget: not asked for
-    assert out == [(len(call), 1)] * 6, out
+    ref = Ref()
+    out = bench.run_hf(ref, tok, env, generate_questions(1, seed=0), G=4, max_tokens=max_tokens, seed=0)
+    assert ref.asked == [max_tokens, 10], ref.asked  # the second turn only for the rows with budget left
+    assert out == [(len(call) + len(answer), 2), (len(filler) + len(call), 2)] * 2, out
