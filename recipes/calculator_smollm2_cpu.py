@@ -8,10 +8,10 @@ it answers about 1% of calculator questions, and from the system prompt alone it
 produces the tool format. So the run has three phases:
 1. a short supervised warm-start on gold episodes (tool call, observation, answer), rendered in
    the exact token layout that rollouts produce, packed without padding; some open with a mistaken
-   call and its error (context, not trained on) before the correction. Short on purpose: after 15 steps
-   many calls are rejected (157 and 93 of 200 at seeds 0 and 1), so GRPO has something to learn in
-   the minutes it gets; 30 steps make a stronger model that GRPO then does not measurably improve
-   (README: the trade-off);
+   call and its error (context, not trained on) before the correction. Short on purpose: after 15
+   steps many calls are rejected (157 and 93 of 200 at seeds 0 and 1), so GRPO has something to
+   learn in the minutes it gets; 30 steps make a stronger model that GRPO then does not measurably
+   improve (README: the trade-off);
 2. GRPO with the multi-turn sampler: G completions per question of 1 to 4 operations, the
    calculator answering each <calculator> call in place, reward = the correct answer plus half
    the share of the question's sub-results that the last call computes (`structure`: most groups
@@ -31,8 +31,8 @@ people wrote.
 Deviations from the Qwen recipes (shared/seeds/calculator_agent_qwen25.md): a larger lr with a
 short warmup (a 135M model and a few CPU steps, not 3B and an epoch), fp32 weights with bf16
 matmuls, shorter completions, a time budget on the whole run (RL takes what is left), and a
-51-token system prompt instead of the full 246-token explanation (the warm-start and GRPO teach the
-format; the long prompt would double the cost of every training forward on a CPU).
+51-token system prompt instead of the full 246-token explanation (the warm-start and GRPO teach
+the format; the long prompt would double the cost of every training forward on a CPU).
 """
 import random
 import time
@@ -46,8 +46,8 @@ from grpo.trainer import train
 
 
 # Correctness, and the structure of the last call. The env's shaping terms (tool_use 0.2: a
-# call that parses; format 0.1) teach the format to a cold model, but the reward without them does it
-# here (in 7 steps the 15-step warm-start's rejected calls fell from 157 of 200 to 7), and within
+# call that parses; format 0.1) teach the format to a cold model, but the reward without them
+# does it here (in 7 steps the 15-step warm-start's rejected calls fell from 157 of 200 to 7), and within
 # an all-wrong group they pay a wrong call that parses over a nested call that errs: a run with
 # them learned flat calls with five operands that always parse and are wrong (run 2 in the
 # README: greedy accuracy 0.405 -> 0.210). Both terms are still logged.
@@ -87,7 +87,7 @@ class CalculatorCPU(Config):
                                       # minutes once, its last eval the longer by 1.1 min; 5-8 steps, by the machine
     prompts_per_step: int = 8
     num_generations: int = 6
-    temperature: float = 1.0          # a longer warm-start made a sharp model (entropy ~0.03/token): 0.9 left 5 groups in 8 flat
+    temperature: float = 1.0          # a longer warm-start's model was sharp (~0.03 nats/token): 0.9 left 5 groups in 8 flat
     learning_rate: float = 2e-5                  # with warmup: a first Adam step of 5e-5 (a sign step) broke the model
     warmup_steps: int = 2
     num_iterations: int = 1
