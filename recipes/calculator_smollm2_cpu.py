@@ -47,10 +47,10 @@ from grpo.trainer import train
 
 # Correctness, and the structure of the last call. The env's shaping terms (tool_use 0.2: a
 # call that parses; format 0.1) teach the format to a cold model, but the reward without them
-# does it here (in 7 steps the 15-step warm-start's rejected calls fell from 157 of 200 to 7), and within
-# an all-wrong group they pay a wrong call that parses over a nested call that errs: a run with
-# them learned flat calls with five operands that always parse and are wrong (run 2 in the
-# README: greedy accuracy 0.405 -> 0.210). Both terms are still logged.
+# does it here (in 7 steps the 15-step warm-start's rejected calls fell from 157 of 200 to 7),
+# and within an all-wrong group they pay a wrong call that parses over a nested call that errs:
+# a run with them learned flat calls with five operands that always parse and are wrong (run 2
+# in the README: greedy accuracy 0.405 -> 0.210). Both terms are still logged.
 # `structure` (grpo.envs.calculator.structure_credit: the share of the question's sub-results
 # the last call computes, by value) does not pay a flat call that parses; its weight is the
 # config's structure_weight.
