@@ -133,7 +133,7 @@ def score(env, trajectories: list[Trajectory], weights: dict[str, float] | None 
     for t, r in zip(trajectories, terms):
         t.rewards = {k: float(v) for k, v in r.items()}
         # cut after it answered (the env says so; an env without `answered` never does)
-        t.answered = t.finish_reason == "length" and bool(getattr(env, "answered", lambda t: False)(t))
+        t.answered = t.finish_reason == "length" and hasattr(env, "answered") and bool(env.answered(t))
         t.reward = sum(weights.get(k, 1.0) * v for k, v in t.rewards.items())
     return trajectories
 
