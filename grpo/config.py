@@ -31,7 +31,7 @@ RENAMED = {"lr": "learning_rate", "num_steps": "max_steps", "group_size": "num_g
            "log_completions_every": "log_completions_steps", "sft_lr": "sft_learning_rate",
            "drop_zero_variance": "drop_flat_groups"}
 CHOICES = {"loss_type": LOSS_TYPES, "scale_rewards": SCALES, "lr_scheduler_type": ("constant", "cosine"),
-           "dtype": ("auto", "float32", "bfloat16")}
+           "dtype": ("auto", "float32", "bfloat16"), "autocast_bf16": ("auto", "true", "false")}
 
 
 @dataclass
@@ -45,7 +45,9 @@ class Config:
     prompts_per_step: int = 8         # B: prompts per step over all ranks (TRL counts completions per device)
     num_generations: int = 8          # G: completions per prompt
     dtype: str = "auto"               # compute dtype: auto = bf16 on CUDA, fp32 on CPU
-    autocast_bf16: bool = False       # CPU, fp32 weights: bf16 matmuls in the blocks under torch.autocast
+    autocast_bf16: str = "false"      # CPU, fp32 weights: bf16 matmuls in the blocks under torch.autocast;
+                                      # auto = where a start-up measurement finds them faster (grpo.cpu)
+    num_threads: int = 0              # CPU threads per rank; 0 = the cores this process may use, shared by its node's ranks
     profile: str = "auto"             # GPU profile (PROFILES): sizes and budgets; auto = detect, none = off
     # ---- sampling
     temperature: float = 1.0          # sampling temperature of the rollouts (log-probs use it too)
@@ -105,6 +107,7 @@ class Config:
     export: bool = True               # Hugging Face export at the end
     time_budget_min: float = 0.0      # stop RL before a step that would end past this many minutes; 0 = no limit
     run_budget_min: float = 0.0       # ...or past what leaves the run (this process), its last eval included, within this; 0 = none
+    min_rl_steps: int = 1             # RL steps run even when run_budget_min is spent (the plan says so at start)
     dist_timeout_min: float = 60.0    # how long a collective waits for the slowest rank (a long rollout)
 
     def check(self):
@@ -112,6 +115,8 @@ class Config:
         def need(ok: bool, msg: str):
             if not ok:
                 raise ValueError(f"bad config: {msg}")
+        from grpo.cpu import normalize
+        self.autocast_bf16 = normalize(self.autocast_bf16)  # true/false/1/0/yes/no, or a saved run's bool
         for name, choices in CHOICES.items():
             value = getattr(self, name)
             need(value in choices, f"{name}={value!r}, expected one of {', '.join(choices)}")
@@ -143,8 +148,9 @@ class Config:
         need(self.eval_n >= 1 and min(self.eval_limit, self.eval_before_limit, self.eval_temperature) >= 0,
              "eval_n >= 1, eval_limit >= 0, eval_before_limit >= 0, eval_temperature >= 0")
         need(min(self.sft_steps, self.sft_batch - 1, self.save_steps, self.eval_steps, self.warmup_steps,
-                 self.log_completions_steps, self.max_refills, self.time_budget_min, self.run_budget_min) >= 0,
-             "step counts, sft_batch, max_refills and the time budgets must not be negative")
+                 self.log_completions_steps, self.max_refills, self.time_budget_min, self.run_budget_min,
+                 self.num_threads, self.min_rl_steps) >= 0,
+             "step counts, sft_batch, max_refills, num_threads, min_rl_steps and the time budgets must not be negative")
         return self
 
 

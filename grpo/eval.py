@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from grpo.cpu import set_autocast
 from grpo.rollout import rollout, sampling_params, score
 
 
@@ -120,6 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max_turns", type=int, default=0, help="0 = the env's own limit")
     p.add_argument("--enable_thinking", type=int, default=1,
                    help="chat template switch (Qwen3: 0 = non-thinking)")
+    p.add_argument("--autocast_bf16", default="auto", choices=["auto", "true", "false"],
+                   help="CPU: bf16 matmuls under autocast; auto = where a start-up measurement finds them faster")
     p.add_argument("--tool", choices=["none", "code_interpreter"], default="none",
                    help="math tasks: answer with the sandboxed Python tool (ReTool's env) or without")
     p.add_argument("--out", default=None, help="per-sample JSONL (default: eval_<task>.jsonl)")
@@ -149,6 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = Transformer.from_pretrained(args.model_path, dtype=dtype, device=device).eval()
+    print(set_autocast(model, args.autocast_bf16))
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     n = args.eval_n
     temperature = args.eval_temperature if args.eval_temperature is not None else (0.0 if n == 1 else 1.0)
@@ -218,7 +222,8 @@ def evaluate_run(run_dir: str, out: str | None = None) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = Transformer.from_pretrained(export, dtype=dtype, device=device).eval()
-    model.autocast_bf16 = getattr(cfg, "autocast_bf16", False)  # as the run's own evals ran
+    # the run's setting; "auto" is measured again, on the machine evaluating now
+    print(set_autocast(model, getattr(cfg, "autocast_bf16", "false")))
     r = evaluate(model, AutoTokenizer.from_pretrained(export), env, examples, **run_eval_settings(cfg))
     out = out or os.path.join(run_dir, "eval_rerun.jsonl")
     with open(out, "w") as f:

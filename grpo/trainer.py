@@ -21,8 +21,10 @@ import torch
 from tqdm import tqdm
 
 from grpo import dist
+from grpo.budget import make_plan, rl_budget, stop_reason
 from grpo.checkpoint import Checkpointer, export, open_run_dir, run_meta
 from grpo.config import PROFILES, Config, pick_profile
+from grpo.cpu import measure, set_autocast, set_threads
 from grpo.eval import evaluate, run_eval_settings, summarize
 from grpo.kv_cache import KVCache
 from grpo.loss import group_advantages, overlong_penalty
@@ -159,16 +161,20 @@ def build(cfg: Config, device) -> tuple:
     tokenizer = AutoTokenizer.from_pretrained(path)
     bf16 = cfg.dtype == "bfloat16" or cfg.dtype == "auto" and device.type == "cuda"
     compute_dtype = torch.bfloat16 if bf16 else torch.float32
-    dist.print0(f"grpo | {cfg.model_path} | world {dist.world_size()} | {compute_dtype} | "
+    threads = set_threads(cfg.num_threads) if device.type == "cpu" else torch.get_num_threads()
+    dist.print0(f"grpo | {cfg.model_path} | world {dist.world_size()} | {compute_dtype} | {threads} threads | "
                 f"{cfg.max_steps} steps x {cfg.prompts_per_step} prompts x G={cfg.num_generations}")
     model = Transformer.from_pretrained(path, dtype=torch.float32, device=device)
     model.activation_checkpointing = cfg.gradient_checkpointing
-    model.autocast_bf16 = cfg.autocast_bf16  # the sampler and the evals run this same model
+    # the sampler and the evals run this same model; rank 0's measurement decides for every rank
+    rates = lambda: dist.broadcast(measure(model.args.dim, model.args.ffn_dim) if dist.is_main() else None)  # noqa: E731
+    dist.print0(set_autocast(model, cfg.autocast_bf16, device, rates))
     dist.shard(model, compute_dtype)
     ref_model = None
     if cfg.beta > 0:
         ref_model = Transformer.from_pretrained(path, dtype=torch.float32, device=device)
         ref_model.eval().requires_grad_(False)
+        ref_model.autocast_bf16 = model.autocast_bf16
         dist.shard(ref_model, compute_dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
@@ -222,29 +228,6 @@ def evaluate_on_ranks(model, tokenizer, env, examples: list, cfg: Config, greedy
     return summarize(records, settings["n"]) | {"records": records}
 
 
-def rl_budget(cfg: Config, run_seconds: float, last_eval_seconds: float) -> float | None:
-    """Seconds RL may take, the same on every rank (the smallest): time_budget_min, and what
-    run_budget_min leaves after the `run_seconds` already spent and a last eval as long as the
-    previous one (`last_eval_seconds`). None: no limit."""
-    limits = [60 * cfg.time_budget_min] if cfg.time_budget_min else []
-    if cfg.run_budget_min:
-        limits.append(60 * cfg.run_budget_min - run_seconds - last_eval_seconds)
-    return -dist.all_max_floats([-min(limits)])[0] if limits else None
-
-
-def stop_reason(ckpt: Checkpointer, budget_s: float | None, t_start: float, steps_run: int) -> str | None:
-    """Why RL stops after this step, the same on every rank: SIGTERM on any rank, or the time
-    budget by the slowest clock (each rank's own clock would let ranks leave at different steps,
-    and the next collective would hang). The budget stops RL before a step that would end past
-    it, judged by the mean of the `steps_run` steps so far: stopping only once it was spent ran
-    the CPU recipe past its 6-minute budget by most of a step, its run to 20.7 minutes."""
-    sigterm, elapsed = dist.all_max_floats([float(ckpt.stop_requested), time.time() - t_start])
-    if sigterm:
-        return "sigterm"
-    next_end = elapsed * (steps_run + 1) / max(steps_run, 1)
-    return "budget" if budget_s is not None and next_end > budget_s else None
-
-
 # ----------------------------------------------------------------------------- warm-start
 
 def warm_start(model, tokenizer, env, examples: list, cfg: Config, device, log):
@@ -284,7 +267,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
     `credit(trajs, advantages, step) -> advantages`: per-token credit on top of the outcome
     advantages ((N,) in, (N,) or (N, C) out), e.g. grpo.process.ProcessCredit."""
     # ---- 1. setup: checks, the run folder (never another run's), models, optimizer, sampler, logs
-    t_run, eval_seconds = time.time(), 0.0  # eval_seconds: the last eval phase's, for run_budget_min
+    t_run, eval_seconds = time.time(), {}  # eval phase -> seconds, for run_budget_min
     cfg.check()
     dist.init(cfg.dist_timeout_min)
     sft_examples = sft_examples or train_examples
@@ -299,11 +282,14 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
     logger = Logger(cfg.output_dir, start if found else None, list(results)) if dist.is_main() else None
     log = logger.log if logger else (lambda m, s: None)
     B, G, world, rank = cfg.prompts_per_step, cfg.num_generations, dist.world_size(), dist.rank()
+    # the eval sizes (run_budget_min: shrunk to what fits on this machine) and the phases' estimates
+    budget = make_plan(cfg, model, sampler, tokenizer, eval_env or env, eval_examples, sft_examples)
+    if "warmstart" in results:  # resumed: the last eval pairs with the warm-start's questions
+        budget.eval_q = results["warmstart"]["questions"]
 
     def run_eval(phase: str, at_step: int):
-        nonlocal eval_seconds
         # the untrained model's eval can be shorter: it scores ~0 and rambles to the token limit
-        limit = (cfg.eval_before_limit or cfg.eval_limit) if phase == "before" else cfg.eval_limit
+        limit = budget.before_q if phase == "before" else budget.eval_q
         protocols = [(phase, False)] + ([(f"{phase}_greedy", True)] if cfg.eval_greedy and cfg.eval_temperature else [])
         t = time.time()
         for name, greedy in protocols:
@@ -316,7 +302,9 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
             log({f"eval/{name}/mean": r["mean"], f"eval/{name}/pass": r["pass"]}, at_step)
             if logger:
                 logger.dump_jsonl(f"eval_{name}.jsonl", records)
-            eval_seconds = time.time() - t
+            eval_seconds[phase] = time.time() - t
+        if phase in ("before", "warmstart") and phase in eval_seconds:
+            budget.done(phase, eval_seconds[phase], limit)
 
     def save(at_step: int):  # the data position is a function of (step, B, seed): saved to be checked
         data = {"next_prompt": at_step * B, "prompts_per_step": B, "seed": cfg.seed}
@@ -327,7 +315,11 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
     if found is None:
         run_eval("before", 0)
         if cfg.sft_steps > 0:
+            t = time.time()
             warm_start(model, tokenizer, env, sft_examples, cfg, device, log)
+            budget.done("warm-start", time.time() - t, cfg.sft_steps)
+            if budget.refit(time.time() - t_run):  # the evals shrink further if the phases ran slower
+                dist.print0(budget.line(time.time() - t_run))
             run_eval("warmstart", 0)
             if cfg.save_steps:
                 save(0)  # a crash in the RL phase does not cost the warm-start
@@ -338,7 +330,13 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
     rollouts = functools.partial(sample, sampler, tokenizer, env, params,
                                  dict(enable_thinking=cfg.enable_thinking), reward_weights)
     opts, share, t_start, steps_done, stop = loss_options(cfg), B // world, time.time(), start, False
-    budget_s = rl_budget(cfg, t_start - t_run, eval_seconds)
+    # the last evals: as long as the warm-start's (the same questions), else the plan's estimate
+    last_eval = (eval_seconds.get("warmstart") or budget.estimate("after", budget.eval_q)
+                 or eval_seconds.get("before", 0.0))
+    budget_s = rl_budget(cfg, t_start - t_run, last_eval)
+    if budget_s is not None:
+        dist.print0(f"RL: {budget_s / 60:.1f} min of the budget left (the last evals planned at {last_eval / 60:.1f} "
+                    f"min); at least {cfg.min_rl_steps} steps (min_rl_steps)")
     bar = tqdm(range(start, cfg.max_steps), desc="grpo", disable=not dist.is_main(), initial=start,
                total=cfg.max_steps)
     for step in bar:
@@ -379,7 +377,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
                 logger.rollouts(records, steps_done)
         if cfg.eval_steps and steps_done % cfg.eval_steps == 0 and steps_done < cfg.max_steps:
             run_eval(f"step{steps_done}", steps_done)
-        reason = stop_reason(ckpt, budget_s, t_start, steps_done - start)
+        reason = stop_reason(ckpt.stop_requested, budget_s, t_start, steps_done - start, cfg.min_rl_steps)
         stop = reason == "sigterm"  # SIGTERM: save, then leave cleanly
         if stop or cfg.save_steps and steps_done % cfg.save_steps == 0:
             save(steps_done)

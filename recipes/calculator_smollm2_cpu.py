@@ -82,6 +82,7 @@ class CalculatorCPU(Config):
     # all right or all wrong (most 1-op and 6-op ones) are left out of the update (a refill pass
     # would double the sampling time of a step)
     max_steps: int = 60
+    min_rl_steps: int = 3             # even where the budget is spent before RL: a run always shows some GRPO
     run_budget_min: float = 18.5      # GRPO takes what is left of 18.5 minutes after the other phases and
                                       # the last eval (planned as long as the warm-start's): 19.5 ran to 20.4
                                       # minutes once, its last eval the longer by 1.1 min; 5-8 steps, by the machine
@@ -112,7 +113,8 @@ class CalculatorCPU(Config):
     eval_before_limit: int = 10
     save_steps: int = 10
     dtype: str = "float32"
-    autocast_bf16: bool = True        # bf16 matmuls, fp32 weights and LM head: a warm-start step 11.7 s -> 8.2 s here
+    autocast_bf16: str = "auto"       # bf16 matmuls where this CPU runs them faster (AVX512-BF16: a warm-start
+                                      # step 11.7 s -> 8.2 s; AVX2 only: bf16 5.8x slower than fp32)
 
 
 def eval_setup(cfg: CalculatorCPU) -> tuple:

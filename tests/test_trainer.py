@@ -243,29 +243,6 @@ def test_a_step_where_every_group_is_flat_changes_nothing(tmp_path):
     assert all(torch.equal(p, p0) for p, p0 in zip(model.parameters(), before))
 
 
-def test_time_budget_stops_before_a_step_that_would_overrun_it(monkeypatch):
-    """The budget is judged on the step to come: 4 steps of 20 s in a 90-second budget would
-    end the fifth at 100 s, so RL stops after 4 (it ran the fifth before, to 100 s)."""
-    class Ckpt:
-        stop_requested = False
-    monkeypatch.setattr(trainer.time, "time", lambda: 1080.0)
-    assert trainer.stop_reason(Ckpt(), 90.0, 1000.0, 4) == "budget"   # 80 s in, next ends at 100 s
-    assert trainer.stop_reason(Ckpt(), 90.0, 1010.0, 4) is None       # 70 s in, next ends at 87.5 s
-    assert trainer.stop_reason(Ckpt(), None, 0.0, 1) is None          # no budget
-    Ckpt.stop_requested = True
-    assert trainer.stop_reason(Ckpt(), 90.0, 1075.0, 1) == "sigterm"
-
-
-def test_run_budget_leaves_time_for_the_last_eval():
-    """RL gets what the run budget leaves after the time spent and one more eval of the length
-    of the last; with time_budget_min too, the smaller of the two."""
-    assert trainer.rl_budget(Config(), 500.0, 100.0) is None
-    assert trainer.rl_budget(Config(time_budget_min=6), 500.0, 100.0) == 360.0
-    assert trainer.rl_budget(Config(run_budget_min=20), 500.0, 240.0) == 1200 - 500 - 240
-    assert trainer.rl_budget(Config(run_budget_min=20, time_budget_min=6), 500.0, 240.0) == 360.0
-    assert trainer.rl_budget(Config(run_budget_min=20, time_budget_min=6), 800.0, 240.0) == 160.0
-
-
 def test_micro_batches_respect_the_budget():
     lengths = [5, 30, 7, 12, 30, 1, 9]
     mbs = micro_batches(lengths, 40)

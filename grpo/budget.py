@@ -1,0 +1,205 @@
+"""The run's time budget: every phase estimated from this machine's measured speed, the evals
+shrunk when the whole run cannot fit, and the stop rule the RL loop asks after each step.
+
+`run_budget_min` covers the whole process: the eval before training, the warm-start, its evals,
+RL and the last evals. A probe at start (a few seconds) times the sampler's decode and one
+training forward + backward; each phase is estimated from those rates and its token counts, and
+the phases run so far correct the rest (one factor, measured / estimated). When the plan does not
+fit, the evals shrink, never below MIN_EVAL questions, and the evals after the warm-start and
+after RL keep the same first questions, so that their comparison stays paired. RL always runs
+at least `min_rl_steps` steps; the plan line says when that takes the run past its budget.
+`time_budget_min` is a limit on RL alone.
+"""
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from grpo import dist
+
+MIN_EVAL = 20  # questions: below this a 95% interval spans most of [0, 1]
+
+
+@dataclass
+class Rates:
+    """Seconds per token on this machine, at the precision the run uses."""
+    decode: float   # one sampled token of one row, in a wave of gen_batch rows
+    train: float    # one token through forward + backward (prefill costs about a third)
+
+
+def probe(model, sampler, prompt: list[int], rows: int, k: int = 6, train_tokens: int = 128) -> Rates:
+    """Rates from two sampler calls (2 and 2 + k tokens, the difference is decode alone) and one
+    forward + backward of `train_tokens` tokens, its gradients discarded; the same on every rank."""
+    from grpo.sampler import SamplingParams
+    times = []
+    model.eval()
+    with dist.gathered(model):
+        for n_tokens in (2, 2 + k):
+            params = SamplingParams(n=rows, temperature=1.0, max_tokens=n_tokens, stop_token_ids=[], seed=0)
+            t = time.perf_counter()
+            sampler.generate([prompt], params)
+            times.append(time.perf_counter() - t)
+        sampler.release()
+    ids = torch.tensor([(prompt * (1 + train_tokens // max(len(prompt), 1)))[:train_tokens]], device=dist.device())
+    model.train()
+    t = time.perf_counter()
+    model(ids, labels=ids).sum().backward()
+    train_s = time.perf_counter() - t
+    model.zero_grad(set_to_none=True)
+    decode_s = max(times[1] - times[0], 1e-9) / (k * rows)
+    decode_s, train_s = dist.all_max_floats([decode_s, train_s])  # the slowest rank sets the pace
+    return Rates(decode=decode_s, train=train_s / train_tokens)
+
+
+def estimate(cfg, rates: Rates, prompt_len: float, answer_len: float, sft_tokens: float, world: int = 1) -> dict:
+    """Seconds per unit of each phase: "before", "warmstart", "after" per eval question,
+    "warm-start" per step, "rl_step" per RL step. An eval question costs its prompt (prefill)
+    and its decoded tokens, per protocol (sampled, and greedy with eval_greedy); the untrained
+    model rambles to the token limit, a warm-started one writes about as long as the gold
+    answers (`answer_len`). An RL step: B x G rollouts and mu updates over them. Each of the
+    `world` ranks takes its share of the questions and rollouts; `sft_tokens` is one rank's."""
+    n = (2 if cfg.eval_greedy and cfg.eval_temperature else 1) * cfg.eval_n / world
+    question = lambda length: n * (length * rates.decode + prompt_len * rates.train / 3)  # noqa: E731
+    trained_len = answer_len if cfg.sft_steps else cfg.max_completion_length
+    rows = cfg.prompts_per_step * cfg.num_generations / world
+    return {"before": question(cfg.max_completion_length), "warmstart": question(trained_len),
+            "after": question(trained_len), "warm-start": sft_tokens * rates.train,
+            "rl_step": rows * (trained_len * rates.decode
+                               + cfg.num_iterations * (prompt_len + trained_len) * rates.train)}
+
+
+def fit(left_s: float, per_q: float, per_before_q: float, eval_q: int, before_q: int) -> tuple[int, int]:
+    """(eval questions, before-eval questions): the configured sizes, or both scaled down alike
+    until their evals take `left_s` seconds (what the budget leaves after the other phases), never
+    below MIN_EVAL (4 for the before-eval) nor above what was configured."""
+    cost = eval_q * per_q + before_q * per_before_q
+    scale = min(1.0, max(left_s, 0.0) / cost) if cost > 0 else 1.0
+    return (max(math.floor(scale * eval_q), min(MIN_EVAL, eval_q)),
+            max(math.floor(scale * before_q), min(4, before_q)))
+
+
+class Budget:
+    """One run's plan under run_budget_min: the eval sizes it chose, its estimates, and the
+    phases measured so far (`done(phase, seconds, units)`), whose measured / estimated ratio
+    corrects every later estimate."""
+
+    def __init__(self, cfg, unit: dict, eval_q: int, before_q: int):
+        self.cfg, self.unit, self.eval_q, self.before_q = cfg, unit, eval_q, before_q
+        self.budget_s = 60 * cfg.run_budget_min if unit else 0.0
+        self.measured = self.estimated = 0.0
+        self.shrunk = ""
+
+    @classmethod
+    def plan(cls, cfg, unit: dict, eval_q: int, before_q: int) -> "Budget":
+        """Fits the evals into the budget left after the warm-start and min_rl_steps of RL."""
+        self = cls(cfg, unit, eval_q, before_q)
+        if self.budget_s:
+            left = self.budget_s - cfg.sft_steps * unit["warm-start"] - cfg.min_rl_steps * unit["rl_step"]
+            self.eval_q, self.before_q = fit(left, self.per_eval_q(), unit["before"], eval_q, before_q)
+            if not cfg.eval_before_limit:  # before and after on the same questions: a paired comparison
+                self.before_q = self.eval_q
+            self.note(eval_q, before_q)
+        return self
+
+    def per_eval_q(self) -> float:
+        """Seconds per question of the evals after the warm-start (if any) and after RL."""
+        return self.unit["warmstart"] * bool(self.cfg.sft_steps) + self.unit["after"]
+
+    def factor(self) -> float:
+        return self.measured / self.estimated if self.estimated > 0 else 1.0
+
+    def done(self, phase: str, seconds: float, units: float):
+        self.measured, self.estimated = self.measured + seconds, self.estimated + self.unit[phase] * units
+
+    def estimate(self, phase: str, units: float) -> float:
+        """Seconds for `units` of a phase, corrected by the phases measured so far (0 without a plan)."""
+        return self.factor() * self.unit.get(phase, 0.0) * units
+
+    def refit(self, spent_s: float) -> bool:
+        """Before the evals after the warm-start: the eval size again, from what is left and the
+        phases measured so far (it can only shrink: the before-eval already ran). True if it did."""
+        if not self.budget_s:
+            return False
+        was = self.eval_q
+        left = self.budget_s - spent_s - self.estimate("rl_step", self.cfg.min_rl_steps)
+        self.eval_q = fit(left, self.factor() * self.per_eval_q(), 0.0, self.eval_q, 0)[0]
+        if self.eval_q != was:
+            self.shrunk = f"shrunk again after the warm-start: evals of {self.eval_q} questions (was {was})"
+        return self.eval_q != was
+
+    def note(self, eval_q: int, before_q: int):
+        if (self.eval_q, self.before_q) != (eval_q, before_q):
+            self.shrunk = (f"shrunk to fit: evals of {self.eval_q} questions (configured {eval_q}), "
+                           f"before-eval {self.before_q} (configured {before_q})")
+
+    def line(self, spent_s: float = 0.0) -> str:
+        """The plan line: each phase's estimate, what shrank, and whether the run fits."""
+        f, u, cfg = self.factor(), self.unit, self.cfg
+        phases = [("eval before", u["before"] * self.before_q)]
+        if cfg.sft_steps:
+            phases += [("warm-start", u["warm-start"] * cfg.sft_steps), ("its evals", u["warmstart"] * self.eval_q)]
+        phases += [("last evals", u["after"] * self.eval_q)]
+        fixed = spent_s + f * sum(s for _, s in phases)
+        rl_s = self.budget_s - fixed
+        steps = max(cfg.min_rl_steps, int(rl_s // (f * u["rl_step"]))) if self.budget_s else cfg.max_steps
+        steps = min(steps, cfg.max_steps)
+        text = ("plan, estimated from this machine's speed: " + ", ".join(f"{name} {f * s / 60:.1f} min" for name, s in phases)
+                + f", RL {f * u['rl_step']:.0f} s a step: ~{steps} steps")
+        if self.budget_s:
+            text += f" | run budget {self.budget_s / 60:.1f} min"
+            over = fixed + cfg.min_rl_steps * f * u["rl_step"]
+            if over > self.budget_s:
+                text += (f" | does not fit on this machine: with the smallest evals and {cfg.min_rl_steps} RL "
+                         f"steps (min_rl_steps) the run takes about {over / 60:.0f} min")
+        return text + (f" | {self.shrunk}" if self.shrunk else "")
+
+
+def make_plan(cfg, model, sampler, tokenizer, env, eval_examples: list, sft_examples: list) -> Budget:
+    """The run's Budget: with run_budget_min, from the probe and this run's token counts (eval
+    prompts, gold answers), its line printed; without, the configured eval sizes."""
+    from grpo.rollout import gold_trajectory, render_prompt
+    eval_q = min(cfg.eval_limit, len(eval_examples))
+    before_q = min(cfg.eval_before_limit or cfg.eval_limit, len(eval_examples))
+    if not cfg.run_budget_min:
+        return Budget(cfg, {}, eval_q, before_q)
+    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+    kw = {**getattr(env, "chat_kwargs", {}), "enable_thinking": cfg.enable_thinking}
+    prompts = [render_prompt(tokenizer, env.prompt(ex), **kw) for ex in (list(eval_examples) or sft_examples)[:16]]
+    gold = [gold_trajectory(tokenizer, env, ex, model.eos_token_ids()[0], kw)
+            for ex in sft_examples[:32]] if cfg.sft_steps else []
+    answer_len = min(mean([len(t.completion_ids) for t in gold]) or cfg.max_completion_length,
+                     cfg.max_completion_length)
+    sft_tokens = mean([len(t.prompt_ids) + len(t.completion_ids) for t in gold]) * cfg.sft_batch / dist.world_size()
+    rates = probe(model, sampler, prompts[0], rows=min(cfg.gen_batch, 64))
+    unit = estimate(cfg, rates, mean([len(p) for p in prompts]), answer_len, sft_tokens, dist.world_size())
+    budget = Budget.plan(cfg, unit, eval_q, before_q)
+    dist.print0(f"speed probe: decode {1 / rates.decode:.0f} tokens/s (64 rows), forward + backward "
+                f"{1 / rates.train:.0f} tokens/s a rank")
+    dist.print0(budget.line())
+    return budget
+
+
+def rl_budget(cfg, run_seconds: float, last_eval_seconds: float) -> float | None:
+    """Seconds RL may take, the same on every rank (the smallest): time_budget_min, and what
+    run_budget_min leaves after the `run_seconds` already spent and a last eval of
+    `last_eval_seconds` (as long as the previous eval, or the plan's estimate). None: no limit."""
+    limits = [60 * cfg.time_budget_min] if cfg.time_budget_min else []
+    if cfg.run_budget_min:
+        limits.append(60 * cfg.run_budget_min - run_seconds - last_eval_seconds)
+    return -dist.all_max_floats([-min(limits)])[0] if limits else None
+
+
+def stop_reason(stop_requested: bool, budget_s: float | None, t_start: float, steps_run: int,
+                min_steps: int = 0) -> str | None:
+    """Why RL stops after this step, the same on every rank: SIGTERM on any rank, or the time
+    budget by the slowest clock (each rank's own clock would let ranks leave at different steps,
+    and the next collective would hang). The budget stops RL before a step that would end past
+    it, judged by the mean of the `steps_run` steps so far (stopping only once it was spent ran
+    a 6-minute budget to 6.8 minutes), but not before `min_steps` steps."""
+    sigterm, elapsed = dist.all_max_floats([float(stop_requested), time.time() - t_start])
+    if sigterm:
+        return "sigterm"
+    next_end = elapsed * (steps_run + 1) / max(steps_run, 1)
+    over = budget_s is not None and next_end > budget_s
+    return "budget" if over and steps_run >= min_steps else None

@@ -1,0 +1,210 @@
+"""The run budget (grpo.budget) and the CPU choices (grpo.cpu): the plan's arithmetic on
+hand-written numbers, the stop rule, a whole toy run that shrinks its evals to fit, and the
+precision choice forced each way by a stubbed measurement and checked against a real one."""
+import json
+
+import pytest
+import torch
+
+from grpo import budget, cpu, trainer
+from grpo.budget import Budget, Rates, estimate, fit, rl_budget, stop_reason
+from grpo.config import Config, parse_args
+from grpo.trainer import train
+
+from toy import ToyEnv, make_toy_dir
+
+EXAMPLES = [{"question": f"w{i} w{i + 1}", "answer": ""} for i in range(40)]
+
+
+# ----------------------------------------------------------------------------- the stop rule
+
+def test_time_budget_stops_before_a_step_that_would_overrun_it(monkeypatch):
+    """The budget is judged on the step to come: 4 steps of 20 s in a 90-second budget would
+    end the fifth at 100 s, so RL stops after 4 (it ran the fifth before, to 100 s)."""
+    monkeypatch.setattr(budget.time, "time", lambda: 1080.0)
+    assert stop_reason(False, 90.0, 1000.0, 4) == "budget"   # 80 s in, next ends at 100 s
+    assert stop_reason(False, 90.0, 1010.0, 4) is None       # 70 s in, next ends at 87.5 s
+    assert stop_reason(False, None, 0.0, 1) is None          # no budget
+    assert stop_reason(True, 90.0, 1075.0, 1) == "sigterm"
+
+
+def test_min_steps_run_past_a_spent_budget(monkeypatch):
+    """A budget already spent still gets min_rl_steps steps: a run always does some GRPO."""
+    monkeypatch.setattr(budget.time, "time", lambda: 1000.0)
+    assert stop_reason(False, -50.0, 900.0, 1, min_steps=3) is None
+    assert stop_reason(False, -50.0, 900.0, 2, min_steps=3) is None
+    assert stop_reason(False, -50.0, 900.0, 3, min_steps=3) == "budget"
+    assert stop_reason(True, -50.0, 900.0, 1, min_steps=3) == "sigterm"  # SIGTERM does not wait
+
+
+def test_run_budget_leaves_time_for_the_last_eval():
+    """RL gets what the run budget leaves after the time spent and one more eval of the length
+    of the last; with time_budget_min too, the smaller of the two."""
+    assert rl_budget(Config(), 500.0, 100.0) is None
+    assert rl_budget(Config(time_budget_min=6), 500.0, 100.0) == 360.0
+    assert rl_budget(Config(run_budget_min=20), 500.0, 240.0) == 1200 - 500 - 240
+    assert rl_budget(Config(run_budget_min=20, time_budget_min=6), 500.0, 240.0) == 360.0
+    assert rl_budget(Config(run_budget_min=20, time_budget_min=6), 800.0, 240.0) == 160.0
+
+
+# ----------------------------------------------------------------------------- the plan
+
+def test_fit_scales_both_evals_alike_within_bounds():
+    # 200 + 10 questions at 2 s and 10 s: 500 s of evals; 250 s left -> half of each
+    assert fit(250.0, 2.0, 10.0, 200, 10) == (100, 5)
+    assert fit(1e9, 2.0, 10.0, 200, 10) == (200, 10)        # never more than configured
+    assert fit(1.0, 2.0, 10.0, 200, 10) == (budget.MIN_EVAL, 4)  # never below the floors
+    assert fit(-100.0, 2.0, 10.0, 200, 10) == (budget.MIN_EVAL, 4)
+    assert fit(1.0, 2.0, 10.0, 12, 3) == (12, 3)             # a floor above the configured size: as configured
+
+
+def test_estimate_counts_tokens_protocols_and_ranks():
+    cfg = Config(eval_greedy=True, eval_temperature=1.0, eval_n=1, sft_steps=5, max_completion_length=200,
+                 prompts_per_step=4, num_generations=2, num_iterations=1)
+    rates = Rates(decode=0.01, train=0.003)
+    u = estimate(cfg, rates, prompt_len=100, answer_len=50, sft_tokens=1000)
+    # two protocols (sampled + greedy): each question decodes its answer and prefills its prompt
+    assert u["before"] == pytest.approx(2 * (200 * 0.01 + 100 * 0.001))     # the untrained model rambles
+    assert u["warmstart"] == u["after"] == pytest.approx(2 * (50 * 0.01 + 100 * 0.001))
+    assert u["warm-start"] == pytest.approx(1000 * 0.003)
+    assert u["rl_step"] == pytest.approx(8 * (50 * 0.01 + 150 * 0.003))
+    half = estimate(cfg, rates, 100, 50, 1000, world=2)        # two ranks: half the rows each
+    assert half["after"] == pytest.approx(u["after"] / 2) and half["rl_step"] == pytest.approx(u["rl_step"] / 2)
+
+
+def unit(before=1.0, per_q=1.0, sft=1.0, rl=10.0):
+    return {"before": before, "warmstart": per_q, "after": per_q, "warm-start": sft, "rl_step": rl}
+
+
+def test_plan_keeps_a_fitting_run_and_shrinks_one_that_does_not():
+    cfg = Config(run_budget_min=10, sft_steps=100, min_rl_steps=3, eval_limit=200, eval_before_limit=10)
+    # 100 s warm-start + 30 s RL + 10 before + 2 x 200 evals = 540 s < 600 s: as configured
+    fits = Budget.plan(cfg, unit(), 200, 10)
+    assert (fits.eval_q, fits.before_q, fits.shrunk) == (200, 10, "")
+    # evals at 3 s a question: 1,230 s > 600; 470 s left for 10 x 1 + 200 x 6 -> both at 0.389
+    slow = Budget.plan(cfg, unit(per_q=3.0), 200, 10)
+    assert (slow.eval_q, slow.before_q) == (77, 4) and "shrunk to fit" in slow.shrunk
+    assert "does not fit" not in slow.line()
+    # nothing fits: the floors, and the line says how long the run will take
+    hopeless = Budget.plan(cfg, unit(rl=1000.0), 200, 10)
+    assert (hopeless.eval_q, hopeless.before_q) == (budget.MIN_EVAL, 4)
+    assert "does not fit on this machine" in hopeless.line()
+
+
+def test_plan_pairs_before_with_after_when_no_warm_start():
+    """Without a warm-start and a separate before-eval size, before and after share questions."""
+    cfg = Config(run_budget_min=1, sft_steps=0, min_rl_steps=1, eval_limit=100, eval_before_limit=0)
+    b = Budget.plan(cfg, unit(before=2.0, per_q=2.0, rl=5.0), 100, 100)
+    assert b.eval_q == b.before_q < 100
+
+
+def test_measured_phases_correct_later_estimates():
+    cfg = Config(run_budget_min=10, sft_steps=10, min_rl_steps=1, eval_limit=200, eval_before_limit=10)
+    b = Budget.plan(cfg, unit(), 200, 10)
+    b.done("before", 20.0, 10)          # twice the estimate
+    b.done("warm-start", 20.0, 10)
+    assert b.factor() == pytest.approx(2.0)
+    assert b.estimate("rl_step", 1) == pytest.approx(20.0)
+    # 40 s spent; 600 - 40 - 20 (an RL step at 2x) = 540 s for 2 evals of 2 x 1 s a question -> 135
+    assert b.refit(40.0) and b.eval_q == 135 and "shrunk again" in b.shrunk
+
+
+def test_no_budget_means_no_plan():
+    b = budget.make_plan(Config(eval_limit=7, eval_before_limit=3), None, None, None, None, list(range(9)), [])
+    assert (b.eval_q, b.before_q, b.budget_s) == (7, 3, 0.0)
+    assert not b.refit(1e6) and b.estimate("after", 7) == 0.0
+
+
+def test_a_slow_machine_shrinks_the_evals_and_still_runs_rl(tmp_path, monkeypatch, capsys, one_thread):
+    """A whole toy run whose probe reports a very slow machine, in a 0.06 s budget that loading
+    the model alone spends: the plan shrinks both evals alike (before and after on the same
+    questions), says so, and RL still runs min_rl_steps steps."""
+    slow = Rates(decode=0.01, train=0.001)  # ~10x this toy model's real speed on any CPU
+    monkeypatch.setattr(budget, "probe", lambda *a, **k: slow)
+    cfg = Config(model_path=make_toy_dir(tmp_path / "toy"), output_dir=str(tmp_path / "run"),
+                 max_steps=50, prompts_per_step=2, num_generations=2, max_completion_length=16,
+                 max_prompt_length=32, micro_batch_tokens=64, gen_batch=8, eval_limit=40, eval_before_limit=0,
+                 save_steps=0, export=False, log_completions_steps=0, run_budget_min=0.001, min_rl_steps=2)
+    results = train(cfg, ToyEnv(), EXAMPLES, EXAMPLES)
+    out = capsys.readouterr().out
+    assert "plan, estimated from this machine's speed" in out and "shrunk to fit" in out
+    assert results["before"]["questions"] == results["after"]["questions"] == budget.MIN_EVAL
+    steps = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if '"reward/mean"' in line]
+    assert len(steps) == 2  # min_rl_steps, although the budget is spent before RL starts
+
+
+# ----------------------------------------------------------------------------- CPU: precision and threads
+
+def test_auto_chooses_fp32_where_bf16_is_slow_and_bf16_where_it_is_fast():
+    avx2 = lambda: {"float32": 48.7, "bfloat16": 8.4}        # noqa: E731  (a Zen 3 machine's rates)
+    avx512_bf16 = lambda: {"float32": 145.0, "bfloat16": 403.0}  # noqa: E731
+    assert cpu.choose("auto", avx2)[0] is False
+    use, line = cpu.choose("auto", avx512_bf16)
+    assert use is True and "145" in line and "403" in line
+    tie = lambda: {"float32": 100.0, "bfloat16": 110.0}      # noqa: E731  (within the margin: fp32)
+    assert cpu.choose("auto", tie)[0] is False
+
+
+def test_true_and_false_force_the_choice_without_measuring():
+    def never():
+        raise AssertionError("forced settings must not measure")
+    assert cpu.choose("true", never)[0] is True and cpu.choose(True, never)[0] is True
+    assert cpu.choose("false", never)[0] is False and cpu.choose("0", never)[0] is False
+    with pytest.raises(ValueError, match="autocast_bf16='maybe'"):
+        cpu.choose("maybe", never)
+
+
+def test_real_measurement_is_consistent_with_its_choice(one_thread):
+    """Whatever this CPU is, the choice follows the two rates it measured (no speed asserted)."""
+    rates = cpu.measure(64, 128, rows=32)
+    assert rates["float32"] > 0 and rates["bfloat16"] > 0
+    use, _ = cpu.choose("auto", lambda: rates)
+    assert use == (rates["bfloat16"] > cpu.MARGIN * rates["float32"])
+
+
+def test_set_autocast_on_a_model(tiny_dir, one_thread):
+    from grpo.model import Transformer
+    path, _ = tiny_dir("llama")
+    model = Transformer.from_pretrained(path)
+    assert "forced" in cpu.set_autocast(model, "true") and model.autocast_bf16 is True
+    cpu.set_autocast(model, "auto", rates_fn=lambda: {"float32": 10.0, "bfloat16": 1.0})
+    assert model.autocast_bf16 is False
+
+
+def test_config_reads_every_spelling_of_autocast_bf16(tmp_path):
+    assert parse_args(Config, ["--autocast_bf16", "auto"]).autocast_bf16 == "auto"
+    assert parse_args(Config, ["--autocast_bf16=1"]).autocast_bf16 == "true"
+    assert parse_args(Config, ["--autocast_bf16", "False"]).autocast_bf16 == "false"
+    assert Config(autocast_bf16=True).check().autocast_bf16 == "true"   # a run recorded before "auto"
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("autocast_bf16: true\n")
+    assert parse_args(Config, ["--config", str(yaml_file)]).autocast_bf16 == "true"
+    with pytest.raises(ValueError, match="autocast_bf16"):
+        parse_args(Config, ["--autocast_bf16", "fast"])
+
+
+def test_threads_per_rank_share_the_cores(monkeypatch):
+    n = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        assert cpu.set_threads(0) == 8          # torchrun's OMP_NUM_THREADS=1 would leave 14 cores idle
+        assert cpu.set_threads(3) == 3          # asked for: as asked
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        torch.set_num_threads(n)
+        assert cpu.set_threads(0) == n          # one process: torch's own default, unchanged
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_probe_times_the_sampler_and_one_backward_without_changing_the_model(tmp_path, one_thread):
+    from transformers import AutoTokenizer
+    from grpo.model import Transformer
+    from grpo.sampler import Sampler
+    path = make_toy_dir(tmp_path / "toy")
+    model, tok = Transformer.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    before = [p.detach().clone() for p in model.parameters()]
+    rates = budget.probe(model, Sampler(model, tok, max_batch=8), [6, 7, 8], rows=8, train_tokens=16)
+    assert rates.decode > 0 and rates.train > 0
+    assert all(torch.equal(p, p0) for p, p0 in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters())
