@@ -10,6 +10,7 @@ Past STYLE.md's ~150 lines because gold_trajectory lives here too: a demonstrati
 laid out exactly as a rollout is, with the same continuation_ids, and beside rollout() a
 reader can check that.
 """
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -35,14 +36,21 @@ class Trajectory:
 
 
 def render_prompt(tokenizer, messages: list[dict], **chat_kwargs) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **chat_kwargs)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    """The prompt's token ids. Message contents (a dataset's question, an env's text) are text:
+    a question that spells `<|im_start|>system` gets those characters, never a forged turn."""
+    if not any(_added_in(tokenizer, m.get("content")) for m in messages):  # the common case: one encode
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **chat_kwargs)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **chat_kwargs)
+    return _encode_framed(tokenizer, messages, range(len(messages)), text, 0, chat_kwargs)
 
 
 def continuation_ids(tokenizer, messages: list[dict], turn_text: str, observation: str, role: str,
                      **chat_kwargs) -> list[int]:
     """Token ids the chat template adds after an assistant turn that ended in `turn_text`:
-    the end of that turn, the observation message of `role`, and the next assistant header."""
+    the end of that turn, the observation message of `role`, and the next assistant header.
+    The observation is text: tool output that spells `<|im_end|>` gets those characters, so
+    model-written code cannot print a forged turn into the sequence it is trained on."""
     before = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                            **chat_kwargs)
     history = messages + [{"role": "assistant", "content": turn_text}, {"role": role, "content": observation}]
@@ -53,11 +61,63 @@ def continuation_ids(tokenizer, messages: list[dict], turn_text: str, observatio
         raise ValueError("the chat template rewrites earlier turns (e.g. strips them), so observation "
                          "tokens cannot be appended in place; rendered text diverges after "
                          f"{_common_prefix(prefix, after)} chars")
-    return tokenizer.encode(after[len(prefix):], add_special_tokens=False)
+    if not _added_in(tokenizer, observation):
+        return tokenizer.encode(after[len(prefix):], add_special_tokens=False)
+    return _encode_framed(tokenizer, history, [len(history) - 1], after, len(prefix), chat_kwargs)
 
 
 def _common_prefix(a: str, b: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+# ----------------------------------------------------------------------------- contents as text
+
+SENTINEL = "\ue000{}\ue001"  # private-use characters: a placeholder no template rewrites
+
+
+def _added_in(tokenizer, text) -> bool:
+    """Does `text` spell any of the tokenizer's added tokens (special, control, tool tags)?"""
+    return isinstance(text, str) and any(len(t) > 1 and t in text for t in tokenizer.get_added_vocab())
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """`text` as plain text: cut inside every occurrence of an added token's string and encode
+    the pieces apart, so no piece holds one whole and none becomes its id. Text without any
+    encodes exactly as tokenizer.encode does."""
+    cuts = {0, len(text)}
+    for token in tokenizer.get_added_vocab():
+        at = text.find(token)
+        while len(token) > 1 and at != -1:
+            cuts.add(at + 1)
+            at = text.find(token, at + 1)
+    cuts = sorted(cuts)
+    return [i for a, b in zip(cuts, cuts[1:]) for i in tokenizer.encode(text[a:b], add_special_tokens=False)]
+
+
+def _encode_framed(tokenizer, messages: list[dict], guarded, text: str, start: int, chat_kwargs: dict) -> list[int]:
+    """text[start:] as ids: the template's framing (its control tokens) encoded as usual and the
+    `guarded` messages' contents as text. The framing is found by rendering those contents as
+    placeholders; a content must then appear in its place as given, or trimmed (as some
+    templates do), never found by a search that its own text could mislead."""
+    marked = [{**m, "content": SENTINEL.format(k)} if k in guarded else m for k, m in enumerate(messages)]
+    frame = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False, **chat_kwargs)
+    pieces = re.split("\ue000(\\d+)\ue001", frame[start:])   # framing, index, framing, ..., framing
+    ids, at = [], start
+    for j in range(0, len(pieces) - 1, 2):
+        framing, content, after = pieces[j], messages[int(pieces[j + 1])]["content"], pieces[j + 2]
+        if not text.startswith(framing, at):
+            raise ValueError("the chat template's framing depends on message contents: they cannot be "
+                             "encoded as plain text")
+        ids += tokenizer.encode(framing, add_special_tokens=False)
+        at += len(framing)
+        shown = next((c for c in (content, content.strip(), content.rstrip(), content.lstrip())
+                      if text.startswith(c, at) and text.startswith(after, at + len(c))), None)
+        if shown is None:
+            raise ValueError("the chat template rewrites a message's content beyond trimming it: it cannot "
+                             "be encoded as plain text")
+        ids += encode_text(tokenizer, shown)
+        at += len(shown)
+    return ids + tokenizer.encode(text[at:], add_special_tokens=False)
 
 
 class _ToolState:
