@@ -28,7 +28,8 @@ What is covered (on Linux, where `unshare` may make namespaces; the start line s
   call's own. A session keyring of its own (the trainer's is inherited otherwise, and setuid keeps it);
   no_new_privs (no setuid binaries) either way.
 - seccomp (x86_64): EPERM for keyctl, add_key, request_key, unshare, setns, clone with a namespace flag,
-  mount and the new mount API, ptrace, bpf, perf_event_open, userfaultfd, io_uring, modules and kexec;
+  mount and the new mount API, ptrace, bpf, perf_event_open, userfaultfd, io_uring, modules, kexec,
+  modify_ldt, uselib;
   ENOSYS for clone3 (libc falls back to clone); other arches' and x32 syscalls are refused.
 - rlimits: CPU seconds (timeout + 1), address space (memory_mb), file size 16 MiB (output included),
   64 open files, 64 processes, no core files; an environment with nothing of the trainer's.
@@ -81,7 +82,8 @@ UID_BASE, UID_BLOCK = 2_000_000_000, 4096  # run as root, each pool's code runs 
 NS = ["unshare", "--net", "--mount", "--pid", "--ipc", "--uts", "--cgroup", "--fork", "--kill-child",
       "--mount-proc"]
 # the workers' whole environment, never the trainer's; one BLAS thread, since threads count as processes
-ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp",
+ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp", "USER": "sandbox",
+       "LOGNAME": "sandbox",  # getpass.getuser() without a passwd entry: the code's uid has none
        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 LIMITS = {"RLIMIT_FSIZE": 16 << 20, "RLIMIT_NOFILE": 64, "RLIMIT_NPROC": 64, "RLIMIT_CORE": 0}
 GRACE = 5.0  # s past the timeout before the trainer kills a worker whose init did not answer
@@ -333,10 +335,11 @@ def _private_view(hide: list[str], keep: list[str]) -> tuple[str, list[str]]:
         ok += _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
     assert _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777"), "no private /tmp"
     # a devpts of its own: the host's lists (and lets the same uid open) the ptys of the trainer and of
-    # concurrent calls; /dev/ptmx opens in the devpts mounted beside it (Linux >= 4.7)
-    missing = [] if _mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
-                           "newinstance,ptmxmode=0666,mode=0620,max=64") else \
-        [f"a devpts instance of its own ({os.strerror(ctypes.get_errno())})"]
+    # concurrent calls; /dev/ptmx opens in the devpts mounted beside it (Linux >= 4.7). Without a
+    # /dev/pts there are no ptys to reach.
+    missing = [] if not os.path.isdir("/dev/pts") or _mount(
+        "devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620,max=64") \
+        else [f"a devpts instance of its own ({os.strerror(ctypes.get_errno())})"]
     hidden = []
     for path in hide:
         if not os.path.isdir(path) or os.path.islink(path) or path in keep:
@@ -356,10 +359,10 @@ def _private_view(hide: list[str], keep: list[str]) -> tuple[str, list[str]]:
 # x86_64 numbers of the syscalls the code gets EPERM for: keys (the kernel's keyrings are per uid and
 # outlive the call), new namespaces (a user namespace gives back every capability in it), mounts,
 # tracing, kernel modules and kexec, and the large attack surfaces of bpf, perf, userfaultfd, io_uring
-# (which also makes sockets without socket()) and the new mount API.
-DENIED = {"ptrace": 101, "pivot_root": 155, "mount": 165, "umount2": 166, "init_module": 175,
-          "delete_module": 176, "kexec_load": 246, "add_key": 248, "request_key": 249, "keyctl": 250,
-          "unshare": 272, "perf_event_open": 298, "open_by_handle_at": 304, "setns": 308,
+# (which also makes sockets without socket()), the new mount API, modify_ldt and uselib.
+DENIED = {"ptrace": 101, "uselib": 134, "modify_ldt": 154, "pivot_root": 155, "mount": 165, "umount2": 166,
+          "init_module": 175, "delete_module": 176, "kexec_load": 246, "add_key": 248, "request_key": 249,
+          "keyctl": 250, "unshare": 272, "perf_event_open": 298, "open_by_handle_at": 304, "setns": 308,
           "finit_module": 313, "kexec_file_load": 320, "bpf": 321, "userfaultfd": 323, "io_uring_setup": 425,
           "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428, "move_mount": 429, "fsopen": 430,
           "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442}
