@@ -9,31 +9,55 @@ run_code never raises for anything the code does; it raises only when the sandbo
 
 What is covered (on Linux, where `unshare` may make namespaces; the start line says what was made):
 - No network: a new network namespace holds only a loopback that is down, so no TCP/UDP, no DNS, no
-  abstract unix sockets. Root uses it directly; other users through a user namespace.
+  abstract unix sockets. Root uses it directly; other users through a user namespace. A seccomp filter
+  (x86_64) allows sockets of AF_UNIX only: no AF_VSOCK (the host's port space), netlink, packet, alg.
 - Files: a mount namespace remounts every mount read-only; /tmp is a private tmpfs (64 MiB), the
   working folder, gone when the call ends; /dev/shm, /run and the trainer's home are covered by empty
-  tmpfs (tokens, caches, agent sockets), with the Python install re-bound if it lives there.
+  tmpfs (tokens, caches, agent sockets), with only the Python install's own folders re-bound if they
+  live there (a sys.path entry under home, a checkout, stays hidden). /dev/pts is a devpts instance of
+  its own: the ptys of the trainer and of other calls are not there.
 - Processes: a pid namespace (the trainer is invisible) whose init kills every process left when the
-  code returns or times out; the trainer kills the worker's process group as a backstop.
-- Privileges: run as root, the code drops to nobody (65534), since root ignores RLIMIT_NPROC; inside a
-  user namespace it loses every capability instead; no_new_privs (no setuid binaries) either way.
+  code returns or times out; the trainer kills the worker's process group as a backstop. The OOM killer
+  takes workers first (oom_score_adj 1000).
+- IPC, UTS, cgroup: namespaces of its own. SysV shared memory, message queues, semaphores and POSIX
+  message queues die with the call (so does the memory they hold) and are never seen by another call.
+- Privileges: run as root, the code drops to a uid of its own (from 2000000000 up, a block per pool
+  claimed on the machine, no passwd entry, no files): RLIMIT_NPROC and the kernel's other per-user counts
+  are then the call's own, not shared with concurrent calls; a uid is reused only after its worker is
+  gone. Inside a user namespace (not root) the code loses every capability, and the namespace is the
+  call's own. A session keyring of its own (the trainer's is inherited otherwise, and setuid keeps it);
+  no_new_privs (no setuid binaries) either way.
+- seccomp (x86_64): EPERM for keyctl, add_key, request_key, unshare, setns, clone with a namespace flag,
+  mount and the new mount API, ptrace, bpf, perf_event_open, userfaultfd, io_uring, modules, kexec,
+  modify_ldt, uselib;
+  ENOSYS for clone3 (libc falls back to clone); other arches' and x32 syscalls are refused.
 - rlimits: CPU seconds (timeout + 1), address space (memory_mb), file size 16 MiB (output included),
   64 open files, 64 processes, no core files; an environment with nothing of the trainer's.
+- A layer the kernel or the privileges refuse is named at start, and the sandbox refuses to start
+  unless told (allow_missing=True or GRPO_SANDBOX_ALLOW_MISSING=1): the seccomp filter (not x86_64,
+  or refused), the devpts instance, a uid of its own per call (no namespaces, or root whose uid map
+  lacks the block), the session keyring (only matters without seccomp), oom_score_adj.
 
 What is not covered:
 - Reads: the code can read whatever its user may (world-readable files, the repository). It cannot
   send them anywhere, but it can print them into its observation. A unix socket file outside the
   covered folders stays connectable (read-only mounts do not stop that) if its user may write it.
-- Memory is limited per process (address space), not in total: there is no cgroup, so tmpfs, memfd
-  and many processes together can use more. The 64 processes of nobody are shared by all calls.
-- The kernel: namespaces are not a VM (no seccomp filter); a kernel bug is an escape.
+- Memory is limited per process (address space), not in total: there is no cgroup, so 64 processes,
+  the tmpfs (64 + 3 x 16 MiB) and memfds (16 MiB each) of one call can use up to about 64 x memory_mb
+  while it runs. All of it is freed when the call ends (its processes, mounts and IPC die with it).
+  CPU is limited per process too (timeout + 1 s each), not by a cgroup.
+- The kernel: namespaces and a deny-list filter are not a VM; a kernel bug in what stays allowed is an
+  escape.
+- Without seccomp: other socket families and the calls above are open, and a uid's user keyring can
+  pass keys to the next call that gets the same uid.
 - Without namespaces (only with allow_network=True or GRPO_SANDBOX_ALLOW_NETWORK=1): network, files
   and processes that leave the process group are open; only rlimits, the uid and the folder remain.
 
-About 340 lines, past the ~200 budget: the second half (the worker, after the separator) is the
+About 540 lines, past the ~200 budget: the second half (the worker, after the separator) is the
 isolation itself, and reads better beside the pool that starts it than in a file of its own.
 """
 import atexit
+import collections
 import ctypes
 import json
 import os
@@ -43,21 +67,27 @@ import resource
 import select
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
 import traceback
 import types
 
-NOBODY = 65534
-NS = ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc"]
+UID_BASE, UID_BLOCK = 2_000_000_000, 4096  # run as root, each pool's code runs as uids of a block from here
+NS = ["unshare", "--net", "--mount", "--pid", "--ipc", "--uts", "--cgroup", "--fork", "--kill-child",
+      "--mount-proc"]
 # the workers' whole environment, never the trainer's; one BLAS thread, since threads count as processes
-ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp",
+ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp", "USER": "sandbox",
+       "LOGNAME": "sandbox",  # getpass.getuser() without a passwd entry: the code's uid has none
        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 LIMITS = {"RLIMIT_FSIZE": 16 << 20, "RLIMIT_NOFILE": 64, "RLIMIT_NPROC": 64, "RLIMIT_CORE": 0}
 GRACE = 5.0  # s past the timeout before the trainer kills a worker whose init did not answer
+READY_TIMEOUT = 60.0  # s a call waits for a ready worker (one starts in well under 1 s) before an error
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
 # per-mount flags a user namespace may not drop, so a read-only remount must repeat them
 LOCKED = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024, "nodiratime": 2048,
@@ -79,32 +109,47 @@ class Sandbox:
     """A pool of `workers` ready worker processes; `run` takes one per call and starts its replacement."""
 
     def __init__(self, workers: int = 4, allow_network: bool = False, max_output: int = 8192,
-                 memory_mb: int = 2048):
+                 memory_mb: int = 2048, allow_missing: bool = False, ready_timeout: float = READY_TIMEOUT):
         self.prefix, reason = namespaces()
         allow_network = allow_network or os.environ.get("GRPO_SANDBOX_ALLOW_NETWORK") == "1"
+        allow_missing = allow_missing or os.environ.get("GRPO_SANDBOX_ALLOW_MISSING") == "1"
         if self.prefix is None and not allow_network:
             raise RuntimeError(f"grpo.envs.sandbox: cannot isolate the network here ({reason}); pass allow_"
                                "network=True or set GRPO_SANDBOX_ALLOW_NETWORK=1 to run code without it")
         home = {os.path.expanduser("~"), pwd.getpwuid(os.getuid()).pw_dir} - {"/", "/tmp"}
-        python = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(sys.executable), *sys.path]
+        # the install's own folders only: a sys.path entry under home (a project, a checkout) stays hidden
+        python = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                  os.path.dirname(sys.executable), *sysconfig.get_paths().values()]
         python = {f(p) for p in python if os.path.isabs(p) for f in (os.path.abspath, os.path.realpath)}
         cfg = {"max_output": max_output, "limits": {**LIMITS, "RLIMIT_AS": memory_mb << 20},
                "hide": ["/dev/shm", "/run", *sorted(home)],  # covered by empty tmpfs in the worker
-               "keep": sorted(p for p in python if not any(p.startswith(q + "/") for q in python))}
-        self.max_output, self._closed, self._lock, self._exiting = max_output, False, threading.Lock(), []
+               "keep": sorted(p for p in python if not any(p.startswith(q + "/") for q in python)),
+               "userns": "--user" in (self.prefix or [])}
+        self.max_output, self.ready_timeout, self._closed, self._lock = max_output, ready_timeout, False, \
+            threading.Lock()
+        self._exiting, self._uids = [], collections.deque()
+        self._claim, self._next_uid = _claim_uids()
+        self._last_uid = self._next_uid + UID_BLOCK - 1
         self._argv = [*(self.prefix or []), sys.executable, "-I", os.path.abspath(__file__), json.dumps(cfg)]
-        self._ready = queue.SimpleQueue()
+        self._ready = queue.Queue()
         for _ in range(workers):
             self._ready.put(self._spawn())
-        text, report = self._call("print('ok')", 10.0)  # the first call: proves the workers work
+        text, report, missing = self._call("print('ok')", 10.0)  # the first call: proves the workers work
         if text != "ok\n":
             self.close()
             raise RuntimeError(f"grpo.envs.sandbox: a worker failed at start: {text!r}")
+        if missing and not allow_missing:
+            self.close()
+            raise RuntimeError(f"grpo.envs.sandbox: isolation layers missing here: {'; '.join(missing)}; "
+                               "pass allow_missing=True or set GRPO_SANDBOX_ALLOW_MISSING=1 to run code "
+                               "without them")
         self.isolation = (f"{report}; rlimits: cpu timeout+1 s, address space {memory_mb} MiB, file size "
                           f"{LIMITS['RLIMIT_FSIZE'] >> 20} MiB, {LIMITS['RLIMIT_NOFILE']} files, "
                           f"{LIMITS['RLIMIT_NPROC']} processes; {workers} workers")
         if self.prefix is None:
             self.isolation += f" (namespaces refused: {reason})"
+        if missing:
+            self.isolation += f" (missing: {'; '.join(missing)})"
         print(f"grpo.envs.sandbox: {self.isolation}")
 
     def run(self, code: str, timeout: float = 10.0) -> str:
@@ -115,17 +160,68 @@ class Sandbox:
             return f"[sandbox error: {type(e).__name__}: {e}]"
 
     def _spawn(self) -> subprocess.Popen:
-        return subprocess.Popen(self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, env=ENV, cwd="/", start_new_session=True)
-
-    def _take(self) -> subprocess.Popen:
-        w = self._ready.get()
-        while w.poll() is not None:  # it died waiting (killed, out of memory): replace it, take the next
-            self._ready.put(self._spawn())
-            w = self._ready.get()
+        """A new worker with a uid no other live worker has: RLIMIT_NPROC (and every other per-user count
+        of the kernel's) is then per call. A uid comes back only once its worker was reaped (its pid
+        namespace is gone by then) and 8 starts later, so a killed one has long finished dying."""
+        with self._lock:
+            while len(self._uids) < 8 and self._next_uid <= self._last_uid:
+                if not _has_user(self._next_uid):  # never the uid of a user of this machine
+                    self._uids.append(self._next_uid)
+                self._next_uid += 1
+            if not self._uids:
+                raise RuntimeError(f"all {UID_BLOCK} uids of this pool are in use")
+            uid = self._uids.popleft()
+        try:
+            w = subprocess.Popen([*self._argv, str(uid)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, env=ENV, cwd="/", start_new_session=True)
+        except BaseException:
+            self._uids.append(uid)
+            raise
+        w.uid = uid
         return w
 
-    def _call(self, code: str, timeout: float) -> tuple[str, str]:
+    def _refill(self, attempt: int = 0) -> None:
+        """Start a replacement; if that fails (out of memory or processes), retry in the background with a
+        backoff, so a failed start never loses a place in the pool."""
+        if self._closed:
+            return
+        try:
+            w = self._spawn()
+        except Exception as e:
+            delay = min(0.1 * 2 ** attempt, 10.0)
+            print(f"grpo.envs.sandbox: starting a worker failed ({type(e).__name__}: {e}); retry "
+                  f"{attempt + 1} in {delay:g} s", file=sys.stderr, flush=True)
+            retry = threading.Timer(delay, self._refill, (attempt + 1,))
+            retry.daemon = True
+            retry.start()
+            return
+        self._ready.put(w)
+        if self._closed:  # close() ran while it started: it did not see this one
+            self.close()
+
+    def _take(self) -> subprocess.Popen:
+        deadline = time.monotonic() + self.ready_timeout
+        while True:
+            try:
+                w = self._ready.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"no worker became ready within {self.ready_timeout:g} s (workers fail to "
+                                   "start: see stderr)") from None
+            if w.poll() is None:
+                return w
+            self._retire(w)  # it died waiting (killed, out of memory): replace it, take the next
+            self._refill()
+
+    def _retire(self, w: subprocess.Popen) -> None:
+        """Reap the workers that have exited (an answered one exits within ms; it is not waited for)."""
+        with self._lock:
+            self._exiting.append(w)
+            for x in [x for x in self._exiting if x.poll() is not None]:
+                x.stdout.close()
+                self._exiting.remove(x)
+                self._uids.append(x.uid)
+
+    def _call(self, code: str, timeout: float) -> tuple[str, str, list[str]]:
         w, raw = self._take(), None
         try:
             w.stdin.write(json.dumps({"code": code, "timeout": timeout}).encode())
@@ -134,24 +230,21 @@ class Sandbox:
         finally:
             if raw is None and w.poll() is None:
                 os.killpg(w.pid, signal.SIGKILL)  # unshare --kill-child takes the whole pid namespace with it
-            with self._lock:  # reaped by later calls, not waited for: an answered worker exits within ms
-                self._exiting.append(w)
-                for x in [x for x in self._exiting if x.poll() is not None]:
-                    x.stdout.close()
-                    self._exiting.remove(x)
-            if not self._closed:  # the replacement starts after the answer, not competing with the call
-                self._ready.put(self._spawn())
+            self._retire(w)
+            self._refill()  # the replacement starts after the answer, not competing with the call
         if raw is None:
-            return f"[timed out after {timeout:g} s: the worker was killed]", ""
+            return f"[timed out after {timeout:g} s: the worker was killed]", "", []
         try:
             r = json.loads(raw)
         except ValueError:
-            return f"[sandbox error: the worker exited without a result: {raw[-300:]!r}]", ""
-        return r["text"][: self.max_output + 400], r["report"]
+            return f"[sandbox error: the worker exited without a result: {raw[-300:]!r}]", "", []
+        return r["text"][: self.max_output + 400], r["report"], r["missing"]
 
     def close(self) -> None:
         self._closed = True
-        workers = self._exiting
+        self._claim.close()
+        with self._lock:
+            workers, self._exiting = self._exiting, []
         while not self._ready.empty():
             workers.append(self._ready.get())
         for w in workers:
@@ -165,6 +258,27 @@ class Sandbox:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _claim_uids() -> tuple[socket.socket, int]:
+    """The first of UID_BLOCK uids no other pool on this machine uses (trainers of several ranks each
+    start one): held by an abstract unix socket's name, which the kernel frees when its process ends."""
+    claim = socket.socket(socket.AF_UNIX)
+    for block in range((2**31 - 1 - UID_BASE) // UID_BLOCK):
+        try:
+            claim.bind(f"\0grpo-sandbox-uids-{UID_BASE + block * UID_BLOCK}")
+            return claim, UID_BASE + block * UID_BLOCK
+        except OSError:
+            continue
+    raise RuntimeError("grpo.envs.sandbox: every block of uids is taken")
+
+
+def _has_user(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+        return True
+    except KeyError:
+        return False
 
 
 _default: Sandbox | None = None  # the one global: run_code's pool, started on first use
@@ -202,15 +316,16 @@ def _read(fd: int, deadline: float, limit: int) -> bytes | None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The worker: `python -I sandbox.py CFG`, pid 1 of its namespaces. It sets up the view of the files,
-# reads one job from stdin, forks the child that runs it, waits, and prints one JSON result.
+# The worker: `python -I sandbox.py CFG UID`, pid 1 of its namespaces. It sets up the view of the files
+# and the seccomp filter, reads one job from stdin, forks the child that runs it as UID, waits, and
+# prints one JSON result: the answer, what isolation it made, and which layers it could not make.
 
 def _mount(source, target: str, fstype, flags: int, data: str | None = None) -> bool:
     enc = lambda s: None if s is None else s.encode()  # noqa: E731
     return _libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)) == 0
 
 
-def _private_view(hide: list[str], keep: list[str]) -> str:
+def _private_view(hide: list[str], keep: list[str]) -> tuple[str, list[str]]:
     ok = total = 0
     for line in open("/proc/self/mountinfo"):
         point, options = line.split()[4:6]
@@ -219,6 +334,12 @@ def _private_view(hide: list[str], keep: list[str]) -> str:
         total += 1
         ok += _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
     assert _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777"), "no private /tmp"
+    # a devpts of its own: the host's lists (and lets the same uid open) the ptys of the trainer and of
+    # concurrent calls; /dev/ptmx opens in the devpts mounted beside it (Linux >= 4.7). Without a
+    # /dev/pts there are no ptys to reach.
+    missing = [] if not os.path.isdir("/dev/pts") or _mount(
+        "devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620,max=64") \
+        else [f"a devpts instance of its own ({os.strerror(ctypes.get_errno())})"]
     hidden = []
     for path in hide:
         if not os.path.isdir(path) or os.path.islink(path) or path in keep:
@@ -231,20 +352,108 @@ def _private_view(hide: list[str], keep: list[str]) -> str:
         for k, fd in zip(inside, handles):
             os.makedirs(k, exist_ok=True)
             _mount(f"/proc/self/fd/{fd}", k, None, MS_BIND | MS_REC)  # a bind keeps the read-only flag
-    return (f"network, mount and pid namespaces; {ok}/{total} mounts read-only; private /tmp 64 MiB; "
-            f"covered: {' '.join(hidden)}")
+    return (f"network, mount, pid, ipc, uts and cgroup namespaces; {ok}/{total} mounts read-only; private "
+            f"/tmp 64 MiB{'' if missing else ', private devpts'}; covered: {' '.join(hidden)}"), missing
 
 
-def _worker(cfg: dict) -> None:
+# x86_64 numbers of the syscalls the code gets EPERM for: keys (the kernel's keyrings are per uid and
+# outlive the call), new namespaces (a user namespace gives back every capability in it), mounts,
+# tracing, kernel modules and kexec, and the large attack surfaces of bpf, perf, userfaultfd, io_uring
+# (which also makes sockets without socket()), the new mount API, modify_ldt and uselib.
+DENIED = {"ptrace": 101, "uselib": 134, "modify_ldt": 154, "pivot_root": 155, "mount": 165, "umount2": 166,
+          "init_module": 175, "delete_module": 176, "kexec_load": 246, "add_key": 248, "request_key": 249,
+          "keyctl": 250, "unshare": 272, "perf_event_open": 298, "open_by_handle_at": 304, "setns": 308,
+          "finit_module": 313, "kexec_file_load": 320, "bpf": 321, "userfaultfd": 323, "io_uring_setup": 425,
+          "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428, "move_mount": 429, "fsopen": 430,
+          "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442}
+SOCKET, SOCKETPAIR, CLONE, CLONE3, AF_UNIX = 41, 53, 56, 435, 1
+CLONE_NEW = 0x7E020000  # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
+
+
+LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET|K
+ALLOW, EPERM, ENOSYS = 0x7FFF0000, 0x50000 | 1, 0x50000 | 38  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | errno
+NR, ARCH, ARG0 = 0, 4, 16  # offsets in struct seccomp_data; ARG0 reads the low 32 bits (little-endian)
+
+
+def _bpf(lines: list) -> bytes:
+    """Classic BPF as struct sock_filter {u16 code; u8 jt, jf; u32 k}[] from (code, jt, jf, k) tuples
+    and labels: a string names the next instruction, a jump to it becomes the count of those skipped."""
+    at, program = {}, []
+    for line in lines:
+        if isinstance(line, str):
+            at[line] = len(program)
+        else:
+            program.append(line)
+    skip = lambda to, i: to if isinstance(to, int) else at[to] - i - 1  # noqa: E731
+    return b"".join(struct.pack("=HBBI", op, skip(jt, i), skip(jf, i), k)
+                    for i, (op, jt, jf, k) in enumerate(program))
+
+
+def _seccomp_filter() -> bytes:
+    """Other arches and the x32 ABI (other numbers), DENIED, sockets but AF_UNIX, and clone with a
+    namespace flag get EPERM; clone3 gets ENOSYS (its flags are in memory a filter cannot read; libc
+    then falls back to clone)."""
+    return _bpf([(LD, 0, 0, ARCH), (JEQ, 0, "deny", 0xC000003E), (LD, 0, 0, NR), (JGE, "deny", 0, 0x40000000),
+                 *((JEQ, "deny", 0, n) for n in DENIED.values()), (JEQ, "enosys", 0, CLONE3),
+                 (JEQ, "family", 0, SOCKET), (JEQ, "family", 0, SOCKETPAIR), (JEQ, "clone", 0, CLONE),
+                 (RET, 0, 0, ALLOW),
+                 "family", (LD, 0, 0, ARG0), (JEQ, "allow", "deny", AF_UNIX),
+                 "clone", (LD, 0, 0, ARG0), (JSET, "deny", "allow", CLONE_NEW),
+                 "allow", (RET, 0, 0, ALLOW), "enosys", (RET, 0, 0, ENOSYS), "deny", (RET, 0, 0, EPERM)])
+
+
+def _install(program: bytes) -> str:
+    """Install a seccomp filter on this process (and so on everything it forks); '' or why not."""
+    buf = ctypes.create_string_buffer(program, len(program))
+    fprog = struct.pack("=HxxxxxxQ", len(program) // 8, ctypes.addressof(buf))  # struct sock_fprog
+    _libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS, which an unprivileged filter needs
+    if _libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        return f"seccomp filter ({os.strerror(ctypes.get_errno())})"
+    return ""
+
+
+def _seccomp() -> str:
+    if os.uname().machine != "x86_64":
+        return f"seccomp filter (its syscall numbers are x86_64's, this is {os.uname().machine})"
+    return _install(_seccomp_filter())
+
+
+def _worker(cfg: dict, uid: int) -> None:
     _libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the code may not ptrace this init
+    oom = ""
+    try:  # the first the OOM killer takes: a call, never the trainer (children inherit it; raising is free)
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError as e:
+        oom = f"oom_score_adj 1000 ({e.strerror})"
+    missing = [oom] if oom else []
     isolated = os.getpid() == 1
-    report = _private_view(cfg["hide"], cfg["keep"]) if isolated else "no namespaces"
+    report, lost = _private_view(cfg["hide"], cfg["keep"]) if isolated else ("no namespaces", [])
+    missing += lost
+    if isolated:  # its own UTS namespace: the machine's name is not the code's business either
+        _libc.sethostname(b"sandbox", 7)
     work = "/tmp" if isolated else tempfile.mkdtemp(prefix="grpo-sandbox-")
-    drop = os.geteuid() == 0 and any(int(a) <= NOBODY < int(a) + int(n) for a, _, n in
+    # the trainer's session keyring is inherited, and setuid keeps it: join a new, empty one
+    joined = _libc.syscall(ctypes.c_long(250), ctypes.c_long(1), None) >= 0  # KEYCTL_JOIN_SESSION_KEYRING
+    keyring = "" if joined else f"a session keyring of its own ({os.strerror(ctypes.get_errno())})"
+    drop = os.geteuid() == 0 and any(int(a) <= uid < int(a) + int(n) for a, _, n in
                                      (line.split() for line in open("/proc/self/uid_map")))
     if drop and not isolated:
-        os.chown(work, NOBODY, NOBODY)
-    report += "; code runs as uid 65534" if drop else "; code runs without capabilities"
+        os.chown(work, uid, uid)
+    if drop:
+        report += f"; code runs as uid {uid}, this call's own"
+    elif cfg["userns"]:  # its own user namespace: RLIMIT_NPROC counts its uid 0 there, per call
+        report += "; code runs without capabilities, in a user namespace of its own"
+    else:
+        report += f"; code runs as uid {os.getuid()}" + ("" if os.geteuid() else " without capabilities")
+        missing.append(f"a uid of its own per call (calls share uid {os.getuid()} and its process count)")
+    no_filter = _seccomp()  # last: the setup above needs mount and keyctl
+    if no_filter:  # keyctl stays open to the code: then its own session keyring is a layer of its own
+        missing += [no_filter, keyring] if keyring else [no_filter]
+    else:
+        report += (f"; seccomp: sockets AF_UNIX only, EPERM for {len(DENIED)} syscalls (keys, namespaces, "
+                   "mounts, ptrace, bpf, io_uring...)")
+    report += ("" if keyring else "; its own session keyring") + ("" if oom else "; oom_score_adj 1000")
     data = sys.stdin.buffer.read()
     if not data:  # the pool closed before using this worker
         return
@@ -253,7 +462,8 @@ def _worker(cfg: dict) -> None:
     sys.stdout.flush()  # nothing buffered may be copied into the child
     pid = os.fork()
     if pid == 0:
-        _child(job["code"], {**cfg["limits"], "RLIMIT_CPU": int(job["timeout"]) + 1}, out, err, work, drop)
+        _child(job["code"], {**cfg["limits"], "RLIMIT_CPU": int(job["timeout"]) + 1}, out, err, work,
+               uid if drop else None)
     done = select.poll()
     done.register(os.pidfd_open(pid), select.POLLIN)
     timed_out = not done.poll(job["timeout"] * 1000)
@@ -274,7 +484,7 @@ def _worker(cfg: dict) -> None:
     text = _output(out, err, cfg["max_output"], notes)
     if not isolated:
         shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps({"text": text, "report": report}), flush=True)
+    print(json.dumps({"text": text, "report": report, "missing": missing}), flush=True)
 
 
 def _output(out: int, err: int, max_output: int, notes: list[str]) -> str:
@@ -291,7 +501,7 @@ def _output(out: int, err: int, max_output: int, notes: list[str]) -> str:
     return text + " ".join(notes)
 
 
-def _child(code: str, limits: dict, out: int, err: int, work: str, drop: bool) -> None:
+def _child(code: str, limits: dict, out: int, err: int, work: str, uid: int | None) -> None:
     os.setsid()  # its own process group, killed as one
     for fd, target in ((os.open(os.devnull, os.O_RDONLY), 0), (out, 1), (err, 2)):
         os.dup2(fd, target)
@@ -300,10 +510,10 @@ def _child(code: str, limits: dict, out: int, err: int, work: str, drop: bool) -
     os.environ["HOME"] = work
     for name, value in limits.items():  # CPU: the soft limit's SIGXCPU names the cause, SIGKILL would not
         resource.setrlimit(getattr(resource, name), (value, value + (name == "RLIMIT_CPU")))
-    if drop:  # root ignores RLIMIT_NPROC; nobody does not
+    if uid is not None:  # root ignores RLIMIT_NPROC; a uid of its own does not, and shares it with no call
         os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
+        os.setgid(uid)
+        os.setuid(uid)
     else:  # root of a user namespace: no capability left, none regained by exec (could undo the mounts)
         for cap in range(64):
             _libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
@@ -335,4 +545,4 @@ def _child(code: str, limits: dict, out: int, err: int, work: str, drop: bool) -
 
 
 if __name__ == "__main__":
-    _worker(json.loads(sys.argv[1]))
+    _worker(json.loads(sys.argv[1]), int(sys.argv[2]))

@@ -1,11 +1,16 @@
 """grpo.envs.sandbox: each test is an escape attempt that must fail and leave this process (the
 trainer) running. Tests that need namespaces skip with the kernel's reason where it refuses them."""
+import collections
+import ctypes
 import http.server
 import os
+import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -19,13 +24,27 @@ from grpo.envs.sandbox import Sandbox
 NS, REASON = sandbox.namespaces()
 needs_ns = pytest.mark.skipif(NS is None, reason=f"the kernel refused namespaces: {REASON}")
 SECRET = f"hf_{uuid.uuid4().hex}"  # a token the trainer holds in its environment
+ROOT = os.geteuid() == 0
+SECCOMP = os.uname().machine == "x86_64"  # the filter's syscall numbers are x86_64's; elsewhere it is missing
+needs_seccomp = pytest.mark.skipif(not SECCOMP, reason=f"no seccomp filter for {os.uname().machine}")
+# the subprocess tests' trainers import the sandbox.py this test imported, wherever it is installed from
+IMPORT = ("import importlib.util\nspec = importlib.util.spec_from_file_location('sandbox', "
+          f"{sandbox.__file__!r})\nsandbox = importlib.util.module_from_spec(spec)\n"
+          "spec.loader.exec_module(sandbox)\nSandbox = sandbox.Sandbox\n")
+LIBC = ctypes.CDLL(None, use_errno=True)
+# for the code: raw syscalls, every argument a long (syscall() is variadic)
+SYSCALL = ("import ctypes, errno, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+           "def sys_(nr, *args):\n"
+           "    args = [ctypes.c_long(a) if isinstance(a, int) else a for a in args]\n"
+           "    r = libc.syscall(ctypes.c_long(nr), *args)\n"
+           "    return r if r >= 0 else errno.errorcode[ctypes.get_errno()]\n")
 
 
 @pytest.fixture(scope="module")
 def sb():
     os.environ["GRPO_SANDBOX_TEST_SECRET"] = SECRET  # set before any worker starts
     try:
-        with Sandbox(workers=4, memory_mb=1024, allow_network=NS is None) as box:
+        with Sandbox(workers=4, memory_mb=1024, allow_network=NS is None, allow_missing=not SECCOMP) as box:
             yield box
     finally:
         del os.environ["GRPO_SANDBOX_TEST_SECRET"]
@@ -35,13 +54,15 @@ def _pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
 
-def _owned_by(uid: int) -> int:
-    n = 0
+def _per_uid() -> collections.Counter:
+    """Processes per uid, the sandbox's only (the range its calls' uids come from)."""
+    n = collections.Counter()
     for pid in _pids():
         try:
-            n += os.stat(f"/proc/{pid}").st_uid == uid
+            uid = os.stat(f"/proc/{pid}").st_uid
         except OSError:
-            pass
+            continue
+        n[uid] += uid >= sandbox.UID_BASE
     return n
 
 
@@ -56,10 +77,12 @@ def test_stdout_then_stderr_and_a_fresh_interpreter(sb):
     assert sb.run("import sys\nsys.exit('bye')") == "bye\n"
     assert "SyntaxError" in sb.run("def f(:")
     if NS is not None:
-        assert sb.isolation.startswith("network, mount and pid namespaces"), sb.isolation
+        assert sb.isolation.startswith("network, mount, pid, ipc, uts and cgroup namespaces"), sb.isolation
 
 
-def test_run_code_default_pool():
+def test_run_code_default_pool(monkeypatch):
+    if not SECCOMP:  # the default refuses where a layer is missing
+        monkeypatch.setenv("GRPO_SANDBOX_ALLOW_MISSING", "1")
     assert sandbox.run_code("print(6 * 7)", timeout=5) == "42\n"
 
 
@@ -137,7 +160,7 @@ def test_environment_has_nothing_of_the_trainer(sb):
 
 @needs_ns
 def test_fork_bomb_under_an_outer_cap():
-    script = ("from grpo.envs.sandbox import Sandbox\nwith Sandbox(workers=1) as sb:\n"
+    script = (IMPORT + f"with Sandbox(workers=1, allow_missing={not SECCOMP}) as sb:\n"
               "    print(repr(sb.run('import os\\nwhile True:\\n    os.fork()', timeout=3)))\n"
               "    print(repr(sb.run('print(6 * 7)')))")
     # the outer cap, in case the sandbox fails: the bomb's trainer runs in a pid namespace of the test's
@@ -147,10 +170,10 @@ def test_fork_bomb_under_an_outer_cap():
         outer[1:1] = ["--user", "--map-root-user"]
     p = subprocess.Popen([*outer, sys.executable, "-c", script],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    base, peak, nobody, deadline = len(_pids()), 0, 0, time.monotonic() + 60
+    base, peak, per_uid, deadline = len(_pids()), 0, 0, time.monotonic() + 60
     while p.poll() is None:
         peak = max(peak, len(_pids()))
-        nobody = max(nobody, _owned_by(sandbox.NOBODY)) if os.geteuid() == 0 else 0
+        per_uid = max(per_uid, *_per_uid().values(), 0) if ROOT else 0
         if peak > base + 1000 or time.monotonic() > deadline:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
@@ -161,7 +184,7 @@ def test_fork_bomb_under_an_outer_cap():
     bomb, after = out.strip().splitlines()[-2:]
     assert "timed out" in bomb or "Resource temporarily unavailable" in bomb, bomb
     assert after == repr("42\n")
-    assert nobody <= sandbox.LIMITS["RLIMIT_NPROC"]  # as root: the dropped uid's RLIMIT_NPROC held
+    assert per_uid <= sandbox.LIMITS["RLIMIT_NPROC"]  # as root: the dropped uid's RLIMIT_NPROC held
 
 
 def test_memory_bomb(sb):
@@ -256,13 +279,16 @@ def test_refuses_to_start_without_network_isolation():
             Sandbox(workers=1)
         return
     # a kernel that refuses: a user namespace whose limits allow no new network or user namespace
-    script = ("import os\nfrom grpo.envs.sandbox import Sandbox\ntry:\n    Sandbox(workers=1)\n"
+    script = ("import os\n" + IMPORT + "try:\n    Sandbox(workers=1)\n"
               "except RuntimeError as e:\n    print('refused:', e)\n"
-              "os.environ['GRPO_SANDBOX_ALLOW_NETWORK'] = '1'\n"
-              "with Sandbox(workers=1) as sb:\n    print('ran:', sb.run('print(6 * 7)').strip())")
+              "os.environ['GRPO_SANDBOX_ALLOW_NETWORK'] = '1'\ntry:\n    Sandbox(workers=1)\n"
+              "except RuntimeError as e:\n    print('refused again:', e)\n"
+              "os.environ['GRPO_SANDBOX_ALLOW_MISSING'] = '1'\n"
+              "with Sandbox(workers=1) as sb:\n"
+              "    print('ran:', sb.run('print(6 * 7)').strip(), sb.isolation)")
     limit = ("echo 0 > /proc/sys/user/max_net_namespaces && echo 0 > /proc/sys/user/max_user_namespaces"
              " && exec \"$@\"")
-    env = {k: v for k, v in os.environ.items() if k != "GRPO_SANDBOX_ALLOW_NETWORK"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_SANDBOX_ALLOW")}
     r = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "--pid", "--fork", "--mount-proc",
                         "sh", "-c", limit, "sh", sys.executable, "-c", script],
                        capture_output=True, text=True, timeout=60, env=env)
@@ -270,4 +296,228 @@ def test_refuses_to_start_without_network_isolation():
         pytest.skip(f"cannot make a refusing kernel here: {r.stderr.strip()[-300:]}")
     assert "refused: grpo.envs.sandbox: cannot isolate the network here" in r.stdout, r.stdout + r.stderr
     assert "No space left on device" in r.stdout and "allow_network=True" in r.stdout  # the kernel's reason
+    # without namespaces, calls share one uid (0 of this user namespace), a layer missing of its own
+    assert "refused again: grpo.envs.sandbox: isolation layers missing here: a uid of its own per call" in \
+        r.stdout and "GRPO_SANDBOX_ALLOW_MISSING=1" in r.stdout, r.stdout + r.stderr
     assert "ran: 42" in r.stdout and "namespaces refused" in r.stdout, r.stdout + r.stderr
+    assert "(missing: a uid of its own per call" in r.stdout, r.stdout
+    assert "seccomp: sockets AF_UNIX only" in r.stdout or not SECCOMP, r.stdout
+
+
+@needs_seccomp
+def test_refuses_to_start_without_seccomp():
+    # a kernel that refuses seccomp filters: this test's trainer runs under a filter of the sandbox's own
+    # making, where seccomp() (317) and prctl (157) PR_SET_SECCOMP (22) answer EINVAL
+    script = (IMPORT + "s = sandbox\nassert s._install(s._bpf([(s.LD, 0, 0, s.NR), (s.JEQ, 'no', 0, 317), "
+              "(s.JEQ, 0, 'yes', 157), (s.LD, 0, 0, s.ARG0), (s.JEQ, 'no', 'yes', 22), "
+              "'yes', (s.RET, 0, 0, s.ALLOW), 'no', (s.RET, 0, 0, 0x50000 | 22)])) == ''\n"
+              "try:\n    Sandbox(workers=1, allow_network=True)\n"
+              "except RuntimeError as e:\n    print('refused:', e)\n"
+              "with Sandbox(workers=1, allow_network=True, allow_missing=True) as sb:\n"
+              "    print('ran:', sb.run('import socket\\nsocket.socket()\\nprint(6 * 7)').strip())")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_SANDBOX_ALLOW")}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert "refused: grpo.envs.sandbox: isolation layers missing here: seccomp filter (Invalid argument)" in \
+        r.stdout, r.stdout + r.stderr
+    assert "ran: 42" in r.stdout, r.stdout + r.stderr  # allowed: it runs, and sockets are not filtered
+
+
+def test_own_session_keyring():
+    # the trainer's token in its session keyring: the worker inherits that keyring, and setuid keeps it
+    sys_ = lambda *a: LIBC.syscall(*(ctypes.c_long(x) if isinstance(x, int) else x for x in a))  # noqa: E731
+    if sys_(250, 1, None) < 0:  # KEYCTL_JOIN_SESSION_KEYRING: a new one for this test process
+        pytest.skip(f"no keyrings here: {os.strerror(ctypes.get_errno())}")
+    key = sys_(248, b"user", b"grpo-test-token", SECRET.encode(), len(SECRET), -3)  # add_key to @s
+    assert key > 0, os.strerror(ctypes.get_errno())
+    code = (SYSCALL + "buf = ctypes.create_string_buffer(256)\n"
+            f"print('read:', sys_(250, 11, {key}, buf, 256), buf.value)\n"  # KEYCTL_READ the trainer's key
+            "print('search:', sys_(250, 10, -3, b'user', b'grpo-test-token', 0))\n"  # KEYCTL_SEARCH @s
+            "for ring in (-3, -4, -5):\n"  # add_key to @s, @u, @us
+            "    print('add:', sys_(248, b'user', b'planted', b'x', 1, ring))\n"
+            "print(open('/proc/keys').read())")
+    try:
+        with Sandbox(workers=1, memory_mb=1024, allow_network=NS is None, allow_missing=not SECCOMP) as box:
+            out = box.run(code)
+    finally:
+        sys_(250, 3, key)  # KEYCTL_REVOKE
+    assert SECRET not in out and "grpo-test-token" not in out, out
+    if SECCOMP:  # keyctl denied outright
+        assert out.count("add: EPERM") == 3 and "search: EPERM" in out, out
+    assert sys_(250, 10, -3, b"user", b"planted", 0) < 0  # nothing planted in the trainer's keyring
+
+
+@needs_ns
+def test_namespaces_of_its_own(sb):
+    kinds = ["net", "mnt", "pid", "ipc", "uts", "cgroup"]
+    code = (f"import os, time\nprint(' '.join(os.readlink(f'/proc/self/ns/{{k}}') for k in {kinds!r}))\n"
+            "time.sleep(0.5)")
+    with ThreadPoolExecutor(2) as pool:  # two rows of one rollout: both alive at once
+        outs = list(pool.map(sb.run, [code, code]))
+    for kind, *ns in zip(kinds, *(out.split() for out in outs)):
+        assert os.readlink(f"/proc/self/ns/{kind}") not in ns and ns[0] != ns[1], (kind, outs)
+
+
+@pytest.mark.skipif(not ROOT or NS is None, reason="per-call uids are root's (a user namespace has one uid)")
+def test_two_pools_share_no_uid():  # as the trainers of two ranks on one machine each start one
+    code = "import os\nprint(os.getuid())"
+    kw = {"workers": 1, "memory_mb": 1024, "allow_missing": not SECCOMP}
+    with Sandbox(**kw) as a, Sandbox(**kw) as b:
+        uids = [int(box.run(code)) for box in (a, b, a, b)]
+    assert len(set(uids)) == 4 and min(uids) >= sandbox.UID_BASE, uids
+
+
+@needs_ns
+def test_ipc_objects_do_not_outlive_a_call(sb):
+    key = random.randrange(1 << 20, 1 << 30)
+    make = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"print(libc.shmget({key}, 64 << 20, 0o1666) >= 0, libc.msgget({key}, 0o1666) >= 0, "
+            f"libc.semget({key}, 1, 0o1666) >= 0)")
+    find = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"print(libc.shmget({key}, 0, 0), libc.msgget({key}, 0), libc.semget({key}, 0, 0))")
+    try:
+        assert sb.run(make) == "True True True\n"
+        assert sb.run(find) == "-1 -1 -1\n"  # the next call (a fresh worker) finds none of them
+        left = [LIBC.shmget(key, 0, 0), LIBC.msgget(key, 0), LIBC.semget(key, 0, 0)]
+        assert left == [-1, -1, -1], left  # nor does the trainer: nothing pins memory after the call
+    finally:  # a failed run must not leave 64 MiB of shared memory on this machine
+        for get, ctl in ((LIBC.shmget, LIBC.shmctl), (LIBC.msgget, LIBC.msgctl)):
+            if (i := get(key, 0, 0)) >= 0:
+                ctl(i, 0, None)  # IPC_RMID
+        if (i := LIBC.semget(key, 0, 0)) >= 0:
+            LIBC.semctl(i, 0, 0)
+
+
+@needs_ns
+def test_own_devpts(sb):
+    master, slave = os.openpty()  # a pty of the trainer's that anyone may write to
+    name = os.ttyname(slave)
+    os.chmod(name, 0o666)
+    code = (f"import os\nprint(sorted(os.listdir('/dev/pts')))\n"
+            f"try:\n    fd = os.open({name!r}, os.O_WRONLY)\n"
+            "    os.write(fd, b'from the sandbox')\n    print('wrote')\n"
+            "except OSError as e:\n    print('refused:', e.strerror)\n"
+            "m, s = os.openpty()\nos.write(m, b'own\\n')\nprint('own pty:', os.ttyname(s), os.read(s, 9))")
+    try:
+        out = sb.run(code)
+        os.set_blocking(master, False)
+        with pytest.raises(BlockingIOError):
+            os.read(master, 100)  # nothing came in
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert out.startswith("['ptmx']\nrefused:") and "own pty: /dev/pts/0 b'own\\n'" in out, out
+
+
+@needs_ns
+@needs_seccomp
+def test_sockets_are_unix_only(sb):
+    code = ("import socket\nfor family, kind in [('AF_INET', 'SOCK_DGRAM'), ('AF_INET6', 'SOCK_STREAM'), "
+            "('AF_NETLINK', 'SOCK_RAW'), ('AF_PACKET', 'SOCK_RAW'), ('AF_VSOCK', 'SOCK_STREAM'), "
+            "('AF_ALG', 'SOCK_SEQPACKET')]:\n"
+            "    try:\n        s = socket.socket(getattr(socket, family), getattr(socket, kind))\n"
+            "        if family == 'AF_VSOCK':\n            s.bind((socket.VMADDR_CID_ANY, 0))\n"
+            "        print(family, 'made')\n    except OSError as e:\n        print(family, e.strerror)\n"
+            "a, b = socket.socketpair()\na.send(b'unix')\n"
+            "print(b.recv(4), socket.socket(socket.AF_UNIX).family)")
+    out = sb.run(code)
+    assert "made" not in out and out.count("Operation not permitted") == 6, out
+    assert out.endswith("b'unix' 1\n"), out  # AF_UNIX works
+
+
+@needs_ns
+@needs_seccomp
+def test_escape_syscalls_denied(sb):
+    code = (SYSCALL + "import threading, subprocess\n"
+            "print('unshare', sys_(272, 0x10000000))\n"  # CLONE_NEWUSER: every capability back
+            "print('clone', sys_(56, 0x10000000 | 17, 0, 0, 0, 0))\n"  # clone(CLONE_NEWUSER | SIGCHLD)
+            "print('clone3', sys_(435, 0, 0))\n"
+            "print('ptrace', sys_(101, 0, 0, 0, 0))\n"  # PTRACE_TRACEME
+            "print('bpf', sys_(321, 0, 0, 0))\nprint('perf_event_open', sys_(298, 0, 0, -1, -1, 0))\n"
+            "print('userfaultfd', sys_(323, 0))\nprint('io_uring_setup', sys_(425, 1, 0))\n"
+            "print('x32 getpid', sys_(0x40000000 + 39))\nprint('modify_ldt', sys_(154, 0, 0, 0))\n"
+            "t = threading.Thread(target=print, args=('a thread',))\nt.start()\nt.join()\n"
+            "print(subprocess.run(['echo', 'a process'], capture_output=True, text=True).stdout.strip())")
+    out = sb.run(code)
+    for name in ["unshare", "clone", "ptrace", "bpf", "perf_event_open", "userfaultfd", "io_uring_setup",
+                 "x32 getpid", "modify_ldt"]:
+        assert f"{name} EPERM\n" in out, (name, out)
+    assert "clone3 ENOSYS\n" in out and out.endswith("a thread\na process\n"), out  # libc falls back
+
+
+@pytest.mark.skipif(not ROOT or NS is None, reason="per-call uids are root's (a user namespace has one uid)")
+def test_one_call_cannot_take_the_processes_of_another(sb):
+    hog = ("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+           "            time.sleep(30)\n            os._exit(0)\n        n += 1\n"
+           "except OSError as e:\n    print(os.getuid(), n, e.strerror)\ntime.sleep(3)")
+    with ThreadPoolExecutor(1) as pool:
+        hogged = pool.submit(sb.run, hog, 8)
+        deadline = time.monotonic() + 8
+        while not hogged.done() and max(_per_uid().values(), default=0) < sandbox.LIMITS["RLIMIT_NPROC"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        other = sb.run("import os, threading, subprocess\n"
+                       "t = threading.Thread(target=print, args=('thread',))\n"
+                       "t.start()\nt.join()\nprint(os.getuid(), subprocess.run(['true']).returncode)")
+        uid, n, why = hogged.result().split(maxsplit=2)
+    assert int(n) >= sandbox.LIMITS["RLIMIT_NPROC"] - 2 and why == "Resource temporarily unavailable\n", why
+    assert other.startswith("thread\n") and other.endswith(" 0\n") and other.split()[1] != uid, other
+
+
+@needs_ns
+@pytest.mark.parametrize("on_path", ["a folder under home", "home and a folder under it"])
+def test_home_hidden_even_on_sys_path(on_path, monkeypatch):
+    home = os.path.expanduser("~")
+    if home in ("/", "/tmp") or not os.access(home, os.W_OK):
+        pytest.skip(f"no home of this user's to hide: {home}")
+    folder = tempfile.mkdtemp(dir=home, prefix=".grpo-sandbox-test-")
+    try:
+        os.chmod(folder, 0o755)
+        with open(os.path.join(folder, "token"), "w") as f:
+            f.write(SECRET)
+        os.chmod(os.path.join(folder, "token"), 0o644)
+        monkeypatch.setattr(sys, "path", [home, folder] if on_path.startswith("home") else
+                            [folder, *sys.path])
+        with Sandbox(workers=1, memory_mb=1024, allow_missing=not SECCOMP) as box:
+            out = box.run(f"import os\nprint('home:', os.listdir({home!r}))\n"
+                          f"print(open({os.path.join(folder, 'token')!r}).read())")
+    finally:
+        shutil.rmtree(folder)
+    listed = out.splitlines()[0]  # the empty tmpfs, with at most the Python install's folders
+    assert listed.startswith("home: [") and os.path.basename(folder) not in listed, out
+    assert SECRET not in out and "FileNotFoundError" in out, out
+
+
+def test_oom_score_adj(sb):
+    assert sb.run("print(open('/proc/self/oom_score_adj').read().strip())") == "1000\n"
+
+
+def test_a_failed_respawn_is_retried(monkeypatch):
+    with Sandbox(workers=1, memory_mb=1024, allow_network=NS is None, allow_missing=not SECCOMP) as box:
+        spawn, fails = box._spawn, []
+
+        def failing_once():
+            if not fails:
+                fails.append(1)
+                raise OSError(11, "Resource temporarily unavailable")
+            return spawn()
+        monkeypatch.setattr(box, "_spawn", failing_once)
+        assert box.run("print(1)") == "1\n"  # its replacement failed to start: retried in the background
+        with ThreadPoolExecutor(1) as pool:
+            assert pool.submit(box.run, "print(2)").result(timeout=10) == "2\n"
+        assert fails == [1]
+
+
+def test_waiting_for_a_worker_has_a_timeout(monkeypatch):
+    with Sandbox(workers=1, memory_mb=1024, allow_network=NS is None, allow_missing=not SECCOMP) as box:
+        box.ready_timeout = 0.5
+        def failing():
+            raise OSError(12, "Cannot allocate memory")
+        monkeypatch.setattr(box, "_spawn", failing)
+        with ThreadPoolExecutor(1) as pool:
+            assert pool.submit(box.run, "print(1)").result(timeout=10) == "1\n"
+            t = time.monotonic()
+            out = pool.submit(box.run, "print(2)").result(timeout=10)
+        assert out == "[sandbox error: RuntimeError: no worker became ready within 0.5 s (workers fail to " \
+                      "start: see stderr)]", out
+        assert time.monotonic() - t < 5
+        box._closed = True  # stop the retries before the real _spawn comes back
