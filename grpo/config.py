@@ -62,7 +62,7 @@ class Config:
     kv_budget_gb: float = 0.0         # sampler KV-cache budget; 0 = sized from gen_batch
     # ---- GRPO
     num_iterations: int = 1           # mu: policy updates per batch of rollouts
-    loss_type: str = "grpo"           # aggregation over tokens (DESIGN.md, "The math, pinned")
+    loss_type: str = "grpo"           # aggregation over tokens (grpo.loss: one function each)
     scale_rewards: str = "group"      # advantage std: group | batch | none (Dr. GRPO)
     epsilon: float = 0.2              # eps_low of the clip range
     epsilon_high: float | None = None  # eps_high; unset = epsilon (DAPO's clip-higher: 0.28)

@@ -1,6 +1,6 @@
 """GRPO's math as plain functions: advantages, the clipped surrogate, KL, aggregations.
 
-Every equation of DESIGN.md "The math, pinned" is one small function here, readable beside
+Every equation of GRPO and of the variants below is one small function here, readable beside
 the papers. They are the references that the fused kernels in `grpo.kernels` are tested
 against, and the path that runs where those kernels do not: `group_advantages` and
 `policy_loss` call the Triton kernels for CUDA tensors and these functions elsewhere.
