@@ -9,9 +9,8 @@ epsilon / epsilon_high, beta, loss_type, scale_rewards, mask_truncated_completio
 gradient_checkpointing, save_steps, save_total_limit, eval_steps, lr_scheduler_type). One
 difference of meaning: `prompts_per_step` counts prompts over all ranks, where TRL's
 per_device_train_batch_size counts completions per device (ours x G / ranks).
-A field's trailing comment is its description in `--help`. Over its ~150-line budget: every
-field carries its description, and the command line (YAML, --help, one-line errors) and the
-GPU profiles are each small but belong beside the fields they read.
+A field's trailing comment is its description in `--help`. The command line (YAML, --help,
+one-line errors) and the GPU profiles sit beside the fields they read.
 """
 import dataclasses
 import inspect

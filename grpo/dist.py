@@ -15,9 +15,8 @@ it SIGKILLs them after --shutdown-timeout seconds (default 30), so give it a ste
 Ranks always agree: a decision that reads a clock or a folder is rank 0's, broadcast
 (`on_rank0`, `broadcast`); an exception on one rank ends every rank with that rank's message
 (`fail_together`), not a hang until the collective timeout.
-Past STYLE.md's ~100 lines because it also holds the collectives that make losses and logged
-means global, `gathered` for sampling, and the failure watch; STYLE.md keeps parallelism in
-this one file, so a reader finds the process-group primitives the trainer uses in one place.
+Also here: the collectives that make losses and logged means global, `gathered` for sampling,
+and the failure watch. Every process-group primitive the trainer uses is in this one file.
 """
 import atexit
 import contextlib
