@@ -1,4 +1,4 @@
-"""One command that proves the CUDA paths: parity checks, and the figures of the GPU goals (issue 19).
+"""One command that proves the CUDA paths: parity checks, and the figures of the GPU goals.
 
     python bench/gpu_check.py                    # one GPU of 80 GB or more, under 8 minutes; each part
                                                  # in its own process under --part-timeout (a hang or

@@ -6,7 +6,7 @@ forward and forward+backward, over a grid of N (tokens), V (vocab), H (hidden).
     python bench/logprobs.py --quick    # a small grid, seconds
     python bench/logprobs.py --no-compile
 
-Goals (issue 4): CPU, N=2048 V=151936 H=896: peak extra memory <= 25% of naive, time <= 1.4x
+Goals: CPU, N=2048 V=151936 H=896: peak extra memory <= 25% of naive, time <= 1.4x
 naive. GPU (bf16, N=8x4096, V=151936, H in {896, 2048}): memory <= 10% and time <= naive.
 TFLOP/s is effective: 2NHV forward, 6NHV forward+backward (our recompute not counted).
 Peak memory: torch.cuda.max_memory_allocated on GPU; on CPU the process's peak RSS (VmHWM,

@@ -1,4 +1,4 @@
-"""Calculator tool environment (the reference run: shared/seeds/calculator_agent_qwen25.md).
+"""Calculator tool environment (the reference run: github.com/Danau5tin/calculator_agent_rl).
 
 The model writes a <calculator> block holding recursive YAML, stops on </calculator>,
 gets <output>value</output> back as the next user message, and ends with a last line

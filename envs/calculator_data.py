@@ -4,10 +4,10 @@ An expression tree is either a number literal (a str such as "17.5", kept as wri
 that it renders exactly) or a tuple (op, left, right) with op in OPS. Every operation
 is binary here; the tool itself also accepts longer operand lists.
 
-Generated questions copy the shape of the reference run's data (shared/seeds/
-calculator_agent_qwen25.md): the four operations, 1 to 6 of them nested (mostly 2 to 5),
-numbers a person cannot multiply in their head, and many phrasings of the question
-(grpo.envs.calculator_phrasing: a training book, a GRPO-only one and a held-out one).
+Generated questions copy the shape of the reference run's data (the dataset section of the
+README of github.com/Danau5tin/calculator_agent_rl): the four operations, 1 to 6 of them nested
+(mostly 2 to 5), numbers a person cannot multiply in their head, and many phrasings of the
+question (grpo.envs.calculator_phrasing: a training book, a GRPO-only one and a held-out one).
 """
 
 import csv
@@ -24,7 +24,8 @@ OPS = ("add", "subtract", "multiply", "divide")
 SYMBOL = {"add": "+", "subtract": "-", "multiply": "*", "divide": "/"}
 PRECEDENCE = {"add": 1, "subtract": 1, "multiply": 2, "divide": 2}
 # how many operations a question has: most 2 to 5, as in real nested questions; the
-# one-operation kind is kept rare (a warm-start on it alone learns no nesting, DESIGN.md)
+# one-operation kind is kept rare (a warm-start on one-operation calls alone taught SmolLM2 the
+# format and solved only the one-operation questions: it learned no nesting)
 OPS_WEIGHTS = {1: 0.08, 2: 0.20, 3: 0.26, 4: 0.22, 5: 0.16, 6: 0.08}
 EVAL_FRACTION = 0.25  # share of all expressions that the hash routes to the eval split
 MAX_ANSWER = 10**13  # answers larger than this, or nonzero and below 1e-3, are redrawn

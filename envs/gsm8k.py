@@ -1,4 +1,4 @@
-"""GSM8K as the reference run trains and scores it (shared/seeds/gsm8k_qwen3_06b_grpo.md).
+"""GSM8K as the reference run trains and scores it (model card: cmpatino/qwen-grpo-r5).
 
 The prompt is inspect_evals' GSM8K `MATH_PROMPT_TEMPLATE` (UKGovernmentBEIS/inspect_evals,
 src/inspect_evals/gsm8k/gsm8k.py), as the card quotes it. `score` re-implements the

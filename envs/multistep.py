@@ -1,6 +1,7 @@
 """Fresh multi-step word problems: 2 to 8 chained arithmetic operations with exact answers, the
-"Fresh multi-step" set of the ProcessGRPO reference (shared/seeds/processgrpo_qwen25_05b.md:
-700 newly generated problems, 100 per operation count).
+"Fresh multi-step" set of the ProcessGRPO reference (the model card of
+zaydsyed/TactLM-Math-ProcessGRPO-Qwen2.5-0.5B: 700 newly generated problems, 100 per operation
+count).
 
 A problem is a start value and a chain of steps [op, operand]: value_k = value_(k-1) op operand,
 op in add | sub | mul | div, the operand a number (as the text writes it) or "v<j>", an earlier

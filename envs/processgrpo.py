@@ -1,4 +1,5 @@
-"""The ProcessGRPO reference's prompt, scorer and data (shared/seeds/processgrpo_qwen25_05b.md).
+"""The ProcessGRPO reference's prompt, scorer and data (model card:
+zaydsyed/TactLM-Math-ProcessGRPO-Qwen2.5-0.5B).
 
 Prompt, in training and eval alike (the reference trained with it): one worked example as an
 earlier user/assistant exchange, its solution in blank-line paragraphs (the steps that

@@ -15,9 +15,10 @@ those tokens, checking that the template did not rewrite the earlier turns). A t
 a call is the final answer. Malformed JSON, another tool's name or a missing `code` is an
 error observation the model can read and correct, never an exception.
 
-Reward (the reference's, shared/seeds/retool_qwen3_4b_grpo.md): +1 for a correct final
-\\boxed{} answer (math-verify), -1 otherwise. Returned as `correct` in {0, 1} with the recipe
-weighing it 2 and a constant -1 (`bias`), so eval scores accuracy and training sees +-1.
+Reward (the reference's, from the model card of BillyWang1/qwen3-4b-instruct-2507-retool-grpo):
++1 for a correct final \\boxed{} answer (math-verify), -1 otherwise. Returned as `correct` in
+{0, 1} with the recipe weighing it 2 and a constant -1 (`bias`), so eval scores accuracy and
+training sees +-1.
 `tool_calls` and `tool_errors` per trajectory are logged (weight 0).
 """
 import json

@@ -9,9 +9,8 @@ unreadable folders are skipped with a message. The data position is a function o
 (trainer.prompt_batch) and sampling is seeded per prompt, so step + weights + optimizer +
 scheduler + RNG is the whole state. Every rank must see the same `out_dir` (multi-node: a
 shared filesystem).
-Past STYLE.md's ~100 lines because a resume must be safe as well as exact (the atomic rename,
-the fallback past unreadable folders, the SIGTERM flag, a new world size), and each of those
-only makes sense next to the save or load it protects.
+A resume is safe as well as exact: the atomic rename, the fallback past unreadable folders, the
+SIGTERM flag and a new world size each sit next to the save or load they protect.
 """
 import json
 import os

@@ -9,9 +9,8 @@ epsilon / epsilon_high, beta, loss_type, scale_rewards, mask_truncated_completio
 gradient_checkpointing, save_steps, save_total_limit, eval_steps, lr_scheduler_type). One
 difference of meaning: `prompts_per_step` counts prompts over all ranks, where TRL's
 per_device_train_batch_size counts completions per device (ours x G / ranks).
-A field's trailing comment is its description in `--help`. Over its ~150-line budget: every
-field carries its description, and the command line (YAML, --help, one-line errors) and the
-GPU profiles are each small but belong beside the fields they read.
+A field's trailing comment is its description in `--help`. The command line (YAML, --help,
+one-line errors) and the GPU profiles sit beside the fields they read.
 """
 import dataclasses
 import inspect
@@ -62,7 +61,7 @@ class Config:
     kv_budget_gb: float = 0.0         # sampler KV-cache budget; 0 = sized from gen_batch
     # ---- GRPO
     num_iterations: int = 1           # mu: policy updates per batch of rollouts
-    loss_type: str = "grpo"           # aggregation over tokens (DESIGN.md, "The math, pinned")
+    loss_type: str = "grpo"           # aggregation over tokens (grpo.loss: one function each)
     scale_rewards: str = "group"      # advantage std: group | batch | none (Dr. GRPO)
     epsilon: float = 0.2              # eps_low of the clip range
     epsilon_high: float | None = None  # eps_high; unset = epsilon (DAPO's clip-higher: 0.28)

@@ -3,8 +3,9 @@
 One process (plain `python recipe.py`) is world size 1 and nothing here does any work on CPU.
 Under `torchrun`, gloo on CPU and NCCL on GPU; `shard` applies `fully_shard` to every
 transformer block and then to the root, with bf16 compute and fp32 parameters, gradient
-reduction and optimizer state on GPU (DESIGN.md, decision 4). Multi-node is plain torchrun,
-the same line on every node, with `output_dir` on a filesystem that every node sees:
+reduction and optimizer state on GPU (with lr 1e-6, updates to bf16 weights would round away).
+Multi-node is plain torchrun, the same line on every node, with `output_dir` on a filesystem
+that every node sees:
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-id=calc3b \
              --rdzv-endpoint=node0:29500 --shutdown-timeout=300 \
              recipes/calculator_qwen25_3b.py --model_path=/shared/models/Qwen2.5-3B-Instruct \
@@ -14,9 +15,8 @@ it SIGKILLs them after --shutdown-timeout seconds (default 30), so give it a ste
 Ranks always agree: a decision that reads a clock or a folder is rank 0's, broadcast
 (`on_rank0`, `broadcast`); an exception on one rank ends every rank with that rank's message
 (`fail_together`), not a hang until the collective timeout.
-Past STYLE.md's ~100 lines because it also holds the collectives that make losses and logged
-means global, `gathered` for sampling, and the failure watch; STYLE.md keeps parallelism in
-this one file, so a reader finds the process-group primitives the trainer uses in one place.
+Also here: the collectives that make losses and logged means global, `gathered` for sampling,
+and the failure watch. Every process-group primitive the trainer uses is in this one file.
 """
 import atexit
 import contextlib

@@ -9,8 +9,7 @@ local JSONL, CSV or Parquet file or another dataset id (grpo.data.load_examples)
 say otherwise. Per-sample records (prompt, completion, extracted answer, score) go to a JSONL file.
 `--run` reads the run's config.json, imports the recipe that launched it, and calls its
 `eval_setup(cfg) -> (env, examples)`: the same env, system prompt, questions, samples,
-temperature and token budget as the run's own evals. Past its ~150-line budget by that
-`--run` path, which belongs beside the command it extends.
+temperature and token budget as the run's own evals.
 """
 import argparse
 import json

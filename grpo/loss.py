@@ -1,12 +1,12 @@
 """GRPO's math as plain functions: advantages, the clipped surrogate, KL, aggregations.
 
-Every equation of DESIGN.md "The math, pinned" is one small function here, readable beside
+Every equation of GRPO and of the variants below is one small function here, readable beside
 the papers. They are the references that the fused kernels in `grpo.kernels` are tested
 against, and the path that runs where those kernels do not: `group_advantages` and
 `policy_loss` call the Triton kernels for CUDA tensors and these functions elsewhere.
 Token tensors are (B, T) for one micro-batch; advantages are (B,) per sequence or (B, T)
-per token (process credit). Over its ~150-line budget by the metrics a run logs per token
-(loss_metrics) and the options dataclass: both read the same equations as the loss.
+per token (process credit). The metrics a run logs per token (loss_metrics) and the options
+dataclass are here too: they read the same equations as the loss.
 
 - GRPO: DeepSeekMath, arXiv 2402.03300.   - Dr. GRPO: arXiv 2503.20783.
 - DAPO (clip-higher, token mean, overlong penalty): arXiv 2503.14476.

@@ -13,10 +13,9 @@ instead, computed from the final hidden states by the fused LM-head kernel, so t
 unsharded. The attention takes an optional KV-cache object: the sampler (grpo/sampler.py)
 runs these very blocks, so there is one set of weights and one attention.
 
-Past STYLE.md's ~350 lines because it also holds packed-document attention (doc_mask,
-flash_attention, _varlen) and the checks that turn a config or checkpoint we would misread
-into a one-line error; each sits beside the code it guards, and moved out it would send a
-reader of the attention or the loader to a second file.
+Also here: packed-document attention (doc_mask, flash_attention, _varlen), and the checks that
+turn a config or checkpoint we would misread into a one-line error, each beside the code it
+guards.
 """
 import json
 import math

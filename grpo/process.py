@@ -1,5 +1,5 @@
 """ProcessGRPO: each reasoning step credited by how much it raised a frozen copy's chance of
-finishing the problem correctly (shared/seeds/processgrpo_qwen25_05b.md).
+finishing the problem correctly (model card: zaydsyed/TactLM-Math-ProcessGRPO-Qwen2.5-0.5B).
 
 For a sampled solution split into steps 1..S (its paragraphs), with boundaries k = 0..S:
     p_k          success rate of K continuations of the frozen model from the prefix ending at
@@ -11,11 +11,12 @@ the outcome advantage alone (plain GRPO), "shuffled" permutes a solution's progr
 across its steps (same total, placement destroyed).
 
 The continuations are sampled by a grpo.sampler.Sampler over the frozen model with
-`continue_from` (DESIGN decision 2): prompt + solution is prefilled once, up to its last
-boundary, and each boundary's K rows fork that KV cache truncated at the boundary (a causal
-prefix's KV does not depend on what follows), so prefill costs one pass per solution, not one
-per boundary; the continuations of every boundary of the batch share continuous batching, and
-are token for token what a fresh prefill of each prefix would give under the same seeds.
+`continue_from` (the sampler's one prefix-reuse primitive, which also forks a prompt into its G
+samples): prompt + solution is prefilled once, up to its last boundary, and each boundary's K
+rows fork that KV cache truncated at the boundary (a causal prefix's KV does not depend on what
+follows), so prefill costs one pass per solution, not one per boundary; the continuations of
+every boundary of the batch share continuous batching, and are token for token what a fresh
+prefill of each prefix would give under the same seeds.
 
 Cost caps: `max_steps` boundaries per solution (later steps merged), `max_continuation_tokens`
 per continuation, and `max_total_tokens` on a step's worst case (boundaries x K x continuation

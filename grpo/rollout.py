@@ -6,9 +6,8 @@ token ids the chat template adds after the assistant turn (the end of the turn, 
 observation message, the next assistant header). Nothing already in the row is
 re-tokenized: the template is rendered with and without the new message and the earlier
 text must be a prefix of the later (checked), so the suffix is exactly what the template adds.
-Past STYLE.md's ~150 lines because gold_trajectory lives here too: a demonstration must be
-laid out exactly as a rollout is, with the same continuation_ids, and beside rollout() a
-reader can check that.
+gold_trajectory lives here too: a demonstration must be laid out exactly as a rollout is, with
+the same continuation_ids, and beside rollout() a reader can check that.
 """
 import re
 from concurrent.futures import ThreadPoolExecutor

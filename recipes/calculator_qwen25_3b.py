@@ -1,4 +1,5 @@
-"""Qwen2.5-3B-Instruct learns a multi-turn calculator tool (shared/seeds/calculator_agent_qwen25.md).
+"""Qwen2.5-3B-Instruct learns a multi-turn calculator tool (the reference run:
+github.com/Danau5tin/calculator_agent_rl).
 
     torchrun --nproc_per_node=8 recipes/calculator_qwen25_3b.py --model_path=/models/Qwen2.5-3B-Instruct
     # 4x A100 80GB:

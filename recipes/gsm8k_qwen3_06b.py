@@ -1,5 +1,5 @@
 """Qwen3-0.6B (thinking off) on GSM8K, optimized against the benchmark's own scorer
-(shared/seeds/gsm8k_qwen3_06b_grpo.md).
+(model card: cmpatino/qwen-grpo-r5).
 
     torchrun --nproc_per_node=1 recipes/gsm8k_qwen3_06b.py --model_path=/models/Qwen3-0.6B
     python -m grpo.eval --model_path runs/gsm8k_qwen3_06b/export --task gsm8k --shots 10 --enable_thinking 0

@@ -1,5 +1,6 @@
 """ProcessGRPO: Qwen2.5-0.5B-Instruct on numeric math, each reasoning step credited by how much it
-raised a frozen copy's chance of finishing correctly (shared/seeds/processgrpo_qwen25_05b.md).
+raised a frozen copy's chance of finishing correctly (model card:
+zaydsyed/TactLM-Math-ProcessGRPO-Qwen2.5-0.5B).
 
     torchrun --nproc_per_node=1 recipes/processgrpo_qwen25_05b.py --filter_solve_rate=true
     # the controls, on the same (filtered) problems, data order and settings:

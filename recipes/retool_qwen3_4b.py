@@ -1,5 +1,6 @@
 """ReTool: Qwen3-4B-Instruct-2507 learns to interleave reasoning with a sandboxed Python code
-interpreter, in its own native tool-call format (shared/seeds/retool_qwen3_4b_grpo.md).
+interpreter, in its own native tool-call format (ReTool, arXiv 2504.11536; the reference run's
+model card: BillyWang1/qwen3-4b-instruct-2507-retool-grpo).
 
     torchrun --nproc_per_node=8 recipes/retool_qwen3_4b.py --model_path=/models/Qwen3-4B-Instruct-2507 --resume
     python -m grpo.eval --model_path runs/retool_qwen3_4b/export --task aime25 --tool code_interpreter \\

@@ -32,7 +32,8 @@ def traj(*turns: str, observations=()) -> SimpleNamespace:
 
 
 def test_reference_example_nested():
-    # the card's example: 987*654 + 987/(321+11), block style with unindented lists
+    # the reference run's example (Danau5tin/calculator_agent_rl's README): 987*654 + 987/(321+11),
+    # block style with unindented lists
     text = """operation: add
 operands:
 - operation: multiply

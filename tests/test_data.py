@@ -1,4 +1,4 @@
-"""grpo.data.load_examples, the one loader (issue 16): local JSONL, JSON, CSV and Parquet files,
+"""grpo.data.load_examples, the one loader: local JSONL, JSON, CSV and Parquet files,
 Hugging Face ids (through a stand-in `datasets` module: no hub is reachable here), errors that
 name the file and line, each task's rules (grpo.envs.tasks), and no package code reading shared/."""
 import csv

@@ -9,7 +9,7 @@
 - tests/dist_worker.py check_fsdp: sampling under dist.gathered() (one all-gather per module
   for a whole sampling call), the fused LM head inside the root's forward, tied embeddings,
   and the gathered export, which transformers loads.
-- Ranks always agree (issue 15): an exception on one rank ends every rank with its message
+- Ranks always agree: an exception on one rank ends every rank with its message
   (with torchrun, and for a stalled rank without it), the time budget is one clock, the
   checkpoint to resume is rank 0's choice, and the warm-start splits its batch over ranks.
 Every run is a subprocess (plain `python` for 1 rank, torch.distributed.run for 2) on the toy

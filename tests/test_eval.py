@@ -1,4 +1,4 @@
-"""`python -m grpo.eval` end to end (issue 9): the real SmolLM2 on a few GSM8K test questions,
+"""`python -m grpo.eval` end to end: the real SmolLM2 on a few GSM8K test questions,
 and the `--data` path with JSONL and CSV files (on a tiny random model: only the plumbing counts).
 The loader's own cases are in test_data.py."""
 import csv

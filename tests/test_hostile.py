@@ -125,7 +125,7 @@ NO_REWARD = {"correct": 0.0, "tool_use": 0.0, "format": 0.0}
 DIGITS = "1" * 20_000
 
 # id -> (call, text, check): a str check is a word the error observation must hold; else the exact output.
-# "before" gives the time the call took before the fix (issue 15), on this project's CPU box.
+# "before" gives the time the call took before the fix, on this project's CPU box.
 HOSTILE = {
     "billion laughs": ("run_tool", block(BILLION_LAUGHS), "anchors and aliases"),
     "self alias": ("run_tool", block("&a {operation: add, operands: [*a, *a]}"), "Error"),

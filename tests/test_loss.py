@@ -75,7 +75,7 @@ def test_kl_and_tis_by_hand():
 
 def naive_policy_loss(lp, old, A, mask, agg, num_seq, num_tok, L, eps_low, eps_high, delta, dual, ref, beta,
                       sampler, cap):
-    """Token by token in float64, written from DESIGN.md's math without sharing code with grpo.loss."""
+    """Token by token in float64, written from the papers' equations without sharing code with grpo.loss."""
     B, T = lp.shape
     total = 0.0
     for b in range(B):

@@ -1,9 +1,9 @@
-"""The recipes end to end on tiny random models of their families (issues 7 and 9): two GRPO
-steps each, from the command line, with the eval before and after and the Hugging Face export.
+"""The recipes end to end on tiny random models of their families: two GRPO steps each,
+from the command line, with the eval before and after and the Hugging Face export.
 
 The tiny checkpoints borrow SmolLM2's tokenizer (vocab 49152, the same <|im_start|>/<|im_end|>
 ChatML layout as Qwen2.5); the Qwen3 one gets a stand-in chat template with Qwen3's structure
-(DESIGN.md: the real one is not available offline), thinking on/off included.
+(the real one is not available offline), thinking on/off included.
 """
 import json
 import os

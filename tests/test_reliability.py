@@ -1,4 +1,4 @@
-"""Issue 15 on CPU in one process: a run never destroys another (the output folder, config.json,
+"""Run safety on CPU, in one process: a run never destroys another (the output folder, config.json,
 metric rows per series on resume, fsync before pruning), and errors a user can act on, raised
 before anything slow loads. The two-rank cases (failures, the clock, the checkpoint choice, the
 warm-start split) are in test_dist.py."""

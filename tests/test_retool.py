@@ -12,7 +12,7 @@ from grpo.model import Transformer
 from grpo.rollout import Trajectory, continuation_ids, render_prompt, rollout, sampling_params, score
 from grpo.sampler import Sampler
 
-# Qwen3-2507's tool layout (its real template is not available offline: DESIGN.md)
+# Qwen3-2507's tool layout (its real template is not available offline)
 QWEN3_TOOLS_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"

@@ -1,8 +1,8 @@
-"""Multi-turn rollouts on the real SmolLM2 with the calculator tool (issue 7): a trajectory is the
+"""Multi-turn rollouts on the real SmolLM2 with the calculator tool: a trajectory is the
 exact token ids that were sampled or injected, in the chat template's own layout, and the gold
 demonstrations of the warm-start use that very layout.
 
-SmolLM2 untrained never writes the tool format from the system prompt alone (DESIGN.md), so the
+SmolLM2 untrained never writes the tool format from the system prompt alone (0 of 32 samples), so the
 prompt carries a one-shot episode (question, tool call, observation, answer) before the real
 question: greedy, it then calls the calculator, reads the observation and answers.
 """

@@ -61,7 +61,7 @@ def test_logprobs_equal_full_forward(smol, temperature):
                                                                seed=3))
     for c in out:
         expected = full_logprobs(model, prompts[1 + c.prompt_index], c.token_ids, temperature)
-        # fp32, cache vs full forward differ only in op order; the issue's bound
+        # fp32, cache vs full forward differ only in op order: within 1e-4
         torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
 
 
@@ -78,7 +78,7 @@ def test_stop_string_spanning_tokens(smol, hf_greedy):
 
 
 def test_seeded_tokens_independent_of_batch_on_smollm2(smol, one_thread):
-    """The guarantee (DESIGN.md): a seeded request draws the same tokens in any batch. Batches
+    """The sampler's guarantee: a seeded request draws the same tokens in any batch. Batches
     of 8, of 1 and a changing mix of 20 rows round the logits differently (fp32 matmul noise);
     the race over per-token noise must not let that flip a choice. With inverse-CDF sampling
     this failed: one row of the mixed run left the others at token 114."""
@@ -103,11 +103,12 @@ def solutions(smol):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_forked_continuations_equal_fresh_prefills(smol, solutions, one_thread, temperature):
-    """ProcessGRPO's primitive (DESIGN.md decision 2): continue_from prefills each sequence once
-    and forks its KV truncated at every cut; a cut's K continuations equal, token for token under
-    the same seeds, what generate() samples from a fresh prefill of that prefix as a prompt. With
-    slots for every row (one prefill per sequence) and with 9 (cuts admitted over time: they fork
-    a live row of a longer cut, or, greedy here, the sequence is prefilled again when none is left)."""
+    """ProcessGRPO's primitive (the sampler's one way to reuse a prefix): continue_from prefills
+    each sequence once and forks its KV truncated at every cut; a cut's K continuations equal, token
+    for token under the same seeds, what generate() samples from a fresh prefill of that prefix as
+    a prompt. With slots for every row (one prefill per sequence) and with 9 (cuts admitted over
+    time: they fork a live row of a longer cut, or, greedy here, the sequence is prefilled again
+    when none is left)."""
     model, (seqs, P) = smol[0], solutions
     cuts = [[P[0], P[0] + 9, P[0] + 23], [P[1] + 31, P[1] + 2], [P[2] + 40, P[2] + 17, P[2] + 5]]  # any order
     prefixes = [x[:c] for x, cs in zip(seqs, cuts) for c in cs]
