@@ -52,9 +52,6 @@ What is not covered:
   pass keys to the next call that gets the same uid.
 - Without namespaces (only with allow_network=True or GRPO_SANDBOX_ALLOW_NETWORK=1): network, files
   and processes that leave the process group are open; only rlimits, the uid and the folder remain.
-
-About 540 lines, past the ~200 budget: the second half (the worker, after the separator) is the
-isolation itself, and reads better beside the pool that starts it than in a file of its own.
 """
 import atexit
 import collections

@@ -110,7 +110,8 @@ class Budget:
         return self.measured / self.estimated if self.estimated > 0 else 1.0
 
     def done(self, phase: str, seconds: float, units: float):
-        self.measured, self.estimated = self.measured + seconds, self.estimated + self.unit[phase] * units
+        if self.unit:  # without a plan there is nothing to correct
+            self.measured, self.estimated = self.measured + seconds, self.estimated + self.unit[phase] * units
 
     def estimate(self, phase: str, units: float) -> float:
         """Seconds for `units` of a phase, corrected by the phases measured so far (0 without a plan)."""

@@ -208,3 +208,10 @@ def test_probe_times_the_sampler_and_one_backward_without_changing_the_model(tmp
     assert rates.decode > 0 and rates.train > 0
     assert all(torch.equal(p, p0) for p, p0 in zip(model.parameters(), before))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_without_a_plan_measured_phases_change_nothing():
+    b = budget.make_plan(Config(eval_limit=7), None, None, None, None, list(range(9)), [])
+    b.done("before", 30.0, 7)
+    b.done("warm-start", 30.0, 1)
+    assert b.factor() == 1.0 and b.eval_q == 7
