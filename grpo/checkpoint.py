@@ -12,12 +12,14 @@ shared filesystem).
 A resume is safe as well as exact: the atomic rename, the fallback past unreadable folders, the
 SIGTERM flag and a new world size each sit next to the save or load they protect.
 """
+import contextlib
 import json
 import os
 import random
 import shutil
 import signal
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -57,7 +59,8 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         dist.barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))  # DCP fsyncs its files
+        with one_process_quiet():
+            dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))  # DCP fsyncs its files
         torch.save(_rng_state(), tmp / f"rng_{dist.rank()}.pt")
         _fsync(tmp / f"rng_{dist.rank()}.pt")
         dist.barrier()  # every rank's files are on disk
@@ -111,7 +114,8 @@ class Checkpointer:
                 meta = json.loads((path / "meta.json").read_text())
                 model_sd, optim_sd = get_state_dict(model, optimizer)
                 state = {"model": model_sd, "optimizer": optim_sd}
-                dcp.load(state, checkpoint_id=str(path))  # errors reach every rank (DCP gathers them)
+                with one_process_quiet():
+                    dcp.load(state, checkpoint_id=str(path))  # errors reach every rank (DCP gathers them)
                 set_state_dict(model, optimizer, model_state_dict=state["model"],
                                optim_state_dict=state["optimizer"])
                 scheduler.load_state_dict(meta["scheduler"])
@@ -174,6 +178,24 @@ def open_run_dir(out_dir: str, config: dict, resume: bool, meta: dict) -> None:
                              "resume with its settings, or use another --output_dir")
     out.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps({**config, "_meta": meta}, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def one_process_quiet():
+    """DCP warns on every save and load without torch.distributed ("assuming the intent is to save in
+    a single process"): that is the intent of a one-process run, so not a warning worth a line each."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def note_run(out_dir: str, meta: dict) -> None:
+    """Rank 0: add what the run decided at start (e.g. the precision `auto` chose) to config.json's
+    "_meta", so that `python -m grpo.eval --run` evaluates as the run did."""
+    record = Path(out_dir) / "config.json"
+    config = read_json(record)
+    config["_meta"] = {**config.get("_meta", {}), **meta}
+    record.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def read_json(path: Path) -> dict:

@@ -221,8 +221,10 @@ def evaluate_run(run_dir: str, out: str | None = None) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = Transformer.from_pretrained(export, dtype=dtype, device=device).eval()
-    # the run's setting; "auto" is measured again, on the machine evaluating now
-    print(set_autocast(model, getattr(cfg, "autocast_bf16", "false")))
+    # the precision the run's evals used ("auto" resolved at its start), so the records repeat exactly
+    chosen = json.load(open(os.path.join(run_dir, "config.json"))).get("_meta", {}).get("autocast_bf16_chosen")
+    setting = getattr(cfg, "autocast_bf16", "false") if chosen is None else chosen
+    print(set_autocast(model, setting) + ("" if chosen is None else " (as the run chose)"))
     r = evaluate(model, AutoTokenizer.from_pretrained(export), env, examples, **run_eval_settings(cfg))
     out = out or os.path.join(run_dir, "eval_rerun.jsonl")
     with open(out, "w") as f:

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from grpo import dist
 from grpo.budget import make_plan, rl_budget, stop_reason
-from grpo.checkpoint import Checkpointer, export, open_run_dir, run_meta
+from grpo.checkpoint import Checkpointer, export, note_run, open_run_dir, run_meta
 from grpo.config import PROFILES, Config, pick_profile
 from grpo.cpu import measure, set_autocast, set_threads
 from grpo.eval import evaluate, run_eval_settings, summarize
@@ -169,6 +169,7 @@ def build(cfg: Config, device) -> tuple:
     # the sampler and the evals run this same model; rank 0's measurement decides for every rank
     rates = lambda: dist.broadcast(measure(model.args.dim, model.args.ffn_dim) if dist.is_main() else None)  # noqa: E731
     dist.print0(set_autocast(model, cfg.autocast_bf16, device, rates))
+    dist.on_rank0(note_run, cfg.output_dir, {"autocast_bf16_chosen": model.autocast_bf16})
     dist.shard(model, compute_dtype)
     ref_model = None
     if cfg.beta > 0:
@@ -336,7 +337,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
     budget_s = rl_budget(cfg, t_start - t_run, last_eval)
     if budget_s is not None:
         dist.print0(f"RL: {budget_s / 60:.1f} min of the budget left (the last evals planned at {last_eval / 60:.1f} "
-                    f"min); at least {cfg.min_rl_steps} steps (min_rl_steps)")
+                    f"min); at least {min(cfg.min_rl_steps, cfg.max_steps - start)} steps (min_rl_steps)")
     bar = tqdm(range(start, cfg.max_steps), desc="grpo", disable=not dist.is_main(), initial=start,
                total=cfg.max_steps)
     for step in bar:

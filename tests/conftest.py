@@ -6,6 +6,11 @@ import pytest
 import torch
 import transformers
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts processes (torchrun, recipes, sandbox workers, child "
+                            "interpreters) or takes over ~10 s; `pytest tests -m \"not slow\"` is the fast subset")
+
+
 FAMILIES = {  # tiny configs that still exercise every switch of grpo.model
     "llama": lambda **kw: transformers.LlamaConfig(**{**dict(
         vocab_size=131, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # toy.py
 
-from grpo import dist  # noqa: E402
+from grpo import budget, dist  # noqa: E402
 from grpo import trainer  # noqa: E402
 from grpo.checkpoint import Checkpointer, export  # noqa: E402
 from grpo.config import Config, parse_args  # noqa: E402
@@ -84,7 +84,8 @@ def install_faults(cfg: "WorkerConfig") -> list:
     counts the gold trajectories this rank renders."""
     if RANK == cfg.fast_clock_rank:
         start = time.time()
-        trainer.time = types.SimpleNamespace(time=lambda: start + (time.time() - start) * 10_000)
+        fast = types.SimpleNamespace(time=lambda: start + (time.time() - start) * 10_000)
+        trainer.time = budget.time = fast  # the loop's clock and the stop rule's
     if RANK == cfg.hide_newest_checkpoint_on_rank:
         complete = Checkpointer.complete
         Checkpointer.complete = lambda self: complete(self)[:-1]

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast subset leaves it out)
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "rollout.py"
 COLS = ["case", "mode", "ours_tokens", "hf_tokens", "ours_s", "hf_s", "ours_tps", "hf_tps", "ours_prefill",
         "hf_prefill", "ours_decode", "hf_decode", "ours_live", "hf_live", "x"]

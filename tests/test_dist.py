@@ -34,6 +34,8 @@ from grpo.model import Transformer
 
 from toy import make_toy_dir
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast subset leaves it out)
+
 WORKER = str(Path(__file__).with_name("dist_worker.py"))
 TRAIN = dict(max_steps=4, prompts_per_step=4, num_generations=4, learning_rate=1e-3, max_prompt_length=16,
              max_completion_length=8, micro_batch_tokens=64, gen_batch=16, eval_limit=4, eval_n=2,

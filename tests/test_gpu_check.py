@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast subset leaves it out)
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
 PARITY_PARTS = {"kernels", "update", "sampler"}
 

@@ -25,6 +25,8 @@ from grpo.envs.calculator import (
 )
 from grpo.envs.calculator_data import parse_expression
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast subset leaves it out)
+
 TIMEOUT_S = 10  # a call still running after this is killed; the bound asserted is 1 s
 MAX_SECONDS = 1.0
 MAX_PEAK = 32 * 2**20  # bytes of Python memory one call may take; the alias key bomb took 159 MB

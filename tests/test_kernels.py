@@ -154,6 +154,7 @@ def peak_extra(which, mode):
     return int(peak) / 2**20, float(seconds)
 
 
+@pytest.mark.slow  # a process of its own
 def test_peak_memory_far_below_naive():
     """N=2048, V=151936, H=896, fp32 on CPU, each in a fresh process (peak RSS is per process).
 

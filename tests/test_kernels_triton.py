@@ -36,6 +36,8 @@ from grpo.kernels.reference import entropy_ref, linear_logprobs_ref  # noqa: E40
 from grpo.loss import LossOptions, group_advantages, policy_loss, token_loss  # noqa: E402
 from test_loss import active_batch  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast subset leaves it out)
+
 
 # (leading shape, H, V, backward chunk, temperature, dtype): V not a multiple of BLOCK_V=32 nor
 # of the chunk, N not a multiple of BLOCK_N=16, H not a multiple of BLOCK_H=16

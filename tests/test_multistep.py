@@ -22,6 +22,7 @@ DIGEST = ("import hashlib, json; from grpo.envs.multistep import test_set; "
           "print(hashlib.sha256(json.dumps(test_set()).encode()).hexdigest())")
 
 
+@pytest.mark.slow  # a process of its own
 def test_deterministic_under_a_seed_in_any_process():
     a, b = multistep.generate("train", 6, seed=3), multistep.generate("train", 6, seed=3)
     assert a == b and a != multistep.generate("train", 6, seed=4)

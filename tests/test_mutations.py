@@ -10,6 +10,8 @@ import pytest
 
 from mutations import MUTATIONS
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast subset leaves it out)
+
 HERE = Path(__file__).parent
 
 

@@ -48,7 +48,7 @@ EMPTY_THINK = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # tests/conftest.py
 
 
 def make_tiny_chat_model(path: Path, family: str, smollm2_path: str, chat_template: str | None = None) -> str:

@@ -264,6 +264,7 @@ def test_corrupt_data_and_eval_without_questions_are_named(tmp_path):
         main(["--model_path", "unused", "--task", "gsm8k", "--data", str(tmp_path / "empty.jsonl")])
 
 
+@pytest.mark.slow  # a process of its own
 def test_an_old_torch_is_refused_at_import():
     code = "import torch; torch.__version__ = '{}'; import grpo.dist"
     old = subprocess.run([sys.executable, "-c", code.format("2.7.1+cu126")], capture_output=True, text=True)

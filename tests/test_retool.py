@@ -89,6 +89,7 @@ class TwoShotReTool(ReToolEnv):
 
 
 @pytest.mark.usefixtures("one_thread")
+@pytest.mark.slow
 def test_rollout_with_real_sandbox_calls(smollm2_path):
     from grpo.envs.sandbox import run_code
     tok = AutoTokenizer.from_pretrained(smollm2_path)

@@ -77,6 +77,7 @@ def test_stop_string_spanning_tokens(smol, hf_greedy):
         Sampler(model).generate(prompts[:1], SamplingParams(stop_strings=[stop]))
 
 
+@pytest.mark.slow
 def test_seeded_tokens_independent_of_batch_on_smollm2(smol, one_thread):
     """The sampler's guarantee: a seeded request draws the same tokens in any batch. Batches
     of 8, of 1 and a changing mix of 20 rows round the logits differently (fp32 matmul noise);
@@ -101,6 +102,7 @@ def solutions(smol):
     return [p + c.token_ids for p, c in zip(prompts[1:4], sols)], [len(p) for p in prompts[1:4]]
 
 
+@pytest.mark.slow  # ~15 s each
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_forked_continuations_equal_fresh_prefills(smol, solutions, one_thread, temperature):
     """ProcessGRPO's primitive (the sampler's one way to reuse a prefix): continue_from prefills

@@ -21,6 +21,8 @@ import pytest
 from grpo.envs import sandbox
 from grpo.envs.sandbox import Sandbox
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast subset leaves it out)
+
 NS, REASON = sandbox.namespaces()
 needs_ns = pytest.mark.skipif(NS is None, reason=f"the kernel refused namespaces: {REASON}")
 SECRET = f"hf_{uuid.uuid4().hex}"  # a token the trainer holds in its environment

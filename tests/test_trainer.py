@@ -272,6 +272,7 @@ def test_bad_config_is_a_clear_error(argv, message):
         parse_args(Config, argv + ["--profile=none"])
 
 
+@pytest.mark.slow  # a process of its own
 def test_parse_args_overrides_yaml_and_help(tmp_path):
     cfg = parse_args(Config, ["--learning_rate=3e-6", "--resume", "--loss_type", "dapo", "--profile=none"])
     assert (cfg.learning_rate, cfg.resume, cfg.loss_type) == (3e-6, True, "dapo")
