@@ -11,7 +11,7 @@ setup(
     version="0.1.0",
     description="A from-scratch, pure-PyTorch GRPO trainer for small language models",
     python_requires=">=3.10",
-    packages=["grpo", "grpo.kernels", "grpo.envs"],
+    packages=["grpo", "grpo.cli", "grpo.kernels", "grpo.envs"],
     package_dir={"grpo": "grpo", "grpo.kernels": "kernels", "grpo.envs": "envs"},
     install_requires=[
         # FSDP2's fully_shard(reshard_after_forward=None) and set_reshard_after_forward (grpo/dist.py)

@@ -48,7 +48,7 @@ def main():
     B, new = args.batch, args.new
 
     def call(sync_every: int, temperature: float):
-        sampler = Sampler(model, max_batch=B, max_seq_len=args.prompt + new, sync_every=sync_every)
+        sampler = Sampler(model, gen_batch=B, max_seq_len=args.prompt + new, sync_every=sync_every)
         params = lambda k: SamplingParams(temperature=temperature, max_tokens=k, stop_token_ids=[])  # noqa: E731
         sampler.generate(prompts[:8], params(4))  # warm-up
         t_prefill = timed(lambda: sampler.generate(prompts, params(1)), device)

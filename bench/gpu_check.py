@@ -230,7 +230,7 @@ def greedy_case(name: str, device, sizes: dict, perturb: bool, dtype) -> list[di
 
     def run(graphs: bool, flash: bool, prompts: list) -> list:
         with dist.gathered(model), fused_paths(flash=flash):
-            sampler = Sampler(model, max_batch=P, max_seq_len=max(lengths) + new, cuda_graphs=graphs)
+            sampler = Sampler(model, gen_batch=P, max_seq_len=max(lengths) + new, cuda_graphs=graphs)
             out = [c.token_ids for c in sampler.generate(prompts, params)]
             sampler.pool.shutdown()
             return out

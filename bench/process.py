@@ -45,10 +45,10 @@ def timed(fn, device) -> tuple[float, object]:
     return time.perf_counter() - t, out
 
 
-def run(model, sequences, cuts, K, new, max_batch, fork: bool, device, reps: int):
+def run(model, sequences, cuts, K, new, gen_batch, fork: bool, device, reps: int):
     """(prefill s, total s, prefill tokens of the total run, completions): best of `reps`."""
     def go(k):
-        sampler = Sampler(model, max_batch=max_batch)
+        sampler = Sampler(model, gen_batch=gen_batch)
         p = SamplingParams(n=K, temperature=1.0, max_tokens=k, stop_token_ids=[], seed=0)
         if fork:
             out = sampler.continue_from(sequences, cuts, p)
@@ -67,7 +67,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="2 solutions x 3 boundaries x K=4, 16 new tokens")
     ap.add_argument("--solution", type=int, default=256, help="solution tokens")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--max_batch", type=int, default=64, help="sampler slots")
+    ap.add_argument("--gen_batch", type=int, default=64, help="sampler slots")
     ap.add_argument("--repeat", type=int, default=1, help="time each run this many times, keep the best")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     args = ap.parse_args()
@@ -87,7 +87,7 @@ def main():
 
     rows = []
     for mode, fork in (("re-prefill", False), ("fork", True)):
-        t_pre, t_all, tokens, out = run(model, sequences, cuts, K, new, args.max_batch, fork, device,
+        t_pre, t_all, tokens, out = run(model, sequences, cuts, K, new, args.gen_batch, fork, device,
                                         args.repeat)
         rows.append(dict(mode=mode, solutions=N, boundaries=N * S, K=K, new=new, prefill_tokens=tokens,
                          prefill_s=t_pre, total_s=t_all, prefill_share=t_pre / t_all, out=out))
@@ -100,7 +100,7 @@ def main():
     cols = ["mode", "solutions", "boundaries", "K", "new", "prefill_tokens", "prefill_s", "total_s",
             "prefill_share", "same"]
     print(f"SmolLM2-135M fp32 on {device}, {args.solution}-token solutions, prompts "
-          f"{[len(p) for p in prompts]} tokens, {args.max_batch} slots")
+          f"{[len(p) for p in prompts]} tokens, {args.gen_batch} slots")
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:

@@ -252,7 +252,7 @@ def main():
     env = CalculatorEnv(system_prompt=SHORT_SYSTEM_PROMPT)
     model = Transformer.from_pretrained(path, dtype=torch.float32)
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    sampler = Sampler(model, tok, max_batch=128)  # as the CPU recipe's gen_batch; the cache is sized per call
+    sampler = Sampler(model, tok, gen_batch=128)  # as the CPU recipe's gen_batch; the cache is sized per call
     ours, hf = partial(run_ours, sampler, tok, env), partial(run_hf, ref, tok, env)
     obs_len = len(observation_ids(tok, env)) - 1
     warm = plan_turns(2, 2, 48, obs_len, 99)  # first calls allocate and fault pages in: not timed

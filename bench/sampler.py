@@ -50,8 +50,8 @@ def best(fn, device, reps):  # min over repeats: a shared machine only ever adds
     return min(timed(fn, device) for _ in range(reps))
 
 
-def run_ours(model, prompts, new, max_batch, reps=1):
-    sampler = Sampler(model, max_batch=max_batch, max_seq_len=max(map(len, prompts)) + new)
+def run_ours(model, prompts, new, gen_batch, reps=1):
+    sampler = Sampler(model, gen_batch=gen_batch, max_seq_len=max(map(len, prompts)) + new)
     go = lambda k: sampler.generate(prompts, SamplingParams(temperature=0, max_tokens=k, stop_token_ids=[]))
     device = next(model.parameters()).device
     go(4)  # warm-up (and CUDA graph capture of the first span bucket)

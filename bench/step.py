@@ -130,7 +130,7 @@ def bench(name: str, model, B: int, G: int, plen: int, new: int, device, repeat:
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     dist.shard(model, compute_dtype)  # one process: FSDP2 mixed precision on GPU, a no-op on CPU
     with dist.gathered(model):
-        sampler = Sampler(model, None, max_batch=max(cfg.gen_batch, B * G) if device.type == "cpu" else cfg.gen_batch,
+        sampler = Sampler(model, None, gen_batch=max(cfg.gen_batch, B * G) if device.type == "cpu" else cfg.gen_batch,
                           max_seq_len=plen + new, kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)

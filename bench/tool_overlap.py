@@ -41,7 +41,7 @@ class Inline(cf.Executor):
 
 
 def run(model, tok, env, examples, params, inline: bool) -> tuple[float, list]:
-    sampler = Sampler(model, tok, max_batch=len(examples) * params.n)
+    sampler = Sampler(model, tok, gen_batch=len(examples) * params.n)
     if inline:
         sampler.pool = Inline()
     t = time.perf_counter()

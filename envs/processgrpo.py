@@ -19,8 +19,6 @@ evaluates the 700 fresh multi-step problems (or SOURCE) greedily with up to 3,07
 by operation count, with the paired gain over --base and its paired bootstrap 95% interval
 (grpo.eval.paired_bootstrap, as the reference reports).
 """
-import argparse
-import json
 import re
 import sys
 from fractions import Fraction
@@ -149,47 +147,7 @@ def accuracy_by_ops(examples: list[dict], per_question: list[float]) -> dict[int
     """Operation count -> mean score, for generated problems (rows with `num_ops`)."""
     return {k: sum(per_question[i] for i in idx) / len(idx) for k, idx in multistep.by_ops(examples).items()}
 
-# ----------------------------------------------------------------------------- command line
 
-
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m grpo.envs.processgrpo", description=__doc__.split("\n")[0])
-    p.add_argument("--model_path", required=True, help="HF checkpoint folder (e.g. a run's export)")
-    p.add_argument("--base", default=None, help="a second model for the paired gain (e.g. the base model)")
-    p.add_argument("--data", default="multistep:test:100", help="sources as load_sources reads them")
-    p.add_argument("--max_completion_length", type=int, default=3072)
-    p.add_argument("--out", default="eval_processgrpo.jsonl", help="per-question records")
-    args = p.parse_args(argv)
-    import torch
-    from transformers import AutoTokenizer
-    from grpo.eval import evaluate, paired_bootstrap
-    from grpo.model import Transformer
-    try:
-        examples = load_sources(args.data)
-    except DataError as e:
-        raise SystemExit(f"python -m grpo.envs.processgrpo: {e}") from None
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    results = {}   # "model" / "base" -> evaluate(...)
-    for role, name in (("model", args.model_path), ("base", args.base)):
-        if name is None:
-            continue
-        model = Transformer.from_pretrained(name, dtype=dtype, device=device).eval()
-        r = results[role] = evaluate(model, AutoTokenizer.from_pretrained(name), OneShotMathEnv(), examples,
-                                     max_tokens=args.max_completion_length)
-        by_ops = " ".join(f"{k}:{v:.3f}" for k, v in accuracy_by_ops(examples, r["per_question"]).items())
-        print(f"{role} {name}: {r['mean']:.4f} ± {r['ci95']:.4f} ({r['questions']} questions) | "
-              f"by operation count {by_ops}")
-        del model
-    if args.base:
-        gain, lo, hi = paired_bootstrap(results["base"]["per_question"], results["model"]["per_question"])
-        print(f"gain over the base: {100 * gain:+.1f} points, 95% interval [{100 * lo:+.1f}, {100 * hi:+.1f}] "
-              "(paired bootstrap)")
-    with open(args.out, "w") as f:
-        f.writelines(json.dumps({"model": role, **rec}) + "\n"
-                     for role, r in results.items() for rec in r["records"])
-    return results
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # the command line lives above the envs, in grpo/cli/processgrpo.py
+    from grpo.cli.processgrpo import main
     main(sys.argv[1:])

@@ -159,7 +159,8 @@ class Budget:
 def make_plan(cfg, model, sampler, tokenizer, env, eval_examples: list, sft_examples: list) -> Budget:
     """The run's Budget: with run_budget_min, from the probe and this run's token counts (eval
     prompts, gold answers), its line printed; without, the configured eval sizes."""
-    from grpo.rollout import gold_trajectory, render_prompt
+    from grpo.rollout import render_prompt
+    from grpo.sft import gold_trajectory
     eval_q = min(cfg.eval_limit, len(eval_examples))
     before_q = min(cfg.eval_before_limit or cfg.eval_limit, len(eval_examples))
     if not cfg.run_budget_min:

@@ -1,24 +1,14 @@
 """Accuracy of a model on an env's questions: mean@k and pass@k with 95% intervals.
 
-    python -m grpo.eval --model_path PATH --task gsm8k [--data SOURCE] [--eval_n K] [--eval_limit N]
-    python -m grpo.eval --run runs/NAME      # a run's export, evaluated exactly as the run evaluated it
-
-Tasks and their default data (Hugging Face dataset ids) are in grpo.envs.tasks; `--data` takes a
-local JSONL, CSV or Parquet file or another dataset id (grpo.data.load_examples), with a
-`question` (or `prompt`) column and an `answer` column unless --question_field/--answer_field
-say otherwise. Per-sample records (prompt, completion, extracted answer, score) go to a JSONL file.
-`--run` reads the run's config.json, imports the recipe that launched it, and calls its
-`eval_setup(cfg) -> (env, examples)`: the same env, system prompt, questions, samples,
-temperature and token budget as the run's own evals.
+    evaluate(model, tokenizer, env, examples, n=4, temperature=1.0) -> {mean, ci95, pass, records, ...}
+The library behind the trainer's evals and `python -m grpo.eval` (its command line is
+grpo/cli/eval.py: tasks, data and a run's recipe live there, so that this module needs no env).
 """
-import argparse
-import json
 import math
 import sys
 
 import torch
 
-from grpo.cpu import set_autocast
 from grpo.rollout import rollout, sampling_params, score
 
 
@@ -62,7 +52,7 @@ def evaluate(model, tokenizer, env, examples: list[dict], n: int = 1, temperatur
     the questions evaluated on one rank gives what the whole list gives in one process."""
     from grpo.sampler import Sampler
     # a sampler sized to this call unless the caller lends its own
-    sampler = sampler or Sampler(model, tokenizer, max_batch=gen_batch, kv_budget_bytes=kv_budget_bytes)
+    sampler = sampler or Sampler(model, tokenizer, gen_batch=gen_batch, kv_budget_bytes=kv_budget_bytes)
     params = sampling_params(env, tokenizer, n, temperature, max_tokens, seed, max_turns=max_turns)
     trajs = score(env, rollout(sampler, tokenizer, env, list(examples), params, prompt_offset=prompt_offset,
                                chat_kwargs=chat_kwargs, progress=progress))
@@ -92,82 +82,6 @@ def summarize(records: list[dict], n: int) -> dict:
             "per_question": per_question}  # mean over each question's n samples: what paired_gain pairs
 
 
-# ----------------------------------------------------------------------------- command line
-
-def main(argv: list[str] | None = None) -> dict:
-    from grpo.data import DataError
-    from grpo.envs.tasks import SOURCES, TASKS, load_task
-    defaults = ", ".join(f"{task}: {source}" for task, source in SOURCES.items())
-    p = argparse.ArgumentParser(prog="python -m grpo.eval", description=__doc__.split("\n")[0])
-    p.add_argument("--model_path", help="HF checkpoint folder (with --task)")
-    p.add_argument("--task", choices=TASKS)
-    p.add_argument("--run", help="a run's output_dir: its export, with the run's own eval settings")
-    p.add_argument("--data", help=f"JSONL, CSV or Parquet file, or a dataset id name[:config[:split]] "
-                                  f"(defaults: {defaults}; calculator: 200 generated questions)")
-    p.add_argument("--question_field", default="question",
-                   help="question column (default: question, else prompt, else problem)")
-    p.add_argument("--answer_field", default="answer", help="answer column")
-    # flags named as the training config's fields for the same idea
-    p.add_argument("--eval_n", type=int, default=1, help="samples per question (mean@n, pass@n)")
-    p.add_argument("--shots", type=int, default=0, help="few-shot examples (gsm8k)")
-    p.add_argument("--fewshot_data", default=None,
-                   help="GSM8K train rows for the shots (default: openai/gsm8k:main:train)")
-    p.add_argument("--eval_limit", type=int, default=0, help="first N questions only; 0 = all")
-    p.add_argument("--eval_temperature", type=float, default=None,
-                   help="default: 0 (greedy) for eval_n=1, else 1.0")
-    p.add_argument("--max_completion_length", type=int, default=1024,
-                   help="completion tokens, tool output included")
-    p.add_argument("--max_turns", type=int, default=0, help="0 = the env's own limit")
-    p.add_argument("--enable_thinking", type=int, default=1,
-                   help="chat template switch (Qwen3: 0 = non-thinking)")
-    p.add_argument("--autocast_bf16", default="auto", choices=["auto", "true", "false"],
-                   help="CPU: bf16 matmuls under autocast; auto = where a start-up measurement finds them faster")
-    p.add_argument("--tool", choices=["none", "code_interpreter"], default="none",
-                   help="math tasks: answer with the sandboxed Python tool (ReTool's env) or without")
-    p.add_argument("--out", default=None, help="per-sample JSONL (default: eval_<task>.jsonl)")
-    args = p.parse_args(argv)
-    if args.run:
-        return evaluate_run(args.run, args.out)
-    if not (args.model_path and args.task):
-        p.error("pass --model_path and --task, or --run")
-    if args.data is not None and not args.data.strip():  # not the default data set, silently
-        raise SystemExit("python -m grpo.eval: --data is empty: pass a file or a dataset id, or leave it out")
-    try:  # the data first: a missing file or an offline hub should not wait for the model to load
-        env, examples = load_task(args.task, args.data, args.shots, args.question_field, args.answer_field,
-                                  args.fewshot_data)
-    except DataError as e:
-        raise SystemExit(f"python -m grpo.eval: {e}") from None
-    examples = examples[:args.eval_limit] if args.eval_limit else examples
-    if not examples:  # an accuracy over 0 questions would print as 0.0000
-        raise SystemExit(f"python -m grpo.eval: no questions to evaluate (--eval_limit {args.eval_limit})")
-    if args.tool == "code_interpreter":
-        if args.task not in ("math500", "aime24", "aime25"):
-            raise SystemExit(f"python -m grpo.eval: --tool code_interpreter is for math tasks, "
-                             f"not {args.task}")
-        from grpo.envs.retool import ReToolEnv
-        env = ReToolEnv()   # the same boxed-answer score, with the interpreter (and ReTool's system prompt)
-    from transformers import AutoTokenizer
-    from grpo.model import Transformer
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = Transformer.from_pretrained(args.model_path, dtype=dtype, device=device).eval()
-    print(set_autocast(model, args.autocast_bf16))
-    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
-    n = args.eval_n
-    temperature = args.eval_temperature if args.eval_temperature is not None else (0.0 if n == 1 else 1.0)
-    r = evaluate(model, tokenizer, env, examples, n=n, temperature=temperature,
-                 max_tokens=args.max_completion_length, max_turns=args.max_turns,
-                 chat_kwargs={"enable_thinking": bool(args.enable_thinking)})
-    out = args.out or f"eval_{args.task}.jsonl"
-    with open(out, "w") as f:
-        f.writelines(json.dumps(rec) + "\n" for rec in r["records"])
-    print(f"| task | questions | n | mean@{n} | 95% CI | pass@{n} |")
-    print(f"| {args.task} | {r['questions']} | {n} | {r['mean']:.4f} | ± {r['ci95']:.4f} "
-          f"| {r['pass']:.4f} |")
-    print(f"per-sample records: {out}")
-    return r
-
-
 def run_eval_settings(cfg, greedy: bool = False) -> dict:
     """evaluate()'s settings from a run's config: the trainer's evals and `--run` use this one
     mapping, so a run evaluated again is evaluated as it evaluated itself. `greedy`: the
@@ -178,63 +92,6 @@ def run_eval_settings(cfg, greedy: bool = False) -> dict:
                 gen_batch=cfg.gen_batch, kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
 
 
-def run_config(run_dir: str):
-    """(recipe module, its config object) from a run's config.json."""
-    import dataclasses
-    import importlib.util
-    import os
-    path = os.path.join(run_dir, "config.json")
-    try:
-        fields = json.load(open(path))
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"python -m grpo.eval: {path}: {e}") from None
-    meta = fields.pop("_meta", {})
-    recipe, name = meta.get("recipe"), meta.get("config_class")
-    if not recipe or not os.path.exists(recipe) or not name:
-        raise SystemExit(f"python -m grpo.eval: {path} names no recipe file that exists ({recipe}): "
-                         "use --model_path and --task")
-    sys.path.insert(0, os.path.dirname(recipe))     # recipes import their siblings
-    spec = importlib.util.spec_from_file_location("grpo_run_recipe", recipe)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)                 # its main() runs only as __main__
-    cls = getattr(module, name)
-    known = {f.name for f in dataclasses.fields(cls)}
-    return module, cls(**{k: v for k, v in fields.items() if k in known})
-
-
-def evaluate_run(run_dir: str, out: str | None = None) -> dict:
-    """The run's export on the run's eval questions with the run's settings (one process)."""
-    import os
-    from transformers import AutoTokenizer
-    from grpo.model import Transformer
-    module, cfg = run_config(run_dir)
-    if not hasattr(module, "eval_setup"):
-        raise SystemExit(f"python -m grpo.eval: {module.__file__} defines no eval_setup(cfg): use --task")
-    env, examples = module.eval_setup(cfg)
-    examples = list(examples[:cfg.eval_limit])
-    if not examples:  # an accuracy over 0 questions would print as 0.0000
-        raise SystemExit(f"python -m grpo.eval: the run has no eval questions (eval_limit={cfg.eval_limit})")
-    export = os.path.join(run_dir, "export")
-    if not os.path.exists(os.path.join(export, "config.json")):   # export=False, or stopped by SIGTERM
-        raise SystemExit(f"python -m grpo.eval: {export} not found: make one from a checkpoint with "
-                         f"python -m grpo.export {run_dir}/checkpoints/step_NNNNNN {export}")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = Transformer.from_pretrained(export, dtype=dtype, device=device).eval()
-    # the precision the run's evals used ("auto" resolved at its start), so the records repeat exactly
-    chosen = json.load(open(os.path.join(run_dir, "config.json"))).get("_meta", {}).get("autocast_bf16_chosen")
-    setting = getattr(cfg, "autocast_bf16", "false") if chosen is None else chosen
-    print(set_autocast(model, setting) + ("" if chosen is None else " (as the run chose)"))
-    r = evaluate(model, AutoTokenizer.from_pretrained(export), env, examples, **run_eval_settings(cfg))
-    out = out or os.path.join(run_dir, "eval_rerun.jsonl")
-    with open(out, "w") as f:
-        f.writelines(json.dumps(rec) + "\n" for rec in r["records"])
-    print(f"| run | questions | n | T | mean@{cfg.eval_n} | 95% CI | pass@{cfg.eval_n} |")
-    print(f"| {run_dir} | {r['questions']} | {cfg.eval_n} | {cfg.eval_temperature} | {r['mean']:.4f} | "
-          f"± {r['ci95']:.4f} | {r['pass']:.4f} |")
-    print(f"per-sample records: {out}")
-    return r
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # `python -m grpo.eval`: the command line, kept apart from this library
+    from grpo.cli.eval import main
     main(sys.argv[1:])

@@ -6,8 +6,8 @@ token ids the chat template adds after the assistant turn (the end of the turn, 
 observation message, the next assistant header). Nothing already in the row is
 re-tokenized: the template is rendered with and without the new message and the earlier
 text must be a prefix of the later (checked), so the suffix is exactly what the template adds.
-gold_trajectory lives here too: a demonstration must be laid out exactly as a rollout is, with
-the same continuation_ids, and beside rollout() a reader can check that.
+Observations and prompt contents are text: what spells a control token stays characters.
+The warm-start's demonstrations (grpo/sft.py) use the same continuation_ids.
 """
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -195,33 +195,3 @@ def score(env, trajectories: list[Trajectory], weights: dict[str, float] | None 
         t.answered = t.finish_reason == "length" and hasattr(env, "answered") and bool(env.answered(t))
         t.reward = sum(weights.get(k, 1.0) * v for k, v in t.rewards.items())
     return trajectories
-
-
-def gold_trajectory(tokenizer, env, example: dict, eos_id: int,
-                    chat_kwargs: dict | None = None) -> Trajectory:
-    """A demonstration rendered in the very layout a rollout produces: sampled-looking assistant
-    turns (mask 1), template-made observation tokens between them (mask 0), the final EOS.
-    Used by the supervised warm-start; env.gold_messages(example) gives the turns. A turn with
-    `"learn": False` (e.g. a mistaken tool call before its correction) is context, mask 0."""
-    chat_kwargs = {**getattr(env, "chat_kwargs", {}), **(chat_kwargs or {})}  # e.g. the env's tools
-    messages = env.prompt(example)
-    prompt = render_prompt(tokenizer, messages, **chat_kwargs)
-    gold = env.gold_messages(example)  # [assistant, observation, assistant, ...]
-    ids, mask = [], []
-    for i in range(0, len(gold), 2):
-        turn = tokenizer.encode(gold[i]["content"], add_special_tokens=False)
-        ids += turn
-        mask += [int(gold[i].get("learn", True))] * len(turn)
-        if i + 1 < len(gold):
-            obs = continuation_ids(tokenizer, messages, gold[i]["content"], gold[i + 1]["content"],
-                                   gold[i + 1]["role"], **chat_kwargs)
-            messages = messages + gold[i:i + 2]
-            ids += obs
-            mask += [0] * len(obs)
-    ids.append(eos_id)
-    mask.append(1)
-    return Trajectory(example=example, prompt_index=-1, prompt_ids=prompt, completion_ids=ids, loss_mask=mask,
-                      sampler_logprobs=[0.0] * len(ids), finish_reason="stop", num_turns=(len(gold) + 1) // 2,
-                      text=tokenizer.decode(ids, skip_special_tokens=True),
-                      turns=[m["content"] for m in gold[0::2]],
-                      observations=[m["content"] for m in gold[1::2]])

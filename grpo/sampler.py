@@ -71,9 +71,9 @@ class Completion:
 
 
 class _Seq(Completion):  # a request in flight: a Completion plus where it lives
-    def __init__(self, index: int, i: int, j: int, prompt: list[int], key: int, limit: int, doc: int):
+    def __init__(self, index: int, i: int, j: int, prompt: list[int], key: int, max_tokens: int, doc: int):
         super().__init__(i, j)
-        self.index, self.prompt, self.key, self.limit = index, prompt, key, limit
+        self.index, self.prompt, self.key, self.max_tokens = index, prompt, key, max_tokens
         self.doc = doc  # prompts of one document are prefixes of each other: their KV is shared
         self.slot, self.turn_start, self.in_tool = -1, 0, False
 
@@ -101,10 +101,11 @@ class _Call:
 
 class _State:
     """Per-slot decode state on device: the next token to feed (at `pos`, not yet cached),
-    tokens so far (the RNG counter), the row's token limit, and whether it is decoding."""
+    tokens so far (the RNG counter), the row's max_tokens (the request's, capped by the cache),
+    and whether it is decoding."""
     def __init__(self, slots: int, window: int, device):
         z = lambda dtype=torch.int64: torch.zeros(slots, dtype=dtype, device=device)
-        self.tok, self.pos, self.ntok, self.limit, self.key = z(), z(), z(), z(), z()
+        self.tok, self.pos, self.ntok, self.max_tokens, self.key = z(), z(), z(), z(), z()
         self.active = z(torch.bool)
         self.out_tok = torch.zeros(slots, window, dtype=torch.int64, device=device)  # (slots, window)
         self.out_lp = torch.zeros(slots, window, device=device)
@@ -115,7 +116,7 @@ def decode_step(model, cache: KVCache, state: _State, is_stop: Tensor, params: S
                 cache_len: int, column: int):
     """One token for slots [0, num_slots): feed each row's last token (attending to cache
     positions [0, cache_len)), sample the next, record it in window column `column`, and retire
-    rows that hit a stop id or their limit. No host sync."""
+    rows that hit a stop id or their max_tokens. No host sync."""
     st, p, rows = state, params, slice(0, num_slots)
     active, pos = st.active[rows], st.pos[rows]
     cache.rows(rows, pos, 1, cache_len)
@@ -125,25 +126,25 @@ def decode_step(model, cache: KVCache, state: _State, is_stop: Tensor, params: S
     st.tok[rows] = torch.where(active, tok, st.tok[rows])
     st.pos[rows] += active
     st.ntok[rows] += active
-    st.active[rows] = active & ~is_stop[tok] & (st.ntok[rows] < st.limit[rows])
+    st.active[rows] = active & ~is_stop[tok] & (st.ntok[rows] < st.max_tokens[rows])
 
 
 class Sampler:
     """`max_seq_len`: a fixed cache of rows of that length, allocated now (a longer prompt is
     refused); without it, each call sizes the cache, growing it within `kv_budget_bytes` when
     needed. `release()` frees it until the next call."""
-    def __init__(self, model, tokenizer=None, max_batch: int = 64, max_seq_len: int | None = None,
+    def __init__(self, model, tokenizer=None, gen_batch: int = 64, max_seq_len: int | None = None,
                  kv_budget_bytes: int | None = None, prefill_tokens: int | None = None,
                  sync_every: int | None = None, cuda_graphs: bool = True, tool_workers: int = 8):
         p = next(model.parameters())
         self.model, self.tokenizer, self.dtype, self.device = model, tokenizer, p.dtype, p.device
-        self.max_batch, self.fixed_len = max_batch, max_seq_len
+        self.gen_batch, self.fixed_len = gen_batch, max_seq_len
         # tokens per packed prefill forward: bounds the (T, T) document mask and attention scores
         self.prefill_tokens = prefill_tokens or (8192 if p.is_cuda else 2048)
         self.max_positions = model.config.get("max_position_embeddings", 1 << 20)
         if kv_budget_bytes is None:  # CUDA: half of what is free; CPU: 2 GiB (pages are touched only as used)
             kv_budget_bytes = torch.cuda.mem_get_info(p.device)[0] // 2 if p.is_cuda else 2 << 30
-        self.budget, self.window = kv_budget_bytes, sync_every or (8 if p.is_cuda else 1)
+        self.kv_budget_bytes, self.window = kv_budget_bytes, sync_every or (8 if p.is_cuda else 1)
         self.use_graphs = cuda_graphs and p.is_cuda
         self.pool = cf.ThreadPoolExecutor(tool_workers)
         self.tokens_prefilled = 0  # tokens through prefill forwards since construction (costs, benches)
@@ -152,10 +153,10 @@ class Sampler:
             self._allocate(max_seq_len)
 
     def _allocate(self, max_seq_len: int):
-        slots = self.budget // KVCache.slot_bytes(self.model.args, max_seq_len, self.dtype)
-        slots = min(self.max_batch, slots)
+        slots = self.kv_budget_bytes // KVCache.slot_bytes(self.model.args, max_seq_len, self.dtype)
+        slots = min(self.gen_batch, slots)
         if slots < 1:
-            raise ValueError(f"kv_budget_bytes={self.budget} holds no row of {max_seq_len} tokens")
+            raise ValueError(f"kv_budget_bytes={self.kv_budget_bytes} holds no row of {max_seq_len} tokens")
         self.cache = KVCache(self.model.args, slots, max_seq_len, self.dtype, self.device)
         self.state = _State(slots, self.window, self.device)
 
@@ -222,7 +223,7 @@ class Sampler:
         if len(prompt_ids) != len(prompts):
             raise ValueError(f"{len(prompt_ids)=} != {len(prompts)=}")
         seed = p.seed if p.seed is not None else int(torch.randint(2**31, ()))
-        fits = self.budget // KVCache.slot_bytes(self.model.args, 1, self.dtype)  # the longest row it holds
+        fits = self.kv_budget_bytes // KVCache.slot_bytes(self.model.args, 1, self.dtype)  # the longest row it holds
         need = min(self.max_positions, fits, max((len(x) for x in prompts), default=0) + p.max_tokens)
         if self.cache is None or (self.fixed_len is None and self.cache.max_seq_len < need):
             # sized to this call; grown only if a later one needs more
@@ -250,8 +251,8 @@ class Sampler:
                     out[i * n + j] = Completion(i, j, finish_reason="error", num_turns=0,
                                                 error=f"prompt {i}: {bad}")
                 else:
-                    key, limit = request_key(seed, prompt_ids[i], j), min(p.max_tokens, S - len(prompt))
-                    call.waiting.append(_Seq(i * n + j, i, j, list(prompt), key, limit, docs[i]))
+                    key, max_tokens = request_key(seed, prompt_ids[i], j), min(p.max_tokens, S - len(prompt))
+                    call.waiting.append(_Seq(i * n + j, i, j, list(prompt), key, max_tokens, docs[i]))
         call.bar = _progress(sum(c is None for c in out), progress)
         self.state.active.zero_()
         return call
@@ -298,7 +299,7 @@ class Sampler:
         for h in heads:
             held[h.doc] = (len(h.prompt), h.slot)
         starting = {s.prompt_index for s in new}
-        for chunk in _pack([h.prompt for h in heads], self.prefill_tokens):
+        for chunk in _prefill_chunks([h.prompt for h in heads], self.prefill_tokens):
             self._prefill(call, [heads[k] for k in chunk], starting)
         forks = {}  # (source slot, prompt length) -> destination slots
         for s in new:
@@ -358,13 +359,13 @@ class Sampler:
             if obs is None:
                 self._finish(call, s, "stop")
                 continue
-            obs = list(obs)[: s.limit - len(s.token_ids)]
+            obs = list(obs)[: s.max_tokens - len(s.token_ids)]
             cached = len(s.token_ids) - 1  # the tool-stop token itself is not in the cache yet
             s.token_ids += obs
             s.loss_mask += [0] * len(obs)
             s.logprobs += [0.0] * len(obs)
             s.num_turns, s.turn_start = s.num_turns + 1, len(s.token_ids)
-            if len(s.token_ids) >= s.limit:
+            if len(s.token_ids) >= s.max_tokens:
                 self._finish(call, s, "length")
             else:
                 rows.append((s, s.token_ids[cached:], len(s.prompt) + cached))
@@ -393,8 +394,8 @@ class Sampler:
         if go:
             idx = torch.tensor([s.slot for s in go], device=self.device)
             cpu = torch.tensor([[s.token_ids[-1], len(s.prompt) + len(s.token_ids) - 1, len(s.token_ids),
-                                 s.limit, s.key] for s in go])
-            st.tok[idx], st.pos[idx], st.ntok[idx], st.limit[idx], st.key[idx] = cpu.to(self.device).T
+                                 s.max_tokens, s.key] for s in go])
+            st.tok[idx], st.pos[idx], st.ntok[idx], st.max_tokens[idx], st.key[idx] = cpu.to(self.device).T
             st.active[idx] = True
 
     # ------------------------------------------------------------------------- 3. decode
@@ -442,7 +443,7 @@ class Sampler:
         for dst, src in zip(holes, tops):
             s = call.live.pop(src)
             self.cache.fork(src, [dst], min(self.cache.max_seq_len, len(s.prompt) + len(s.token_ids)))
-            for t in (st.tok, st.pos, st.ntok, st.limit, st.key, st.active):
+            for t in (st.tok, st.pos, st.ntok, st.max_tokens, st.key, st.active):
                 t[dst] = t[src]
             st.active[src] = False
             s.slot, call.live[dst] = dst, s
@@ -487,7 +488,7 @@ class Sampler:
             text = self.tokenizer.decode(s.token_ids[max(s.turn_start, len(s.token_ids) - call.tail):])
             is_tool = any(x in text for x in p.tool_stop_strings)
             is_stop = any(x in text for x in p.stop_strings)
-        full = len(s.token_ids) >= s.limit
+        full = len(s.token_ids) >= s.max_tokens
         if is_stop or (is_tool and call.tool is None):
             self._finish(call, s, "stop")
         elif full:  # also a tool call with no room left for its observation
@@ -513,7 +514,7 @@ def _public(s: _Seq) -> Completion:
                       s.num_turns, s.error)
 
 
-def _pack(prompts: list[list[int]], budget: int) -> list[list[int]]:
+def _prefill_chunks(prompts: list[list[int]], budget: int) -> list[list[int]]:
     """Split prompt indices into runs of at most `budget` tokens (a longer prompt goes alone)."""
     chunks, size = [[]], 0
     for k, x in enumerate(prompts):

@@ -30,9 +30,10 @@ from grpo.kv_cache import KVCache
 from grpo.loss import group_advantages, overlong_penalty
 from grpo.metrics import Logger, credit_metrics, rollout_records, step_metrics
 from grpo.model import Transformer, _local_or_hub
-from grpo.rollout import gold_trajectory, rollout, sampling_params, score
+from grpo.rollout import rollout, sampling_params, score
 from grpo.sampler import Sampler
-from grpo.update import loss_options, pack, policy_update
+from grpo.sft import warm_start
+from grpo.update import loss_options, policy_update
 
 # ----------------------------------------------------------------------------- data and rollouts
 
@@ -60,7 +61,7 @@ def prompt_batch(examples: list, step: int, B: int, seed: int) -> tuple[list, in
     return out, start
 
 
-def sample(sampler, tokenizer, env, params, chat_kwargs: dict, weights: dict | None,
+def scored_rollouts(sampler, tokenizer, env, params, chat_kwargs: dict, weights: dict | None,
            examples: list, offset: int) -> list:
     """G scored trajectories per example; `offset`, the global index of examples[0], seeds them."""
     trajs = rollout(sampler, tokenizer, env, examples, params, prompt_offset=offset, chat_kwargs=chat_kwargs)
@@ -184,10 +185,10 @@ def build(cfg: Config, device) -> tuple:
     # the KV cache takes the dtype of the weights it reads (bf16 under FSDP on GPU); sized per
     # call (rollouts and evals, whose few-shot prompts may be longer), so check the budget now
     with dist.gathered(model):
-        sampler = Sampler(model, tokenizer, max_batch=cfg.gen_batch, kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
+        sampler = Sampler(model, tokenizer, gen_batch=cfg.gen_batch, kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
     row = KVCache.slot_bytes(model.args, cfg.max_prompt_length + cfg.max_completion_length, sampler.dtype)
-    if sampler.budget < row:
-        raise ValueError(f"kv_budget_gb={cfg.kv_budget_gb}: {sampler.budget / 2**30:.2f} GiB of KV cache holds no "
+    if sampler.kv_budget_bytes < row:
+        raise ValueError(f"kv_budget_gb={cfg.kv_budget_gb}: {sampler.kv_budget_bytes / 2**30:.2f} GiB of KV cache holds no "
                          f"row of max_prompt_length + max_completion_length tokens ({row / 2**30:.2f} GiB)")
     return tokenizer, model, ref_model, optimizer, scheduler, sampler
 
@@ -227,34 +228,6 @@ def evaluate_on_ranks(model, tokenizer, env, examples: list, cfg: Config, greedy
             sampler.release()
     records = dist.all_gather_objects(r["records"])  # every rank holds the whole eval, in question order
     return summarize(records, settings["n"]) | {"records": records}
-
-
-# ----------------------------------------------------------------------------- warm-start
-
-def warm_start(model, tokenizer, env, examples: list, cfg: Config, device, log):
-    """Supervised cross-entropy on the sampled-token positions of gold trajectories rendered in
-    the rollout layout, so RL starts from a model that knows the tool format. Each rank trains on
-    its share of every batch, the loss normalized by the batch's token count over all ranks, so
-    any world size takes the same steps."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft_learning_rate,
-                                  betas=(cfg.adam_beta1, cfg.adam_beta2))
-    eos = model.eos_token_ids()[0]
-    kw = dict(enable_thinking=cfg.enable_thinking)
-    rng = random.Random(cfg.seed)  # the same batches on every rank
-    share, rank, world = cfg.sft_batch // dist.world_size(), dist.rank(), dist.world_size()
-    model.train()
-    for step in tqdm(range(cfg.sft_steps), desc="warm-start", disable=not dist.is_main()):
-        batch = rng.sample(examples, cfg.sft_batch)[rank * share:(rank + 1) * share]
-        b = pack([gold_trajectory(tokenizer, env, ex, eos, kw) for ex in batch], device)  # (1, sum of lengths)
-        logprobs = model(b["input_ids"], b["position_ids"], labels=b["labels"])
-        tokens = dist.all_sum(b["loss_mask"].sum().item())  # host sync: the global normalizer
-        nll = -(logprobs * b["loss_mask"]).sum()
-        (nll * world / tokens).backward()  # FSDP averages gradients over ranks: scale the local sum by world
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        log({"sft/loss": dist.all_sum(nll.item()) / tokens}, step)
-    del optimizer
 
 
 # ----------------------------------------------------------------------------- the run
@@ -328,7 +301,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
     # ---- 3. RL
     params = sampling_params(env, tokenizer, G, cfg.temperature, cfg.max_completion_length, cfg.seed,
                              cfg.top_p, cfg.top_k, cfg.min_p, cfg.max_turns)
-    rollouts = functools.partial(sample, sampler, tokenizer, env, params,
+    rollouts = functools.partial(scored_rollouts, sampler, tokenizer, env, params,
                                  dict(enable_thinking=cfg.enable_thinking), reward_weights)
     opts, share, t_start, steps_done, stop = loss_options(cfg), B // world, time.time(), start, False
     # the last evals: as long as the warm-start's (the same questions), else the plan's estimate

@@ -9,7 +9,7 @@
 4. A sequence whose advantages are all zero has zero loss and zero gradient (without a KL
    term, and not under BNPO): it is left out of the forward and backward, and still counted.
 5. share_prompt: the sequences of one prompt share one row, the prompt computed once
-   (grpo.model.shared_prompt_attention); their log-probs are gathered back into the
+   (grpo/shared_prompt.py); their log-probs are gathered back into the
    per-sequence layout the loss reads.
 """
 import math
@@ -19,7 +19,7 @@ import torch
 from grpo import dist
 from grpo.config import Config
 from grpo.loss import LossOptions, policy_loss
-from grpo.model import SharedPrompts
+from grpo.shared_prompt import prompt_rows, shared_prompt_batch
 
 # ----------------------------------------------------------------------------- micro-batches
 
@@ -55,73 +55,6 @@ def collate(trajs: list, device) -> dict:
     labels[loss_mask == 0] = -100  # injected tokens are never scored
     out = dict(input_ids=input_ids, labels=labels, loss_mask=loss_mask, sampler_logprobs=sampler_logprobs)
     return {k: v.to(device) for k, v in out.items()}
-
-
-def pack(trajs: list, device) -> dict:
-    """The sequences end to end in one row, no padding: (1, sum of lengths) input_ids, positions
-    restarting at 0 for each (the model attends within each sequence only), labels and loss_mask
-    as collate's. For losses that are a plain token sum (the warm-start's): right-padding a batch
-    of gold episodes of 150 to 450 tokens computed ~1.5x its tokens."""
-    rows = [collate([t], "cpu") for t in trajs]
-    cat = lambda key: torch.cat([r[key][0] for r in rows])[None].to(device)  # noqa: E731
-    positions = torch.cat([torch.arange(r["input_ids"].shape[1]) for r in rows])[None].to(device)
-    return dict(input_ids=cat("input_ids"), position_ids=positions, labels=cat("labels"), loss_mask=cat("loss_mask"))
-
-
-def prompt_rows(trajs: list, keep: list[int], budget: int) -> list[tuple[list[int], int]]:
-    """share_prompt: the kept sequences grouped by prompt into rows of (indices, tokens), each at
-    most `budget` tokens: the prompt once without its last token, then for each sequence that
-    token again and the completion. The last prompt token's output predicts a different first
-    token for each completion, so each completion needs its own copy of it."""
-    rows, open_rows = [], {}
-    for i in keep:
-        prompt, need = tuple(trajs[i].prompt_ids), len(trajs[i].completion_ids) + 1
-        row = open_rows.get(prompt)
-        if row is None or row[1] + need > budget:
-            row = open_rows[prompt] = [[], len(prompt) - 1]
-            rows.append(row)
-        row[0].append(i)
-        row[1] += need
-    return [tuple(row) for row in rows]
-
-
-def shared_prompt_batch(rows: list[list], device) -> dict:
-    """Rows of one prompt's sequences (prompt_rows) -> (R, L) input_ids, position_ids, labels, the
-    rows' layout for the model's shared-prompt attention (grpo.model.SharedPrompts: each
-    completion attends to the prompt and to itself only), and `index` (N, T): where each of
-    collate's (N, T) positions of these N sequences, in row order, lies in the flattened (R * L)
-    rows (R * L, one past the end, where none: it reads a zero). A group of G sequences computes
-    its prompt once instead of G times."""
-    R, N = len(rows), sum(len(r) for r in rows)
-    L = max(len(r[0].prompt_ids) - 1 + sum(len(t.completion_ids) + 1 for t in r) for r in rows)
-    T = max(len(t.prompt_ids) + len(t.completion_ids) for r in rows for t in r)
-    Pm = max(1, max(len(r[0].prompt_ids) - 1 for r in rows))
-    Mm = max(len(t.completion_ids) + 1 for r in rows for t in r)
-    input_ids, position_ids = torch.zeros(R, L, dtype=torch.long), torch.zeros(R, L, dtype=torch.long)
-    labels = torch.full((R, L), -100, dtype=torch.long)
-    index, n = torch.full((N, T), R * L, dtype=torch.long), 0
-    prompt_at, segment_at = torch.full((R, Pm), R * L, dtype=torch.long), torch.full((N, Mm), R * L, dtype=torch.long)
-    segment_row, mask = torch.zeros(N, dtype=torch.long), torch.zeros(N, 1, Mm, Pm + Mm, dtype=torch.bool)
-    causal = torch.ones(Mm, Mm, dtype=torch.bool).tril()
-    for r, row in enumerate(rows):
-        prompt = row[0].prompt_ids
-        P, s = len(prompt), len(prompt) - 1
-        input_ids[r, :s], position_ids[r, :s] = torch.tensor(prompt[:-1], dtype=torch.long), torch.arange(s)
-        prompt_at[r, :s] = r * L + torch.arange(s)
-        for t in row:
-            C = len(t.completion_ids)
-            input_ids[r, s:s + C + 1] = torch.tensor(prompt[-1:] + t.completion_ids)
-            position_ids[r, s:s + C + 1] = torch.arange(P - 1, P + C)
-            ids, scored = torch.tensor(t.completion_ids), torch.tensor(t.loss_mask, dtype=torch.bool)
-            labels[r, s:s + C] = torch.where(scored, ids, -100)
-            index[n, P - 1:P - 1 + C] = r * L + torch.arange(s, s + C)
-            segment_at[n, :C + 1], segment_row[n] = r * L + torch.arange(s, s + C + 1), r
-            mask[n, 0, :, :P - 1] = True   # the row's real prompt tokens
-            mask[n, 0, :, Pm:] = causal    # its own segment, causally (padded queries read its first token)
-            s, n = s + C + 1, n + 1
-    out = dict(input_ids=input_ids, position_ids=position_ids, labels=labels, index=index)
-    return {k: v.to(device) for k, v in out.items()} | {
-        "layout": SharedPrompts(prompt_at, segment_at, segment_row, mask).to(device)}
 
 
 def sequence_logprobs(model, b: dict, temperature: float, return_entropy: bool = False):

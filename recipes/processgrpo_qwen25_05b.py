@@ -164,7 +164,7 @@ def main(cls=ProcessGRPOQwen):
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
     sampler = None   # the outcome control needs no frozen copy (unless it filters the data)
     if cfg.credit != "outcome" or cfg.filter_solve_rate:
-        sampler = Sampler(frozen_copy(cfg, dist.device()), tokenizer, max_batch=cfg.continuation_batch,
+        sampler = Sampler(frozen_copy(cfg, dist.device()), tokenizer, gen_batch=cfg.continuation_batch,
                           kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
     if cfg.filter_solve_rate:
         train_examples = filtered(cfg, sampler, tokenizer, env, train_examples)

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # toy.py
 
-from grpo import budget, dist  # noqa: E402
+from grpo import budget, dist, sft  # noqa: E402
 from grpo import trainer  # noqa: E402
 from grpo.checkpoint import Checkpointer, export  # noqa: E402
 from grpo.config import Config, parse_args  # noqa: E402
@@ -89,8 +89,8 @@ def install_faults(cfg: "WorkerConfig") -> list:
     if RANK == cfg.hide_newest_checkpoint_on_rank:
         complete = Checkpointer.complete
         Checkpointer.complete = lambda self: complete(self)[:-1]
-    golds, gold_trajectory = [], trainer.gold_trajectory
-    trainer.gold_trajectory = lambda *a, **k: golds.append(1) or gold_trajectory(*a, **k)
+    golds, gold_trajectory = [], sft.gold_trajectory
+    sft.gold_trajectory = lambda *a, **k: golds.append(1) or gold_trajectory(*a, **k)
     return golds
 
 
@@ -120,11 +120,11 @@ def check_fsdp(path: str, export_dir: str):
         w = model.layers[0].mlp.up_proj.weight
         assert not isinstance(w, DTensor) and w.shape == full.layers[0].mlp.up_proj.weight.shape, type(w)
         assert (model.lm_head.weight is model.embed_tokens.weight) == tied
-        out = Sampler(model, max_batch=8).generate(prompts, params)
+        out = Sampler(model, gen_batch=8).generate(prompts, params)
     group.foreach_all_gather = all_gather
     n_modules = len(dist._fsdp_modules(model))
     assert len(calls) == n_modules, f"{len(calls)} all-gathers for {n_modules} FSDP modules while sampling"
-    expected = Sampler(full, max_batch=8).generate(prompts, params)
+    expected = Sampler(full, gen_batch=8).generate(prompts, params)
     assert [c.token_ids for c in out] == [c.token_ids for c in expected]
     for a, b in zip(out, expected):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)

@@ -204,7 +204,7 @@ def test_probe_times_the_sampler_and_one_backward_without_changing_the_model(tmp
     path = make_toy_dir(tmp_path / "toy")
     model, tok = Transformer.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     before = [p.detach().clone() for p in model.parameters()]
-    rates = budget.probe(model, Sampler(model, tok, max_batch=8), [6, 7, 8], rows=8, train_tokens=16)
+    rates = budget.probe(model, Sampler(model, tok, gen_batch=8), [6, 7, 8], rows=8, train_tokens=16)
     assert rates.decode > 0 and rates.train > 0
     assert all(torch.equal(p, p0) for p, p0 in zip(model.parameters(), before))
     assert all(p.grad is None for p in model.parameters())

@@ -149,7 +149,7 @@ def test_dataset_id_offline_or_without_datasets_is_one_clear_line(monkeypatch):
 
 def test_eval_cli_without_data_says_how_to_pass_a_file(monkeypatch, capsys):
     # the default source of every hub task, offline: exits with one line before any model is loaded
-    from grpo.eval import main
+    from grpo.cli.eval import main
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(SystemExit) as e:
         main(["--model_path", "/nonexistent", "--task", "math500"])

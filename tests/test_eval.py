@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from grpo.envs.tasks import load_task
-from grpo.eval import main, mean_ci95, paired_gain, summarize
+from grpo.cli.eval import main
+from grpo.eval import mean_ci95, paired_gain, summarize
 
 from test_recipes import make_tiny_chat_model
 

@@ -55,7 +55,7 @@ def test_monte_carlo_rates_converge_to_the_exact_probabilities(tmp_path, one_thr
     traj = Trajectory(example={}, prompt_index=0, prompt_ids=prompt, completion_ids=completion, loss_mask=[],
                       sampler_logprobs=[], finish_reason="stop", num_turns=1, rewards={"correct": 0.0})
     K = 512
-    credit = ProcessCredit(Sampler(model, tok, max_batch=64), tok, env, num_continuations=K, temperature=1.0,
+    credit = ProcessCredit(Sampler(model, tok, gen_batch=64), tok, env, num_continuations=K, temperature=1.0,
                            max_continuation_tokens=1, seed=3)
     ends = [2, 3, 4]
     [rates] = credit.success_rates([traj], [ends], step=0)
@@ -89,7 +89,7 @@ def test_controls_and_assembly(tmp_path, one_thread):
                         finish_reason="stop", num_turns=1, rewards={"correct": r})
              for text, r in [("w3 w4 w5", 1.0), ("w9 w20", 0.0)]]
     A = torch.tensor([0.7, -0.7])
-    sampler = Sampler(model, tok, max_batch=32)
+    sampler = Sampler(model, tok, gen_batch=32)
     make = lambda mode: ProcessCredit(sampler, tok, env, num_continuations=8, mode=mode, seed=1,  # noqa: E731
                                       split=every_word)
     assert make("outcome")(trajs, A) is A
@@ -130,7 +130,7 @@ def test_forked_prefill_costs_and_budget(tmp_path, one_thread):
     A = torch.tensor([0.7, 0.7, -1.4])
     ends = [every_word(t.completion_ids, 0) for t in trajs]
     def make(cap):
-        return ProcessCredit(Sampler(model, tok, max_batch=64), tok, env, num_continuations=4,
+        return ProcessCredit(Sampler(model, tok, gen_batch=64), tok, env, num_continuations=4,
                              max_continuation_tokens=3, max_total_tokens=cap, seed=2, split=every_word)
 
     free = make(0)
@@ -167,7 +167,7 @@ def test_token_advantages_equal_sequence_advantages_when_they_agree(tmp_path, on
                  loss_type="dr_grpo", learning_rate=1.0, max_grad_norm=0.0)
     model = Transformer.from_pretrained(path)
     params = sampling_params(ToyEnv(), tok, 4, 1.0, 8, seed=5)
-    trajs = rollout(Sampler(model, tok, max_batch=16), tok, ToyEnv(), [{"question": "w1 w2"}, {"question": "w3"}],
+    trajs = rollout(Sampler(model, tok, gen_batch=16), tok, ToyEnv(), [{"question": "w1 w2"}, {"question": "w3"}],
                     params)
     A = torch.tensor([0.5, -0.5, 1.0, -1.0, 0.0, 0.0, 0.0, 0.0])      # the second group flat
     C = max(len(t.completion_ids) for t in trajs)

@@ -252,7 +252,7 @@ def test_process_group_timeout_is_a_config_field(toy, tmp_path, monkeypatch):
 
 
 def test_corrupt_data_and_eval_without_questions_are_named(tmp_path):
-    from grpo.eval import main
+    from grpo.cli.eval import main
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "a", "answer": "1"}\n{"question": "b", "answer": \n')
     with pytest.raises(DataError, match=f"{bad}:2: not valid JSON"):

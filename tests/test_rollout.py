@@ -14,7 +14,8 @@ from grpo.envs.calculator import (BAD_NAMES, SYSTEM_PROMPT, CalculatorEnv, gener
                                   mistaken_call, run_tool)
 from grpo.envs.calculator_phrasing import HELDOUT, RL, TRAIN
 from grpo.model import Transformer
-from grpo.rollout import Trajectory, continuation_ids, gold_trajectory, render_prompt, rollout, sampling_params
+from grpo.rollout import Trajectory, continuation_ids, render_prompt, rollout, sampling_params
+from grpo.sft import gold_trajectory
 from grpo.sampler import Sampler
 
 SHOT = {"question": "What is 2 plus 3?", "expression": "2 + 3", "answer": 5.0}
@@ -49,7 +50,7 @@ def test_multi_turn_rollout_is_exactly_what_was_sampled_and_injected(smollm2):
     env = OneShotCalculatorEnv()
     example = {"question": "What is 4 plus 7?", "answer": 11.0}
     params = sampling_params(env, tok, G=1, temperature=0.0, max_tokens=64, seed=0, max_turns=3)
-    [t] = rollout(Sampler(model, tok, max_batch=2), tok, env, [example], params)
+    [t] = rollout(Sampler(model, tok, gen_batch=2), tok, env, [example], params)
     eos = model.eos_token_ids()[0]
     assert t.num_turns >= 2 and t.finish_reason == "stop", f"no tool call: {tok.decode(t.completion_ids)!r}"
     assert t.completion_ids[-1] == eos and t.loss_mask[-1] == 1

@@ -42,10 +42,10 @@ def full_logprobs(model, prompt, completion, temperature):
 
 # ----------------------------------------------------------------------------- SmolLM2
 
-@pytest.mark.parametrize("max_batch,n", [(64, 1), (4, 3)])  # all in; fewer slots than rows, shared prompts
-def test_greedy_matches_transformers(smol, hf_greedy, max_batch, n):
+@pytest.mark.parametrize("gen_batch,n", [(64, 1), (4, 3)])  # all in; fewer slots than rows, shared prompts
+def test_greedy_matches_transformers(smol, hf_greedy, gen_batch, n):
     model, tok, prompts = smol
-    out = Sampler(model, max_batch=max_batch).generate(prompts, SamplingParams(n=n, temperature=0, max_tokens=24))
+    out = Sampler(model, gen_batch=gen_batch).generate(prompts, SamplingParams(n=n, temperature=0, max_tokens=24))
     assert len(out) == len(prompts) * n
     for k, c in enumerate(out):
         assert (c.prompt_index, c.sample_index) == divmod(k, n)
@@ -85,8 +85,8 @@ def test_seeded_tokens_independent_of_batch_on_smollm2(smol, one_thread):
     this failed: one row of the mixed run left the others at token 114."""
     model, _, prompts = smol
     p = SamplingParams(n=4, temperature=1.0, max_tokens=128, stop_token_ids=[], seed=0)  # no stop: 128 each
-    runs = [Sampler(model, max_batch=b).generate(prompts[1:3], p, prompt_ids=[1, 2]) for b in (8, 1)]
-    mixed = Sampler(model, max_batch=7).generate(prompts, p)  # 20 rows in 7 slots: the batch keeps changing
+    runs = [Sampler(model, gen_batch=b).generate(prompts[1:3], p, prompt_ids=[1, 2]) for b in (8, 1)]
+    mixed = Sampler(model, gen_batch=7).generate(prompts, p)  # 20 rows in 7 slots: the batch keeps changing
     runs.append(mixed[4:12])  # prompts 1 and 2
     rows = [[c.token_ids for c in run] for run in runs]
     assert all(len(x) == 128 for x in rows[0])
@@ -118,17 +118,17 @@ def test_forked_continuations_equal_fresh_prefills(smol, solutions, one_thread, 
     fresh = Sampler(model)
     expected = fresh.generate(prefixes, p)
     assert fresh.tokens_prefilled == sum(map(len, prefixes))
-    for max_batch in (64, 9):
-        sampler = Sampler(model, max_batch=max_batch)
+    for gen_batch in (64, 9):
+        sampler = Sampler(model, gen_batch=gen_batch)
         out = sampler.continue_from(seqs, cuts, p)
         assert [(c.prompt_index, c.sample_index) for c in out] == [divmod(k, 4) for k in range(len(out))]
         for c, e in zip(out, expected):
-            where = (max_batch, c.prompt_index, c.sample_index)
+            where = (gen_batch, c.prompt_index, c.sample_index)
             assert (c.token_ids, c.finish_reason) == (e.token_ids, e.finish_reason), where
             # the first token's logits come from a longer packed forward: fp32 op order only
             torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(e.logprobs), atol=1e-4, rtol=0)
         once = sum(max(cs) for cs in cuts)  # one pass per sequence, up to its longest cut
-        if max_batch == 64:
+        if gen_batch == 64:
             assert sampler.tokens_prefilled == once
         assert once <= sampler.tokens_prefilled < fresh.tokens_prefilled
     assert len({tuple(c.token_ids) for c in expected}) > (1 if temperature == 0 else 20)  # not all alike
@@ -143,8 +143,8 @@ def test_seeded_sampling_independent_of_batch(tiny_dir):
     prompts = [torch.randint(0, 1000, (int(torch.randint(1, 30, (), generator=g)),), generator=g).tolist() for _ in range(10)]
     stops = list(range(3, 23))  # ~2% of the mass: rows stop at different lengths, whatever the stream
     p = SamplingParams(n=2, temperature=0.9, top_p=0.95, max_tokens=24, stop_token_ids=stops, seed=1234)
-    big = Sampler(model, max_batch=64).generate(prompts, p)  # a batch of 20 rows
-    few = Sampler(model, max_batch=3).generate(prompts, p)  # fewer slots than requests: slots reused
+    big = Sampler(model, gen_batch=64).generate(prompts, p)  # a batch of 20 rows
+    few = Sampler(model, gen_batch=3).generate(prompts, p)  # fewer slots than requests: slots reused
     assert [c.token_ids for c in few] == [c.token_ids for c in big]
     assert len({len(c.token_ids) for c in big}) > 1, "rows should stop at different lengths"
     for i in (0, 7):  # alone, with its global index, as a rank holding one prompt would
@@ -167,12 +167,12 @@ def test_decode_computes_only_live_rows(tiny_dir):
     rows = []
     hook = model.register_forward_hook(lambda m, args, out: rows.append(len(args[0])) if args[0].shape[1] == 1 else None)
     try:
-        out = Sampler(model, max_batch=8).generate(prompts, p)
+        out = Sampler(model, gen_batch=8).generate(prompts, p)
     finally:
         hook.remove()
     assert len({len(c.token_ids) for c in out}) > 3, "rows should stop at different lengths"
     assert sum(rows) == sum(len(c.token_ids) - 1 for c in out)
-    assert [c.token_ids for c in out] == [c.token_ids for c in Sampler(model, max_batch=64).generate(prompts, p)]
+    assert [c.token_ids for c in out] == [c.token_ids for c in Sampler(model, gen_batch=64).generate(prompts, p)]
 
 
 def test_filter_masks_exact():
@@ -250,7 +250,7 @@ def test_first_tokens_follow_model_distribution(tiny_dir):
     model = Transformer.from_pretrained(path)
     prompt = [5, 17, 99, 3]
     N = 3000
-    out = Sampler(model, max_batch=1000).generate([prompt], SamplingParams(n=N, temperature=1.3, top_p=0.9, max_tokens=1,
+    out = Sampler(model, gen_batch=1000).generate([prompt], SamplingParams(n=N, temperature=1.3, top_p=0.9, max_tokens=1,
                                                                           stop_token_ids=[], seed=7))
     with torch.no_grad():
         logp = (model(torch.tensor([prompt]))[0, -1] / 1.3).log_softmax(-1)
@@ -281,7 +281,7 @@ def test_multi_turn_cache_equals_full_history(tiny_dir):
     prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4, 3]]
     p = SamplingParams(n=3, temperature=1.0, max_tokens=40, stop_token_ids=[0], tool_stop_token_ids=[TOOL, 8, 9],
                        max_turns=4, seed=5)
-    out = Sampler(model, max_batch=4).generate(prompts, p, tool=tool)
+    out = Sampler(model, gen_batch=4).generate(prompts, p, tool=tool)
     assert calls and any(c.num_turns > 1 for c in out)
     for c in out:
         injected = [k for k, m in enumerate(c.loss_mask) if m == 0]
@@ -359,7 +359,7 @@ def test_decode_window_equals_single_steps(tiny_dir):
     p = SamplingParams(n=3, temperature=1.0, max_tokens=40, stop_token_ids=[0], stop_strings=["ab", "zz"],
                        tool_stop_strings=["q"], max_turns=3, seed=17)  # a seed whose rows pass both checks
     tool = lambda index, ids: [50 + index, 51]
-    runs = [Sampler(model, tok, max_batch=4, sync_every=w).generate([[4, 5, 6], [7, 8]], p, tool=tool) for w in (1, 5)]
+    runs = [Sampler(model, tok, gen_batch=4, sync_every=w).generate([[4, 5, 6], [7, 8]], p, tool=tool) for w in (1, 5)]
     strip = lambda c: {**c.__dict__, "logprobs": None}
     assert [strip(c) for c in runs[0]] == [strip(c) for c in runs[1]]
     assert any(c.num_turns > 1 for c in runs[0])  # a tool call

@@ -13,7 +13,7 @@ from grpo.model import Transformer
 from grpo.rollout import rollout, sampling_params, score
 from grpo.sampler import Sampler
 from grpo.loss import LossOptions, group_advantages, policy_loss
-from grpo import trainer, update
+from grpo import sft, shared_prompt, trainer, update
 from grpo.sampling import request_key
 from grpo.trainer import prompt_batch, refill, train
 from grpo.update import batch_logprobs, collate, micro_batches, policy_update, update_batches
@@ -66,7 +66,7 @@ def test_old_logprobs_equal_the_samplers(tmp_path):
     tok = AutoTokenizer.from_pretrained(cfg.model_path)
     for temperature in (1.0, 0.7):
         params = sampling_params(ToyEnv(), tok, 4, temperature, 8, seed=3)
-        trajs = rollout(Sampler(model, tok, max_batch=8), tok, ToyEnv(), EXAMPLES[:5], params)
+        trajs = rollout(Sampler(model, tok, gen_batch=8), tok, ToyEnv(), EXAMPLES[:5], params)
         lengths = [len(t.prompt_ids) + len(t.completion_ids) for t in trajs]
         batches = [collate([trajs[i] for i in mb], "cpu") for mb in micro_batches(lengths, 64)]
         for b, lp in zip(batches, batch_logprobs(model, batches, temperature)):
@@ -87,7 +87,7 @@ def test_update_leaves_out_flat_groups_and_pads_micro_batches(tmp_path, monkeypa
     model = Transformer.from_pretrained(cfg.model_path)
     tok = AutoTokenizer.from_pretrained(cfg.model_path)
     params = sampling_params(ToyEnv(), tok, 4, cfg.temperature, cfg.max_completion_length, seed=1)
-    trajs = score(ToyEnv(), rollout(Sampler(model, tok, max_batch=16), tok, ToyEnv(), EXAMPLES[:4], params))
+    trajs = score(ToyEnv(), rollout(Sampler(model, tok, gen_batch=16), tok, ToyEnv(), EXAMPLES[:4], params))
     for t in trajs[4:8]:  # one flat group: reward 0.5 four times, mean exact, advantages exactly 0
         t.reward = 0.5
     truncated = [t.finish_reason == "length" for t in trajs]
@@ -162,7 +162,7 @@ def test_truncated_answers_stay_in_the_loss_when_kept():
 
 
 def test_shared_prompt_rows_equal_one_row_per_sequence(tmp_path):
-    """update.shared_prompt_batch: G sequences of one prompt in one row (the prompt computed once,
+    """shared_prompt.shared_prompt_batch: G sequences of one prompt in one row (the prompt computed once,
     each completion attending to it and to itself) give every position of collate's layout the
     log-prob and entropy of one row per sequence, and a loss over them the same gradient; the
     completions hold injected tokens (loss mask 0), as tool observations are, and a row split by
@@ -179,12 +179,12 @@ def test_shared_prompt_rows_equal_one_row_per_sequence(tmp_path):
             mask = [0 if 2 <= c < 4 else 1 for c in range(C)]  # two injected tokens after the first turn
             trajs.append(Trajectory({}, k, prompt, ids(C), mask, [0.0] * C, "stop", 2))
     keep = list(range(len(trajs)))
-    rows = update.prompt_rows(trajs, keep, budget=40)
+    rows = shared_prompt.prompt_rows(trajs, keep, budget=40)
     assert [idx for idx, _ in rows] == [[0, 1, 2], [3, 4, 5], [6]]  # prompt 1's fourth sequence: a new row
     assert all(n <= 40 for _, n in rows) and rows[0][1] == 8 + 5 + 8 + 11
     order = [i for idx, _ in rows for i in idx]
     plain = collate([trajs[i] for i in order], "cpu")
-    shared = update.shared_prompt_batch([[trajs[i] for i in idx] for idx, _ in rows], "cpu")
+    shared = shared_prompt.shared_prompt_batch([[trajs[i] for i in idx] for idx, _ in rows], "cpu")
     assert shared["input_ids"].numel() < plain["input_ids"].numel()
     weights = torch.randn(plain["labels"].shape, generator=g) * plain["loss_mask"]
     outs = []
@@ -209,7 +209,7 @@ def test_first_of_mu_iterations_has_ratio_exactly_one(tmp_path, monkeypatch):
     model = Transformer.from_pretrained(cfg.model_path)
     tok = AutoTokenizer.from_pretrained(cfg.model_path)
     params = sampling_params(ToyEnv(), tok, 4, cfg.temperature, cfg.max_completion_length, seed=2)
-    trajs = score(ToyEnv(), rollout(Sampler(model, tok, max_batch=16), tok, ToyEnv(), EXAMPLES[:4], params))
+    trajs = score(ToyEnv(), rollout(Sampler(model, tok, gen_batch=16), tok, ToyEnv(), EXAMPLES[:4], params))
     adv = group_advantages(torch.tensor([t.reward for t in trajs]), 4)
     assert (adv != 0).any()
     ratios = []  # (iteration-ordered) rho of every mask token, per policy_loss call
@@ -234,7 +234,7 @@ def test_a_step_where_every_group_is_flat_changes_nothing(tmp_path):
     model = Transformer.from_pretrained(cfg.model_path)
     tok = AutoTokenizer.from_pretrained(cfg.model_path)
     params = sampling_params(ToyEnv(), tok, 4, 1.0, 8, seed=1)
-    trajs = rollout(Sampler(model, tok, max_batch=8), tok, ToyEnv(), EXAMPLES[:2], params)
+    trajs = rollout(Sampler(model, tok, gen_batch=8), tok, ToyEnv(), EXAMPLES[:2], params)
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
@@ -374,7 +374,7 @@ def test_rollout_records(tmp_path):
 
 
 def test_packed_warm_start_batch_equals_the_padded_one(tmp_path):
-    """update.pack (one row, positions restarting per sequence, no padding) gives every scored
+    """sft.pack (one row, positions restarting per sequence, no padding) gives every scored
     token the log-prob, and the loss the gradient, of the right-padded batch."""
     from transformers import AutoTokenizer
     model = Transformer.from_pretrained(make_toy_dir(tmp_path / "model"))
@@ -382,7 +382,7 @@ def test_packed_warm_start_batch_equals_the_padded_one(tmp_path):
     params = sampling_params(ToyEnv(), tok, 3, 1.0, 8, seed=3)
     trajs = rollout(Sampler(model, tok), tok, ToyEnv(), EXAMPLES[:4], params)
     assert len({len(t.prompt_ids) + len(t.completion_ids) for t in trajs}) > 1, "lengths should differ"
-    padded, packed = collate(trajs, "cpu"), update.pack(trajs, "cpu")
+    padded, packed = collate(trajs, "cpu"), sft.pack(trajs, "cpu")
     assert packed["input_ids"].shape == (1, sum(len(t.prompt_ids) + len(t.completion_ids) for t in trajs))
     sums = []
     for b, args in ((padded, ()), (packed, (packed["position_ids"],))):

@@ -1,0 +1,1 @@
+"""Command lines: the layer above the library that may import envs and run a recipe's eval_setup."""
