@@ -28,28 +28,26 @@ class Rates:
     train: float    # one token through forward + backward (prefill costs about a third)
 
 
-def probe(model, sampler, prompt: list[int], rows: int, k: int = 6, train_tokens: int = 128) -> Rates:
-    """Rates from two sampler calls (2 and 2 + k tokens, the difference is decode alone) and one
-    forward + backward of `train_tokens` tokens, its gradients discarded; the same on every rank."""
+def probe(model, sampler, prompt: list[int], rows: int, k: int = 8, train_tokens: int = 128) -> Rates:
+    """Rates from one sampler call (`rows` rows of k tokens from one prompt: its prefill is a
+    small share, counted in, so the rate errs slow) and one forward + backward of `train_tokens`
+    tokens, its gradients discarded; the slowest rank's, the same on every rank."""
     from grpo.sampler import SamplingParams
-    times = []
     model.eval()
     with dist.gathered(model):
-        for n_tokens in (2, 2 + k):
-            params = SamplingParams(n=rows, temperature=1.0, max_tokens=n_tokens, stop_token_ids=[], seed=0)
-            t = time.perf_counter()
-            sampler.generate([prompt], params)
-            times.append(time.perf_counter() - t)
+        params = SamplingParams(n=rows, temperature=1.0, max_tokens=k, stop_token_ids=[], seed=0)
+        t = time.perf_counter()
+        sampler.generate([prompt], params)
+        decode_s = (time.perf_counter() - t) / (k * rows)
         sampler.release()
     ids = torch.tensor([(prompt * (1 + train_tokens // max(len(prompt), 1)))[:train_tokens]], device=dist.device())
     model.train()
     t = time.perf_counter()
     model(ids, labels=ids).sum().backward()
-    train_s = time.perf_counter() - t
+    train_s = (time.perf_counter() - t) / train_tokens
     model.zero_grad(set_to_none=True)
-    decode_s = max(times[1] - times[0], 1e-9) / (k * rows)
     decode_s, train_s = dist.all_max_floats([decode_s, train_s])  # the slowest rank sets the pace
-    return Rates(decode=decode_s, train=train_s / train_tokens)
+    return Rates(decode=decode_s, train=train_s)
 
 
 def estimate(cfg, rates: Rates, prompt_len: float, answer_len: float, sft_tokens: float, world: int = 1) -> dict:
@@ -86,6 +84,7 @@ class Budget:
 
     def __init__(self, cfg, unit: dict, eval_q: int, before_q: int):
         self.cfg, self.unit, self.eval_q, self.before_q = cfg, unit, eval_q, before_q
+        self.configured_q = eval_q
         self.budget_s = 60 * cfg.run_budget_min if unit else 0.0
         self.measured = self.estimated = 0.0
         self.shrunk = ""
@@ -118,15 +117,17 @@ class Budget:
         return self.factor() * self.unit.get(phase, 0.0) * units
 
     def refit(self, spent_s: float) -> bool:
-        """Before the evals after the warm-start: the eval size again, from what is left and the
-        phases measured so far (it can only shrink: the before-eval already ran). True if it did."""
+        """Before the evals after the warm-start: their size again, from the configured one, what
+        is left and the phases measured so far (which correct a probe that ran slow or fast: the
+        start's size was provisional). True if it changed."""
         if not self.budget_s:
             return False
         was = self.eval_q
         left = self.budget_s - spent_s - self.estimate("rl_step", self.cfg.min_rl_steps)
-        self.eval_q = fit(left, self.factor() * self.per_eval_q(), 0.0, self.eval_q, 0)[0]
+        self.eval_q = fit(left, self.factor() * self.per_eval_q(), 0.0, self.configured_q, 0)[0]
         if self.eval_q != was:
-            self.shrunk = f"shrunk again after the warm-start: evals of {self.eval_q} questions (was {was})"
+            self.shrunk = (f"after the warm-start: evals of {self.eval_q} questions (planned {was}, "
+                           f"configured {self.configured_q})")
         return self.eval_q != was
 
     def note(self, eval_q: int, before_q: int):
@@ -135,24 +136,29 @@ class Budget:
                            f"before-eval {self.before_q} (configured {before_q})")
 
     def line(self, spent_s: float = 0.0) -> str:
-        """The plan line: each phase's estimate, what shrank, and whether the run fits."""
+        """The plan line: each phase's estimate, what shrank, and whether the run fits. With
+        `spent_s` (after the warm-start), the phases still to run after those seconds."""
         f, u, cfg = self.factor(), self.unit, self.cfg
-        phases = [("eval before", u["before"] * self.before_q)]
+        phases = [] if spent_s else [("eval before", u["before"] * self.before_q)]
         if cfg.sft_steps:
-            phases += [("warm-start", u["warm-start"] * cfg.sft_steps), ("its evals", u["warmstart"] * self.eval_q)]
+            phases += [] if spent_s else [("warm-start", u["warm-start"] * cfg.sft_steps)]
+            phases += [("its evals", u["warmstart"] * self.eval_q)]
         phases += [("last evals", u["after"] * self.eval_q)]
         fixed = spent_s + f * sum(s for _, s in phases)
         rl_s = self.budget_s - fixed
         steps = max(cfg.min_rl_steps, int(rl_s // (f * u["rl_step"]))) if self.budget_s else cfg.max_steps
         steps = min(steps, cfg.max_steps)
-        text = ("plan, estimated from this machine's speed: " + ", ".join(f"{name} {f * s / 60:.1f} min" for name, s in phases)
+        head = f"{spent_s / 60:.1f} min spent; " if spent_s else ""
+        text = ("plan, estimated from this machine's speed: " + head
+                + ", ".join(f"{name} {f * s / 60:.1f} min" for name, s in phases)
                 + f", RL {f * u['rl_step']:.0f} s a step: ~{steps} steps")
         if self.budget_s:
             text += f" | run budget {self.budget_s / 60:.1f} min"
-            over = fixed + cfg.min_rl_steps * f * u["rl_step"]
+            over = fixed + min(cfg.min_rl_steps, cfg.max_steps) * f * u["rl_step"]
             if over > self.budget_s:
-                text += (f" | does not fit on this machine: with the smallest evals and {cfg.min_rl_steps} RL "
-                         f"steps (min_rl_steps) the run takes about {over / 60:.0f} min")
+                text += (f" | does not fit on this machine: with {self.eval_q} eval questions and "
+                         f"{min(cfg.min_rl_steps, cfg.max_steps)} RL steps (min_rl_steps) the run takes about "
+                         f"{over / 60:.0f} min")
         return text + (f" | {self.shrunk}" if self.shrunk else "")
 
 

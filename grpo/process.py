@@ -3,7 +3,8 @@ finishing the problem correctly (model card: zaydsyed/TactLM-Math-ProcessGRPO-Qw
 
 For a sampled solution split into steps 1..S (its paragraphs), with boundaries k = 0..S:
     p_k          success rate of K continuations of the frozen model from the prefix ending at
-                 boundary k (before step 1, after step 1, ...); p_S is the solution's own outcome
+                 boundary k (before step 1, after step 1, ...); p_S is the solution's own outcome;
+                 p_0 (the prompt alone) is one estimate per prompt, shared by its G solutions
     progress_k = p_k - p_(k-1)                      k = 1..S; they sum to outcome - p_0
     A_t        = A_outcome + weight * progress_k    for every token t of step k
 Only where the credit lands changes: progress telescopes. Controls (`mode`): "outcome" leaves
@@ -59,6 +60,13 @@ def step_ends(pieces: list[str], max_steps: int = 0) -> list[int]:
     if max_steps > 0 and len(ends) > max_steps:
         ends = ends[:max_steps - 1] + [len(pieces)]
     return ends
+
+
+def step_pieces(tokenizer, ids: list[int]) -> list[str]:
+    """Each token decoded alone, as the text the model wrote: special tokens (the closing
+    <|im_end|>) are empty pieces, so a solution that ends in a blank line gets no extra step of
+    the end token alone (K continuations each, for no credit)."""
+    return [tokenizer.decode([x], skip_special_tokens=True) for x in ids]
 
 
 def step_progress(rates: list[float], outcome: float) -> list[float]:
@@ -131,8 +139,7 @@ class ProcessCredit:
             return advantages
         C = max(len(t.completion_ids) for t in trajs)
         out = torch.zeros(len(trajs), C)
-        pieces = [[self.tokenizer.decode([x]) for x in t.completion_ids] for t in trajs]
-        ends = [self.split(p, self.max_steps) for p in pieces]
+        ends = [self.split(step_pieces(self.tokenizer, t.completion_ids), self.max_steps) for t in trajs]
         rates = self.success_rates(trajs, ends, step)
         rng = random.Random(f"shuffle-{self.seed}-{step}")
         for i, t in enumerate(trajs):
@@ -149,19 +156,29 @@ class ProcessCredit:
     def success_rates(self, trajs: list[Trajectory], ends: list[list[int]],
                       step: int) -> list[list[float] | None]:
         """p_0..p_(S-1) per trajectory: K continuations from each boundary before its last step
-        (None for a solution left out by max_total_tokens)."""
+        (None for a solution left out by max_total_tokens). p_0, the prompt alone, is one estimate
+        per prompt shared by its solutions (the same prefix: G estimates would cost G times as
+        much and give step 1's credit G different baselines), sampled on the first kept one."""
         K, t0 = self.num_continuations, time.perf_counter()
         keep = within_budget([len(t.completion_ids) for t in trajs], [len(e) for e in ends],
                              K * self.max_continuation_tokens, self.max_total_tokens)
         kept = [i for i in range(len(trajs)) if keep[i]]
+        carrier = {}                                       # prompt index -> the solution that samples p_0
+        for i in kept:
+            carrier.setdefault(trajs[i].prompt_index, i)
+        # boundary k (0 = the prompt) of solution i, for the boundaries it samples
+        own = {i: [(k, b) for k, b in enumerate([0] + ends[i][:-1]) if k or carrier[trajs[i].prompt_index] == i]
+               for i in kept}
         sequences = [trajs[i].prompt_ids + trajs[i].completion_ids for i in kept]
-        cuts = [[len(trajs[i].prompt_ids) + b for b in [0] + ends[i][:-1]] for i in kept]
+        cuts = [[len(trajs[i].prompt_ids) + b for _, b in own[i]] for i in kept]
         # one random stream per (solution, boundary), whichever other solutions are kept and
-        # whichever rank holds them: the solution's global id (prompt index, sample within group)
-        # (refill prompts have indices past 2^40: folded into 47 bits, so that the ids fit an int64)
+        # whichever rank holds them: the solution's global id (prompt index, sample within group),
+        # and for p_0 the prompt's (refill prompts have indices past 2^40: folded into 47 bits,
+        # so that the ids fit an int64)
         nth = [sum(t.prompt_index == trajs[i].prompt_index for t in trajs[:i]) for i in range(len(trajs))]
         gid = [(t.prompt_index * 1_000_003 + n) & ((1 << 47) - 1) for t, n in zip(trajs, nth)]
-        request_ids = [gid[i] << 16 | k for i in kept for k in range(len(ends[i]))]
+        prompt_gid = lambda t: (t.prompt_index * 1_000_003 + 1_000_002) & ((1 << 47) - 1)  # noqa: E731
+        request_ids = [(prompt_gid(trajs[i]) if k == 0 else gid[i]) << 16 | k for i in kept for k, _ in own[i]]
         params = SamplingParams(n=K, temperature=self.temperature, max_tokens=self.max_continuation_tokens,
                                 seed=self.seed * 1_000_003 + step)
         before = self.sampler.tokens_prefilled
@@ -169,10 +186,10 @@ class ProcessCredit:
                        if kept else [])
         prefilled = self.sampler.tokens_prefilled - before
         t1 = time.perf_counter()
-        rates, j = [None] * len(trajs), 0                  # boundary j's samples at j*K .. j*K+K-1
+        rates, j, p0 = [None] * len(trajs), 0, {}          # boundary j's samples at j*K .. j*K+K-1
         for i in kept:
             t, rates[i] = trajs[i], []
-            for boundary in [0] + ends[i][:-1]:
+            for k, boundary in own[i]:
                 wins = 0.0
                 for c in completions[j * K:(j + 1) * K]:
                     ids = t.completion_ids[:boundary] + c.token_ids
@@ -181,8 +198,13 @@ class ProcessCredit:
                                       completion_ids=ids, loss_mask=[], sampler_logprobs=[],
                                       finish_reason=c.finish_reason, num_turns=1, text=text, turns=[text])
                     wins += self.env.reward(t.example, cont)[self.term]
-                rates[i].append(wins / K)
+                if k == 0:
+                    p0[t.prompt_index] = wins / K
+                else:
+                    rates[i].append(wins / K)
                 j += 1
+        for i in kept:
+            rates[i] = [p0[trajs[i].prompt_index]] + rates[i]
         reprefill = sum(sum(c) for c in cuts)              # every prefix prefilled as its own prompt
         self.stats = {"boundaries": sum(map(len, cuts)), "continuations": len(completions),
                       "continuation_tokens": sum(len(c.token_ids) for c in completions),

@@ -106,7 +106,10 @@ def test_measured_phases_correct_later_estimates():
     assert b.factor() == pytest.approx(2.0)
     assert b.estimate("rl_step", 1) == pytest.approx(20.0)
     # 40 s spent; 600 - 40 - 20 (an RL step at 2x) = 540 s for 2 evals of 2 x 1 s a question -> 135
-    assert b.refit(40.0) and b.eval_q == 135 and "shrunk again" in b.shrunk
+    assert b.refit(40.0) and b.eval_q == 135 and "after the warm-start" in b.shrunk
+    # phases that ran faster than a slow probe said: the evals grow back, up to the configured size
+    b.done("warmstart", 1.0, 1000)
+    assert b.refit(40.0) and b.eval_q == 200
 
 
 def test_no_budget_means_no_plan():
@@ -215,3 +218,12 @@ def test_without_a_plan_measured_phases_change_nothing():
     b.done("before", 30.0, 7)
     b.done("warm-start", 30.0, 1)
     assert b.factor() == 1.0 and b.eval_q == 7
+
+
+def test_the_line_after_the_warm_start_counts_each_phase_once():
+    """After the warm-start the line adds what is left to the time spent, not the phases run."""
+    cfg = Config(run_budget_min=10, sft_steps=10, min_rl_steps=1, eval_limit=100, eval_before_limit=10)
+    b = Budget.plan(cfg, unit(before=1.0, per_q=1.0, sft=30.0, rl=10.0), 100, 10)
+    assert "does not fit" not in b.line(spent_s=310.0)   # 310 + 2 x 100 + 10 = 520 s < 600 s
+    assert "310" not in b.line() and "5.2 min spent" in b.line(spent_s=310.0)
+    assert "does not fit" in b.line(spent_s=500.0)       # 500 + 200 + 10 > 600

@@ -137,10 +137,11 @@ def test_forked_prefill_costs_and_budget(tmp_path, one_thread):
     rates = free.success_rates(trajs, ends, step=1)
     P = len(prompt)
     assert free.stats["prefill_tokens"] == sum(P + e[-2] for e in ends)      # one pass per solution
-    assert free.stats["prefix_tokens"] == sum(P + b for e in ends for b in [0] + e[:-1])  # one per prefix
+    # one per prefix, and the prompt alone once: the three solutions share their prompt
+    assert free.stats["prefix_tokens"] == P + sum(P + b for e in ends for b in e[:-1])
     saved = free.stats["prefix_tokens"] - free.stats["prefill_tokens"]
     assert free.stats["prefill_tokens_saved"] == saved > 0
-    assert free.stats["boundaries"] == 10 and free.stats["continuations"] == 40
+    assert free.stats["boundaries"] == 10 - 2 and free.stats["continuations"] == 8 * 4
     capped = make(4 * 3 * 5)                      # worst case 4 x 3 per boundary: 10 boundaries > 5
     out = capped(trajs, A, step=1)
     assert capped.stats["dropped_solutions"] == 1                       # the 5-word solution: 3 + 2 = 5 left
@@ -192,3 +193,38 @@ def test_token_advantages_equal_sequence_advantages_when_they_agree(tmp_path, on
     for p, p0, g in zip(m.parameters(), before, moved[0]):
         torch.testing.assert_close(p0 - p.detach(), g, atol=1e-7, rtol=1e-5)
     assert any((a - b).abs().max() > 0 for a, b in zip(moved[0], moved[1])), "the credited token should count"
+
+
+def test_p0_is_estimated_once_per_prompt(tmp_path, one_thread):
+    """The prompt alone is one prefix however many solutions a prompt has: its K continuations are
+    sampled once per prompt and every solution of it starts from the same p_0 (two prompts, two
+    solutions each: 2 boundary-0 estimates, not 4), drawn from the prompt's own random stream,
+    so it does not change with which solution carries it."""
+    path = make_toy_dir(tmp_path / "toy")
+    tok, model = AutoTokenizer.from_pretrained(path), Transformer.from_pretrained(path).eval()
+    env = LastWordEnv()
+    prompts = [render_prompt(tok, env.prompt({"question": q})) for q in ("w1 w2", "w5 w6")]
+    trajs = [Trajectory(example={}, prompt_index=pi, prompt_ids=prompts[pi],
+                        completion_ids=tok.encode(text, add_special_tokens=False), loss_mask=[],
+                        sampler_logprobs=[], finish_reason="stop", num_turns=1, rewards={"correct": 0.0})
+             for pi, text in [(0, "w3 w4 w5"), (0, "w9 w20"), (1, "w11 w12 w13"), (1, "w7")]]
+    ends = [every_word(t.completion_ids, 0) for t in trajs]
+    credit = ProcessCredit(Sampler(model, tok, gen_batch=64), tok, env, num_continuations=16,
+                           max_continuation_tokens=3, seed=5, split=every_word)
+    rates = credit.success_rates(trajs, ends, step=0)
+    assert credit.stats["boundaries"] == sum(len(e) for e in ends) - 2     # 2 prompts, 4 solutions
+    assert rates[0][0] == rates[1][0] and rates[2][0] == rates[3][0]
+    assert [len(r) for r in rates] == [len(e) for e in ends]
+    # the second solution alone (the first dropped) samples the same p_0 from the prompt's stream
+    alone = credit.success_rates(trajs[1:2], ends[1:2], step=0)
+    assert alone[0][0] == rates[1][0]
+
+
+def test_steps_come_from_the_text_the_model_wrote(smollm2_path):
+    """A solution ending in a blank line and the end token has its paragraphs as steps, not one
+    more step made of <|im_end|> alone (decoded with special tokens, it was one)."""
+    from grpo.process import step_pieces
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    ids = tok.encode("First, 2 + 3 = 5.\n\nSo the answer is 5.\n\n", add_special_tokens=False)
+    ids += [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert len(step_ends(step_pieces(tok, ids))) == 2
