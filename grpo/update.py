@@ -209,7 +209,8 @@ def loss_options(cfg: Config) -> LossOptions:
     eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high  # unset: symmetric clip
     return LossOptions(aggregation=cfg.loss_type, eps_low=cfg.epsilon, eps_high=eps_high,
                        delta=cfg.delta or None, dual_clip=cfg.dual_clip or None, beta=cfg.beta,
-                       tis_cap=cfg.tis_cap or None, max_completion_length=cfg.max_completion_length)
+                       tis_cap=cfg.tis_cap or None, max_completion_length=cfg.max_completion_length,
+                       importance_sampling_level=getattr(cfg, "importance_sampling_level", "token"))
 
 
 def progress_bar(total: int):
