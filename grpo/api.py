@@ -50,7 +50,8 @@ def dataset_examples(dataset, name: str) -> list[dict]:
         examples.append({**row, "question": row.get("question", question)})
     if not examples:
         raise ValueError(f"{name} is empty")
-    return examples
+    columns = dict.fromkeys(k for e in examples for k in e)  # every row gets every column, None where it
+    return [{k: e.get(k) for k in columns} for e in examples]  # had none (as datasets.Dataset.from_list)
 
 
 def model_folder_of(model) -> str:

@@ -68,11 +68,9 @@ def _example(row: dict, question_field: str, answer_field: str) -> dict:
         user = [m.get("content") for m in question if m.get("role") == "user"]
         return _example({**row, "prompt": question, "question": str(user[-1] if user else "")},
                         "question", answer_field) | {"prompt": question}
-    if isinstance(question, list):
-        raise ValueError(f"column {question_field!r} is a list but not chat messages "
-                         f"([{{'role': ..., 'content': ...}}, ...]): {str(question)[:80]!r}")
     if not isinstance(question, str):
-        raise ValueError(f"column {question_field!r} is not text: {str(question)[:60]!r}")
+        also = " nor chat messages [{'role': ..., 'content': ...}, ...]" if isinstance(question, list) else ""
+        raise ValueError(f"column {question_field!r} is not text{also}: {str(question)[:60]!r}")
     answer = row.get(answer_field)
     answer = None if answer is None or str(answer).strip() == "" else str(answer).strip()
     return {**row, "question": question.strip(), "answer": answer}

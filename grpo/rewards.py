@@ -70,7 +70,9 @@ class RewardFunctionsEnv:
         conversational = any(is_conversational(p) for p in prompts)
         completions = [completion_messages(t, self.observation_role) if conversational else t.text
                        for t in trajectories]
-        keys = [k for k in examples[0] if k not in ("prompt", "completion", "completion_ids")]
+        # every column any row has (a list of dicts may leave some out: None there, as datasets fills them)
+        keys = [k for k in dict.fromkeys(k for e in examples for k in e) if k not in ("prompt", "completion",
+                                                                                     "completion_ids")]
         columns = {k: [e.get(k) for e in examples] for k in keys}
         ids = [list(t.completion_ids) for t in trajectories]
         for name, fn in self.funcs.items():
