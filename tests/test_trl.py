@@ -211,3 +211,55 @@ def test_recipe_user_errors_are_one_line_and_write_nothing(toy, tmp_path):
         assert r.returncode != 0 and r.stderr.strip().startswith(message), (flags, r.stderr[-2000:])
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # no traceback
     assert sorted(p.name for p in used.iterdir()) == ["metrics.jsonl"]  # nothing written into the refused folder
+
+
+# ----------------------------------------------------------------------------- report_to
+
+def one_step(toy, out, report_to):
+    cfg = small(out, max_steps=1, save_steps=0, export=False, eval_limit=0, report_to=report_to)
+    GRPOTrainer(model=toy, reward_funcs=trl_reward([]), args=cfg, train_dataset=CONVERSATIONAL).train()
+
+
+def test_report_to_tensorboard_or_none(toy, tmp_path, one_thread):
+    """TensorBoard (always installed) is tested unconditionally; `none` leaves metrics.jsonl alone."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    one_step(toy, tmp_path / "tb", "tensorboard")
+    events = EventAccumulator(str(tmp_path / "tb" / "tb")).Reload()
+    assert {"reward/mean", "frac_reward_zero_std"} <= set(events.Tags()["scalars"])
+    one_step(toy, tmp_path / "none", "none")
+    assert not (tmp_path / "none" / "tb").exists() and (tmp_path / "none" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow  # wandb starts a service process
+def test_report_to_wandb_offline(toy, tmp_path, one_thread, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb not installed (pip install 'grpo[wandb]')")
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # offline is our default
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    one_step(toy, tmp_path / "run", "wandb")
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb")), runs
+
+
+TRACKIO_RUN = """
+import sys
+from test_trl import CONVERSATIONAL, GRPOTrainer, small, trl_reward
+cfg = small(sys.argv[2], max_steps=1, save_steps=0, export=False, eval_limit=0, report_to="trackio")
+GRPOTrainer(model=sys.argv[1], reward_funcs=trl_reward([]), args=cfg, train_dataset=CONVERSATIONAL).train()
+from trackio.sqlite_storage import SQLiteStorage
+logs = SQLiteStorage.get_logs("grpo-test", "run")
+assert logs and "reward/mean" in logs[0] and "frac_reward_zero_std" in logs[0], logs
+"""
+
+
+@pytest.mark.slow  # a process of its own: trackio reads TRACKIO_DIR when imported
+def test_report_to_trackio_offline(toy, tmp_path):
+    import importlib.util
+    if importlib.util.find_spec("trackio") is None:
+        pytest.skip("trackio not installed (pip install 'grpo[trackio]')")
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "TRACKIO_PROJECT": "grpo-test",
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"),
+                                                                                os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, "-c", TRACKIO_RUN, toy, str(tmp_path / "run")], capture_output=True,
+                       text=True, timeout=600, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert list((tmp_path / "trackio").glob("grpo-test*.db")), list((tmp_path / "trackio").iterdir())
