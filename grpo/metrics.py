@@ -143,7 +143,7 @@ class Logger:
         rows = [f"| completion | reward | {' | '.join(terms)} | advantage | finish |",
                 "|" + " --- |" * (len(terms) + 4)]
         rows += [f"| {cell(r['completion'][-600:])} | {r['reward']:.3f} | "
-                 + " | ".join(f"{r['rewards'][k]:.3f}" for k in terms)
+                 + " | ".join("n/a" if r["rewards"].get(k) is None else f"{r['rewards'][k]:.3f}" for k in terms)
                  + f" | {r['advantage']:+.3f} | {r['finish_reason']} |" for r in records[:shown]]
         if self.tb is not None:
             self.tb.add_text("rollouts", "\n".join(rows), step)

@@ -48,7 +48,8 @@ def test_grpo_trainer_with_a_trl_reward_function_and_a_conversational_dataset(to
     calls = []
     out = tmp_path / "run"
     trainer = GRPOTrainer(model=toy, reward_funcs=[trl_reward(calls), lambda completions, **kw: [0.5] * len(completions)],
-                          args=small(out, importance_sampling_level="sequence"), train_dataset=CONVERSATIONAL,
+                          args=small(out, importance_sampling_level="sequence", log_completions_steps=1),
+                          train_dataset=CONVERSATIONAL,
                           eval_dataset=CONVERSATIONAL[:4], reward_weights=[1.0, 2.0])
     results = trainer.train()
     assert {"before", "after"} <= set(results)
@@ -65,6 +66,8 @@ def test_grpo_trainer_with_a_trl_reward_function_and_a_conversational_dataset(to
         assert r["rewards/<lambda>/mean"] == 0.5
         assert r["reward"] == r["reward/mean"] and r["frac_reward_zero_std"] == r["flat_groups"]
         assert "completions/mean_length" in r and "clip_ratio/region_mean" in r and "reward_std" in r
+    records = [json.loads(line) for line in open(out / "rollouts" / "step_000001.jsonl")]
+    assert any(r["rewards"]["correct_number"] is None for r in records)  # rows without an answer: n/a
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["export"] == str(out / "export") and "after - before" in summary["gains"]
     assert summary["evals"]["after"]["questions"] == 4
@@ -263,3 +266,46 @@ def test_report_to_trackio_offline(toy, tmp_path):
                        text=True, timeout=600, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert list((tmp_path / "trackio").glob("grpo-test*.db")), list((tmp_path / "trackio").iterdir())
+
+
+# ----------------------------------------------------------------------------- the README, as written
+
+def readme_task() -> tuple[dict, str]:
+    """The README's "Your own task": its files ({name: text}, from the blocks after `<!-- file: NAME -->`)
+    and its commands (the bash block after `<!-- run -->`)."""
+    import re
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Your own task", 1)[1].split("\n## ", 1)[0]
+    files = dict(re.findall(r"<!-- file: (\S+) -->\n```\w*\n(.*?)```", section, re.S))
+    commands = re.search(r"<!-- run -->\n```bash\n(.*?)```", section, re.S).group(1)
+    return files, commands
+
+
+@pytest.mark.slow  # the recipe and grpo.eval, as processes of their own
+def test_the_readme_task_works_as_written_from_a_fresh_folder(toy, tmp_path):
+    """The README's files in an empty folder and its three commands, run by bash as written; only
+    the model (the toy for SmolLM2, whose 135M parameters would take minutes here) and the sizes
+    (flags appended, which win) differ."""
+    files, commands = readme_task()
+    assert set(files) == {"my_rewards.py", "train.jsonl", "my_task.yaml"}
+    folder = tmp_path / "my_task"
+    folder.mkdir()
+    for name, body in files.items():
+        (folder / name).write_text(body)
+    assert len((folder / "train.jsonl").read_text().splitlines()) == 10
+    small_flags = ("--max_completion_length=8 --max_prompt_length=64 --micro_batch_tokens=512 --gen_batch=16 "
+                   "--eval_limit=3 --profile=none")
+    script = commands.replace("$(python -m grpo.smollm2)", toy)
+    script = "\n".join(line + (" " + small_flags if "custom_task.py" in line and not line.endswith("\\") else "")
+                       for line in script.replace("\\\n", "").splitlines())
+    env = {**os.environ, "GRPO": str(ROOT), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(["bash", "-e", "-c", script], cwd=folder, capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run = folder / "runs" / "mine"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 20 and summary["export"] == "runs/mine/export" and "after - before" in summary["gains"]
+    assert [json.loads(line)["max_steps"] for line in open(run / "config_history.jsonl")] == [10, 20]
+    assert "gain after - before" in r.stdout and "per-sample records" in r.stdout
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [row["step"] for row in rows if "reward/mean" in row] == list(range(1, 21))
+    assert all("rewards/correct_number/mean" in row for row in rows if "reward/mean" in row)
