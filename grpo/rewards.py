@@ -18,6 +18,7 @@ import importlib.util
 import math
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
@@ -62,8 +63,11 @@ class RewardFunctionsEnv:
     def reward_batch(self, examples: list, trajectories: list) -> list[dict]:
         """One call per function for the whole batch; -> a dict of terms per trajectory (None: not
         applicable), the base env's own terms first."""
-        out = [dict(self.base.reward(e, t)) if hasattr(self.base, "reward") else {}
-               for e, t in zip(examples, trajectories)]
+        if hasattr(self.base, "reward"):  # concurrently, as score() calls env.reward (a term may wait on HTTP)
+            with ThreadPoolExecutor(16) as pool:
+                out = [dict(r) for r in pool.map(self.base.reward, examples, trajectories)]
+        else:
+            out = [{} for _ in trajectories]
         if not self.funcs:
             return out
         prompts = [self._prompt_value(e) for e in examples]

@@ -309,3 +309,37 @@ def test_the_readme_task_works_as_written_from_a_fresh_folder(toy, tmp_path):
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [row["step"] for row in rows if "reward/mean" in row] == list(range(1, 21))
     assert all("rewards/correct_number/mean" in row for row in rows if "reward/mean" in row)
+
+
+def test_datasets_dataset_and_list_of_dicts_give_the_same_examples():
+    datasets = pytest.importorskip("datasets", reason="datasets not installed (pip install 'grpo[data]')")
+    from grpo.api import dataset_examples
+    rows = [{k: r.get(k) for k in ("prompt", "answer", "topic")} for r in CONVERSATIONAL]
+    assert dataset_examples(datasets.Dataset.from_list(rows), "d") == dataset_examples(CONVERSATIONAL, "d")
+
+
+def test_an_env_of_our_protocol_keeps_its_tool_and_is_scored_by_trl_functions():
+    """GRPOTrainer(env=...): the env's prompt, tool protocol and terms, plus the reward functions,
+    which see a multi-turn completion as assistant turns with the observations between them."""
+    class ToolEnv:
+        stop_strings, max_turns, observation_role = ["</call>"], 3, "tool"
+
+        def prompt(self, example):
+            return [{"role": "user", "content": example["question"]}]
+
+        def step(self, text):
+            return "4"
+
+        def reward(self, example, trajectory):
+            return {"correct": 1.0}
+    seen = []
+    trainer = GRPOTrainer(model="m", reward_funcs=lambda completions, **kw: seen.append(completions) or [0.5],
+                          args=Config(), train_dataset=[{"prompt": [{"role": "user", "content": "2+2"}]}],
+                          env=ToolEnv())
+    env = trainer.env
+    assert (env.stop_strings, env.max_turns, env.observation_role, env.step("x")) == (["</call>"], 3, "tool", "4")
+    t = SimpleNamespace(text="<call>2+2</call>4 so 4", turns=["<call>2+2</call>", "so 4"], observations=["4"],
+                        completion_ids=[1, 2])
+    assert env.reward_batch(trainer.train_dataset, [t]) == [{"correct": 1.0, "<lambda>": 0.5}]
+    assert seen[0] == [[{"role": "assistant", "content": "<call>2+2</call>"}, {"role": "tool", "content": "4"},
+                        {"role": "assistant", "content": "so 4"}]]
