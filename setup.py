@@ -32,6 +32,9 @@ setup(
         "cpu-model": ["gguf", "accelerate"],
         # dataset ids (openai/gsm8k:main:test) and Parquet files in grpo.data.load_examples
         "data": ["datasets", "pyarrow"],
+        # report_to trackers beside TensorBoard (grpo/report.py); both run offline
+        "wandb": ["wandb"],
+        "trackio": ["trackio"],
         "test": ["pytest", "gguf", "accelerate", "pyarrow"],
     },
 )

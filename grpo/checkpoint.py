@@ -164,7 +164,8 @@ def open_run_dir(out_dir: str, config: dict, resume: bool, meta: dict) -> None:
     """Rank 0, before any model loads. A fresh run refuses a folder that holds another run (its
     checkpoints would be pruned and later resumed, its metrics appended to); --resume refuses a
     folder whose recorded config differs in SAME_RUN_FIELDS. Then config.json records this run:
-    every config field, plus "_meta" (profile, versions, git commit)."""
+    every config field, plus "_meta" (profile, versions, git commit); config_history.jsonl gets one
+    line per start (the first run's settings, then each --resume's), so a resume loses nothing."""
     out = Path(out_dir)
     record = out / "config.json"
     if not resume:
@@ -177,6 +178,11 @@ def open_run_dir(out_dir: str, config: dict, resume: bool, meta: dict) -> None:
             raise ValueError(f"--resume: {record} was written by another run ({'; '.join(differ)}); "
                              "resume with its settings, or use another --output_dir")
     out.mkdir(parents=True, exist_ok=True)
+    history = out / "config_history.jsonl"
+    if resume and record.exists() and not history.exists():  # a run from before the history: keep its record
+        history.write_text(json.dumps(read_json(record)) + "\n")
+    with open(history, "a" if resume else "w") as f:  # a fresh run: what a never-started one left is overwritten
+        f.write(json.dumps({**config, "_meta": meta}) + "\n")
     record.write_text(json.dumps({**config, "_meta": meta}, indent=2) + "\n")
 
 

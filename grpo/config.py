@@ -13,6 +13,7 @@ A field's trailing comment is its description in `--help`. The command line (YAM
 one-line errors) and the GPU profiles sit beside the fields they read.
 """
 import dataclasses
+import difflib
 import inspect
 import re
 import sys
@@ -30,7 +31,9 @@ RENAMED = {"lr": "learning_rate", "num_steps": "max_steps", "group_size": "num_g
            "log_completions_every": "log_completions_steps", "sft_lr": "sft_learning_rate",
            "drop_zero_variance": "drop_flat_groups"}
 CHOICES = {"loss_type": LOSS_TYPES, "scale_rewards": SCALES, "lr_scheduler_type": ("constant", "cosine"),
-           "dtype": ("auto", "float32", "bfloat16"), "autocast_bf16": ("auto", "true", "false")}
+           "dtype": ("auto", "float32", "bfloat16"), "autocast_bf16": ("auto", "true", "false"),
+           "importance_sampling_level": ("token", "sequence")}
+REPORTERS = ("tensorboard", "wandb", "trackio")  # report_to: comma-separated, or "none" / "all"
 
 
 @dataclass
@@ -67,6 +70,8 @@ class Config:
     epsilon_high: float | None = None  # eps_high; unset = epsilon (DAPO's clip-higher: 0.28)
     delta: float = 0.0                # two-sided clipping: cap rho at delta; 0 = off
     dual_clip: float = 0.0            # dual-clip c > 1 for A < 0; 0 = off
+    importance_sampling_level: str = "token"  # the ratio rho: per token (GRPO), or one per sequence, the
+                                      # geometric mean of its tokens' ratios (GSPO, arXiv 2507.18071)
     beta: float = 0.0                 # k3 KL weight; 0 = no reference model is loaded
     tis_cap: float = 2.0              # truncated importance sampling cap C; 0 = off
     mask_truncated_completions: bool = False  # no loss on completions cut at max_completion_length...
@@ -94,6 +99,8 @@ class Config:
     sft_learning_rate: float = 1e-5   # warm-start AdamW learning rate
     # ---- logging, eval, checkpoints
     log_completions_steps: int = 10   # every N steps: rollouts/step_N.jsonl and a TensorBoard table; 0 = off
+    report_to: str = "tensorboard"    # trackers beside metrics.jsonl: tensorboard, wandb (offline unless
+                                      # WANDB_MODE says otherwise), trackio; comma-separated, none or all
     eval_steps: int = 0               # eval every N steps; 0 = only before and after training
     eval_limit: int = 200             # eval questions
     eval_n: int = 1                   # samples per eval question (mean@k, pass@k)
@@ -116,6 +123,9 @@ class Config:
                 raise ValueError(f"bad config: {msg}")
         from grpo.cpu import normalize
         self.autocast_bf16 = normalize(self.autocast_bf16)  # true/false/1/0/yes/no, or a saved run's bool
+        reporters = [r.strip() for r in self.report_to.split(",") if r.strip()]
+        need(set(reporters) <= {*REPORTERS, "none", "all"},
+             f"report_to={self.report_to!r}, expected a comma-separated list of {', '.join(REPORTERS)}, or none or all")
         for name, choices in CHOICES.items():
             value = getattr(self, name)
             need(value in choices, f"{name}={value!r}, expected one of {', '.join(choices)}")
@@ -155,37 +165,111 @@ class Config:
 
 # ----------------------------------------------------------------------------- command line
 
+# TRL GRPOConfig names with no field here: what to do instead, said where the name is refused
+TRL_NAMES = {
+    "per_device_train_batch_size": "TRL counts completions per device; here a step is prompts_per_step prompts "
+                                   "(all ranks) x num_generations completions: use --prompts_per_step",
+    "per_device_eval_batch_size": "evals sample gen_batch rows at a time: use --gen_batch (and --eval_limit)",
+    "generation_batch_size": "a step samples prompts_per_step x num_generations completions: use "
+                             "--prompts_per_step (--gen_batch: rows decoded together)",
+    "steps_per_generation": "one batch of rollouts feeds num_iterations optimizer steps: use --num_iterations",
+    "gradient_accumulation_steps": "not needed: a step's batch is split into micro-batches by token count "
+                                   "(--micro_batch_tokens) and the gradient does not depend on the split",
+    "use_vllm": "not needed: the sampler runs on the training weights (no second engine, no weight sync)",
+    "vllm_mode": "not needed: the sampler runs on the training weights (no vLLM)",
+    "vllm_gpu_memory_utilization": "the sampler's KV cache is sized by --kv_budget_gb (or --gen_batch)",
+    "vllm_importance_sampling_correction": "always on: truncated importance sampling against the sampler's "
+                                           "log-probs, capped by --tis_cap (0 = off)",
+    "vllm_importance_sampling_cap": "use --tis_cap",
+    "use_peft": "not supported: full fine-tuning only (FSDP shards the weights and optimizer state)",
+    "peft_config": "not supported: full fine-tuning only",
+    "lora_r": "not supported: full fine-tuning only",
+    "use_liger_loss": "not needed: the log-probs and the loss are fused Triton kernels on CUDA",
+    "use_liger_kernel": "not needed: the log-probs and the loss are fused Triton kernels on CUDA",
+    "num_train_epochs": "use --max_steps (one epoch = number of prompts / prompts_per_step steps)",
+    "warmup_ratio": "use --warmup_steps",
+    "logging_steps": "every step is logged (metrics.jsonl, and the trackers of --report_to)",
+    "logging_dir": "logs go to output_dir (metrics.jsonl; TensorBoard in output_dir/tb)",
+    "run_name": "a run is named by its --output_dir",
+    "bf16": "use --dtype bfloat16 (auto: bf16 on CUDA, fp32 on CPU)",
+    "fp16": "not supported: use --dtype bfloat16 or float32",
+    "deepspeed": "not supported: FSDP2 under torchrun shards the model",
+    "fsdp": "always on under torchrun (FSDP2, one shard group per block)",
+    "eval_strategy": "use --eval_steps (0 = before and after training only)",
+    "save_strategy": "use --save_steps (0 = off)",
+    "log_completions": "use --log_completions_steps (0 = off)",
+    "num_completions_to_print": "use --log_completions_steps: every completion goes to rollouts/step_N.jsonl",
+    "reward_weights": "a recipe's field (recipes/custom_task.py --reward_weights) or GRPOTrainer(reward_weights=...)",
+    "push_to_hub": "not supported: the export (output_dir/export) is a Hugging Face folder to upload yourself",
+    "sync_ref_model": "not supported: the reference model (beta > 0) is the initial policy",
+    "repetition_penalty": "not supported by the sampler",
+    "shuffle_dataset": "always: each epoch is a permutation seeded by --seed",
+    "disable_dropout": "not needed: the model has no dropout",
+    "model_init_kwargs": "use --dtype",
+}
+# --help's sections, in order; a recipe's own fields join the first
+HELP_GROUPS = {
+    "model and data": ("model_path", "output_dir", "seed", "max_steps", "resume", "export"),
+    "GRPO": ("prompts_per_step", "num_generations", "num_iterations", "loss_type", "importance_sampling_level",
+             "scale_rewards", "epsilon", "epsilon_high", "delta", "dual_clip", "beta", "tis_cap",
+             "mask_truncated_completions", "keep_truncated_answers", "overlong_buffer", "drop_flat_groups",
+             "max_refills"),
+    "generation": ("temperature", "top_p", "top_k", "min_p", "max_prompt_length", "max_completion_length",
+                   "max_turns", "enable_thinking"),
+    "optimization": ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "warmup_steps",
+                     "lr_scheduler_type", "max_grad_norm", "sft_steps", "sft_batch", "sft_learning_rate"),
+    "logging, eval and checkpoints": ("report_to", "log_completions_steps", "eval_steps", "eval_limit", "eval_n",
+                                      "eval_temperature", "eval_greedy", "eval_before_limit", "save_steps",
+                                      "save_total_limit", "time_budget_min", "run_budget_min", "min_rl_steps"),
+    "hardware": ("dtype", "autocast_bf16", "num_threads", "profile", "gen_batch", "kv_budget_gb",
+                 "micro_batch_tokens", "gradient_checkpointing", "share_prompt", "dist_timeout_min"),
+}
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def _base(typ):
     """float | None -> float (None is spelled "none" on the command line)."""
     args = [a for a in typing.get_args(typ) if a is not type(None)]
     return args[0] if isinstance(typ, types.UnionType) and len(args) == 1 else typ
 
 
-def _convert(name: str, value, typ):
-    """A command-line string (or a YAML value) as the field's type; one-line errors."""
-    base = _base(typ)
+def _convert(name: str, value, typ, label: str | None = None):
+    """A command-line string (or a YAML value) as the field's type; one-line errors that start
+    with `label` (default --name)."""
+    label, base = label or f"--{name}", _base(typ)
     if value is None or base is not typ and str(value).lower() == "none":
         if base is typ:
-            raise ValueError(f"--{name}: a value is required")
+            raise ValueError(f"{label}: a value is required")
         return None
     if base is bool:
         if isinstance(value, bool):
             return value
-        if str(value).lower() in ("1", "true", "yes", "on"):
+        if str(value).lower() in TRUE:
             return True
-        if str(value).lower() in ("0", "false", "no", "off"):
+        if str(value).lower() in FALSE:
             return False
-        raise ValueError(f"--{name}={value!r}: expected true or false")
+        raise ValueError(f"{label}={value!r}: expected true or false (or 1 or 0)")
     try:
         if base is int and isinstance(value, float) or base is not str and isinstance(value, bool):
             raise ValueError
         return base(value)
     except (TypeError, ValueError):
-        raise ValueError(f"--{name}={value!r}: expected {base.__name__}") from None
+        raise ValueError(f"{label}={value!r}: expected {base.__name__}") from None
+
+
+def unknown_field(name: str, fields, where: str = "") -> str:
+    """The one line for a name that is not a field: TRL's names say what to use instead, old names
+    their new one, typos the closest fields."""
+    if name in TRL_NAMES:
+        return f"{where}--{name} is a TRL GRPOConfig option with no field here: {TRL_NAMES[name]}"
+    close = [RENAMED[name]] if RENAMED.get(name) in fields else difflib.get_close_matches(name, fields, 3, 0.75)
+    hint = f" (did you mean {', '.join('--' + c for c in close)}?)" if close else ""
+    return f"{where}unknown field --{name}{hint}"
 
 
 def descriptions(cls) -> dict[str, str]:
-    """Each field's trailing comment in its class source (recipes' fields too): --help's text."""
+    """Each field's trailing comment in its class source (recipes' fields too), with the comment-only
+    lines that continue it: --help's text."""
     out = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
@@ -194,32 +278,58 @@ def descriptions(cls) -> dict[str, str]:
             source = inspect.getsource(klass)
         except (OSError, TypeError):
             continue
-        for m in re.finditer(r"^\s+(\w+):[^=\n]+=[^#\n]*#\s*(.+)$", source, re.M):
-            out[m.group(1)] = m.group(2).strip()
+        last = None
+        for line in source.splitlines():
+            field = re.match(r"^\s+(\w+):[^=\n]+=[^#\n]*#\s*(.+)$", line)
+            more = re.match(r"^\s+#\s*(.+)$", line)
+            if field:
+                last = field.group(1)
+                out[last] = field.group(2).strip()
+            elif more and last and not more.group(1).startswith("---"):
+                out[last] += " " + more.group(1).strip()
+            else:
+                last = None
     return out
+
+
+def required_fields(cls) -> tuple:
+    """A recipe names the fields it cannot run without in a `required` class attribute."""
+    return tuple(getattr(cls, "required", ()))
 
 
 def print_help(cls):
     defaults, hints, text = cls(), typing.get_type_hints(cls), descriptions(cls)
-    profile = pick_profile()
+    profile, required = pick_profile(), required_fields(cls)
     doc = cls.__doc__ or ""
     if doc.startswith(cls.__name__ + "("):  # dataclass's generated signature: the recipe's own text instead
         doc = (sys.modules[cls.__module__].__doc__ or "").strip().split("\n\n")[0]
-    print(doc.strip() + "\n\nflags: --name=value or --name value; --config FILE.yaml (flags win)\n")
-    for f in dataclasses.fields(cls):
-        typ = _base(hints[f.name])
-        line = f"  --{f.name} ({typ.__name__}, default {getattr(defaults, f.name)!r})"
-        if f.name in CHOICES:
-            line += f" {{{' | '.join(CHOICES[f.name])}}}"
-        if f.name in profile:
-            line += f" [this machine's profile sets {profile[f.name]!r}]"
-        print(line + (f"\n      {text[f.name]}" if f.name in text else ""))
+    print(doc.strip() + "\n\nflags: --name=value or --name value (booleans: --name, --name true|false|1|0); "
+          "--config FILE.yaml (flags win)")
+    names = [f.name for f in dataclasses.fields(cls)]
+    listed = {n for group in HELP_GROUPS.values() for n in group}
+    groups = {g: [n for n in names if n in fields] for g, fields in HELP_GROUPS.items()}
+    groups["model and data"] = [n for n in names if n not in listed] + groups["model and data"]
+    if required:
+        groups = {"required": list(required)} | {g: [n for n in ns if n not in required] for g, ns in groups.items()}
+    for group, members in groups.items():
+        if members:
+            print(f"\n{group}:")
+        for name in members:
+            typ = _base(hints[name])
+            line = f"  --{name} ({typ.__name__}, " + ("REQUIRED" if name in required else
+                                                     f"default {getattr(defaults, name)!r}") + ")"
+            if name in CHOICES:
+                line += f" {{{' | '.join(CHOICES[name])}}}"
+            if name in profile:
+                line += f" [this machine's profile sets {profile[name]!r}]"
+            print(line + (f"\n      {text[name]}" if name in text else ""))
 
 
 def parse_args(cls=Config, argv: list[str] | None = None):
-    """--name=value or --name value (a bare --flag sets a bool), over cls's defaults, an optional
-    --config YAML file and the GPU profile. Unknown fields and bad values are one-line errors
-    (ValueError; from the real command line, an exit with that line)."""
+    """--name=value or --name value (a bare --flag sets a bool; --flag true|false|1|0 too), over cls's
+    defaults, an optional --config YAML file and the GPU profile. Unknown fields, bad values and
+    missing required fields are one-line errors (ValueError; from the real command line, an exit
+    with that line)."""
     if argv is None:
         try:
             return parse_args(cls, sys.argv[1:])
@@ -236,18 +346,17 @@ def parse_args(cls=Config, argv: list[str] | None = None):
         if not arg.startswith("--"):
             raise ValueError(f"unexpected argument {arg!r}: use --name=value or --name value")
         name, eq, text = arg[2:].partition("=")
-        takes_value = name == "config" or name in fields and _base(hints[name]) is not bool
-        if not eq and takes_value and k < len(argv) and not argv[k].startswith("--"):
-            text, eq, k = argv[k], "=", k + 1          # --name value
+        is_bool = name in fields and _base(hints[name]) is bool
+        follows = k < len(argv) and not argv[k].startswith("--")
+        if not eq and follows and (name == "config" or name in fields and not is_bool
+                                   or is_bool and argv[k].lower() in TRUE + FALSE):
+            text, eq, k = argv[k], "=", k + 1          # --name value (a bool's: true/false/1/0/yes/no/on/off)
         if name == "config":
             config_file = text
             continue
         if name not in fields:
-            close = [RENAMED[name]] if RENAMED.get(name) in fields else \
-                [f for f in fields if name.split("_")[0] in f][:4]
-            hint = f" (did you mean {', '.join('--' + c for c in close)}?)" if close else ""
-            raise ValueError(f"unknown field --{name}{hint}")
-        if not eq and _base(hints[name]) is not bool:
+            raise ValueError(unknown_field(name, fields))
+        if not eq and not is_bool:
             raise ValueError(f"--{name} needs a value: --{name}=... or --{name} ...")
         given[name] = _convert(name, text, hints[name]) if eq else True
     from_file = load_yaml(config_file, fields, hints) if config_file else {}
@@ -257,11 +366,16 @@ def parse_args(cls=Config, argv: list[str] | None = None):
     for key, value in {**from_file, **profile, **given}.items():
         if key in fields:  # a profile may name fields a recipe does not use
             setattr(cfg, key, value)
+    text = descriptions(cls)
+    for name in required_fields(cls):
+        if not str(getattr(cfg, name)).strip():
+            raise ValueError(f"--{name} is required" + (f": {text[name]}" if name in text else ""))
     return cfg.check()
 
 
 def load_yaml(path: str, fields: set, hints: dict) -> dict:
-    """A YAML mapping of field names to values (the same names as the flags)."""
+    """A YAML mapping of field names to values (the same names as the flags); errors name the file
+    and the key."""
     import yaml
     try:
         with open(path) as f:
@@ -269,13 +383,17 @@ def load_yaml(path: str, fields: set, hints: dict) -> dict:
     except OSError as e:
         raise ValueError(f"--config {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
-        raise ValueError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else path
+        raise ValueError(f"--config {where}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a mapping of field: value")
-    unknown = sorted(set(data) - fields)
-    if unknown:
-        raise ValueError(f"--config {path}: unknown field(s) {', '.join(unknown)}")
-    return {k: _convert(k, v, hints[k]) for k, v in data.items()}
+    for key in data:
+        if key not in fields:
+            message = unknown_field(str(key), fields, where=f"--config {path}: ")
+            raise ValueError(message.replace(f"--{key} is", f"key {key!r} is", 1).replace(
+                f"field --{key}", f"field {key!r}", 1))
+    return {k: _convert(k, v, hints[k], label=f"--config {path}: key {k!r}") for k, v in data.items()}
 
 
 # ----------------------------------------------------------------------------- GPU profiles

@@ -6,7 +6,8 @@ an optional config and split, `name[:config[:split]]`:
     load_examples("HuggingFaceH4/MATH-500::test")    # no config
     load_examples("my_questions.csv", question_field="prompt_text")
 Every example is its row plus `question` (text) and `answer` (text, or None when the row has
-none and `prepare` computes it). `prepare(example) -> example` applies a task's own rules (GSM8K's
+none and `prepare` computes it). A `prompt` column of chat messages (TRL's conversational form)
+stays as given, and `question` is its last user message. `prepare(example) -> example` applies a task's own rules (GSM8K's
 '#### 72' answers: grpo.envs.tasks). Every error is one line naming the file and line (or row).
 """
 import csv
@@ -25,9 +26,11 @@ class DataError(ValueError):
 
 
 def load_examples(source: str | Path, split: str | None = None, question_field: str = "question",
-                  answer_field: str = "answer", prepare: Callable[[dict], dict] | None = None) -> list[dict]:
+                  answer_field: str = "answer", prepare: Callable[[dict], dict] | None = None,
+                  require_answer: bool = True) -> list[dict]:
     """Rows of `source` as examples {**row, question, answer}; `split` overrides the id's split.
-    Refuses an empty source; `prepare`'s ValueErrors come back naming the row's file and line."""
+    Refuses an empty source, and rows without an answer unless require_answer=False (reward
+    functions that need none); `prepare`'s ValueErrors come back naming the row's file and line."""
     examples = []
     for where, row in read_rows(source, split):
         if not isinstance(row, dict):
@@ -37,7 +40,7 @@ def load_examples(source: str | Path, split: str | None = None, question_field: 
                 _example(row, question_field, answer_field)
         except ValueError as e:
             raise DataError(f"{where}: {e}") from None
-        if example["answer"] in (None, ""):
+        if require_answer and example["answer"] in (None, ""):
             raise DataError(f"{where}: missing column {answer_field!r} (pass --answer_field NAME)")
         examples.append(example)
     if not examples:
@@ -61,11 +64,22 @@ def _example(row: dict, question_field: str, answer_field: str) -> dict:
         also = f" (or {', '.join(repr(k) for k in names[1:])})" if len(names) > 1 else ""
         raise ValueError(f"missing column {question_field!r}{also}; the row has {sorted(row)[:10]}"
                          f" (pass --question_field NAME)")
+    if _is_messages(question):  # TRL's conversational form: the messages are the prompt, as given
+        user = [m.get("content") for m in question if m.get("role") == "user"]
+        return _example({**row, "prompt": question, "question": str(user[-1] if user else "")},
+                        "question", answer_field) | {"prompt": question}
     if not isinstance(question, str):
-        raise ValueError(f"column {question_field!r} is not text: {str(question)[:60]!r}")
+        also = " nor chat messages [{'role': ..., 'content': ...}, ...]" if isinstance(question, list) else ""
+        raise ValueError(f"column {question_field!r} is not text{also}: {str(question)[:60]!r}")
     answer = row.get(answer_field)
     answer = None if answer is None or str(answer).strip() == "" else str(answer).strip()
     return {**row, "question": question.strip(), "answer": answer}
+
+
+def _is_messages(value) -> bool:
+    """A conversational prompt: a list of {"role", "content"} messages (TRL's test)."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in value)
 
 
 # ----------------------------------------------------------------------------- reading rows

@@ -66,7 +66,7 @@ def evaluate(model, tokenizer, env, examples: list[dict], n: int = 1, temperatur
             records.append({"question": ex.get("question", ex.get("prompt", "")),
                             "answer": str(ex.get("answer")), "completion": t.text,
                             "extracted": env.extract(t) if hasattr(env, "extract") else None,
-                            "correct": t.rewards.get(term, 0.0), "rewards": t.rewards,
+                            "correct": t.rewards.get(term) or 0.0, "rewards": t.rewards,
                             "finish_reason": t.finish_reason, "turns": t.num_turns})
     return summarize(records, n) | {"records": records}
 

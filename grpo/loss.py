@@ -11,6 +11,7 @@ dataclass are here too: they read the same equations as the loss.
 - GRPO: DeepSeekMath, arXiv 2402.03300.   - Dr. GRPO: arXiv 2503.20783.
 - DAPO (clip-higher, token mean, overlong penalty): arXiv 2503.14476.
 - dual-clip PPO: arXiv 1912.09729.        - k3 KL estimator: J. Schulman, "Approximating KL divergence".
+- GSPO (one ratio per sequence, TRL's importance_sampling_level="sequence"): arXiv 2507.18071.
 """
 from dataclasses import dataclass
 
@@ -102,6 +103,23 @@ def clipped_surrogate(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor
     return loss
 
 
+def sequence_ratio_logprobs(logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
+    """GSPO: (B, T) log-probs whose ratio to old_logprobs is, at every token, the sequence's ratio
+
+        s_i = exp(mean over i's mask tokens of (logp_t - old_logp_t)),
+
+    the geometric mean of its token ratios, with its gradient through that mean (as TRL's
+    importance_sampling_level="sequence" computes it). Fed to the token loss as `logprobs`, the
+    surrogate, clip, delta and dual-clip read s_i unchanged. GSPO-token's form, sg[s_i] *
+    exp(logp_t - sg[logp_t]) (arXiv 2507.18071 eq. 13-14), has the same values and gradients
+    except where a per-token weight (tis_cap's w_t) varies along a sequence: we follow TRL there.
+    """
+    m = loss_mask.bool()
+    log_ratio = torch.where(m, logprobs - old_logprobs.detach(), 0.0)                        # (B, T)
+    seq = log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)             # (B, 1)
+    return old_logprobs.detach() + seq                                                       # (B, T)
+
+
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """k3_t = exp(ref - logp) - (ref - logp) - 1: an unbiased, always >= 0 estimate of KL(pi || ref)."""
     d = ref_logprobs.detach() - logprobs
@@ -180,19 +198,22 @@ class LossOptions:
     beta: float = 0.0                  # k3 KL weight (needs ref_logprobs)
     tis_cap: float | None = None       # truncated IS cap (needs sampler_logprobs); None = off
     max_completion_length: int = 1        # Dr. GRPO's constant normalizer
+    importance_sampling_level: str = "token"  # token (GRPO) | sequence (GSPO: sequence_ratio_logprobs)
     backend: str | None = None         # token loss: "triton" | "torch" | None (triton on CUDA)
 
     def __post_init__(self):
         if self.aggregation not in ("grpo", "bnpo", "dr_grpo", "dapo"):
             raise ValueError(f"aggregation={self.aggregation!r} not in grpo|bnpo|dr_grpo|dapo")
+        if self.importance_sampling_level not in ("token", "sequence"):
+            raise ValueError(f"importance_sampling_level={self.importance_sampling_level!r} not in token|sequence")
 
 
 @torch.no_grad()
 def loss_metrics(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor,
                  opts: LossOptions, ref_logprobs: Tensor | None = None,
-                 sampler_logprobs: Tensor | None = None) -> dict[str, Tensor]:
+                 sampler_logprobs: Tensor | None = None, ratio_logprobs: Tensor | None = None) -> dict[str, Tensor]:
     """Detached sums over the micro-batch's mask tokens; add them over micro-batches (and
-    ranks), then divide by "tokens" for means:
+    ranks), then divide by "tokens" for means (`ratio_logprobs`: what rho reads; GSPO's per sequence):
       tokens      number of mask tokens
       ratio       sum of rho_t
       clip_low    tokens where rho < 1 - eps_low and A < 0 (the clip zeroes their gradient)
@@ -206,12 +227,13 @@ def loss_metrics(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, los
     m = loss_mask.bool()
     A = advantages.float().expand_as(logprobs)                 # advantages broadcastable: (B, 1) or (B, T)
     s = lambda x: torch.where(m, x.float(), 0.0).sum()         # noqa: E731  (where: padding may hold inf)
-    rho = torch.exp(logprobs - old_logprobs)
+    rho = torch.exp((logprobs if ratio_logprobs is None else ratio_logprobs) - old_logprobs)
     zero = logprobs.new_zeros((), dtype=torch.float32)
     out = {"tokens": m.sum().float(), "ratio": s(rho), "clip_low": s((rho < 1 - opts.eps_low) & (A < 0)),
            "clip_high": s((rho > 1 + opts.eps_high) & (A > 0))}
     if opts.dual_clip is not None:
-        surrogate = clipped_surrogate(logprobs, old_logprobs, A, opts.eps_low, opts.eps_high, opts.delta)
+        surrogate = clipped_surrogate(logprobs if ratio_logprobs is None else ratio_logprobs, old_logprobs, A,
+                                      opts.eps_low, opts.eps_high, opts.delta)
         out["dual_clip"] = s((A < 0) & (surrogate > -opts.dual_clip * A))
     else:
         out["dual_clip"] = zero
@@ -238,11 +260,18 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss
     """
     if advantages.dim() == 1:
         advantages = advantages[:, None]                        # (B, 1), broadcast over T
+    sequence = opts.importance_sampling_level == "sequence"
+    # GSPO: the ratio's log-probs carry each sequence's ratio; the KL (below) reads the real ones
+    ratio_logprobs = sequence_ratio_logprobs(logprobs, old_logprobs, loss_mask) if sequence else logprobs
     kw = dict(eps_low=opts.eps_low, eps_high=opts.eps_high, delta=opts.delta, dual_clip=opts.dual_clip,
-              ref_logprobs=ref_logprobs, beta=opts.beta, sampler_logprobs=sampler_logprobs,
-              tis_cap=opts.tis_cap)
+              ref_logprobs=None if sequence else ref_logprobs, beta=0.0 if sequence else opts.beta,
+              sampler_logprobs=sampler_logprobs, tis_cap=opts.tis_cap)
     token = kernels.grpo_token_loss if _fused(logprobs, opts.backend, "the GRPO token loss") else token_loss
-    losses = token(logprobs, old_logprobs, advantages, loss_mask, **kw)   # (B, T) fp32, 0 off the mask
+    losses = token(ratio_logprobs, old_logprobs, advantages, loss_mask, **kw)   # (B, T) fp32, 0 off the mask
+    if sequence and ref_logprobs is not None and opts.beta > 0:  # w_t l_t + beta k3_t, as token_loss adds it
+        m = loss_mask.bool()  # padding may hold inf: zero it before the exp (as token_loss does)
+        kl = kl_k3(torch.where(m, logprobs.float(), 0.0), torch.where(m, ref_logprobs.float(), 0.0))
+        losses = losses + opts.beta * torch.where(m, kl, 0.0)
     m = loss_mask.float()
     if opts.aggregation == "grpo":
         loss = grpo_aggregate(losses, m, num_sequences, world_size)
@@ -253,4 +282,4 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss
     else:
         loss = dapo_aggregate(losses, m, num_tokens, world_size)
     return loss, loss_metrics(logprobs, old_logprobs, advantages, loss_mask, opts,
-                              ref_logprobs, sampler_logprobs)
+                              ref_logprobs, sampler_logprobs, ratio_logprobs=ratio_logprobs)

@@ -21,9 +21,10 @@ def step_metrics(trajs, rewards, advantages, flat, update: dict, t_gen: float, t
     """The step's metrics over the global batch: each rank holds B/world groups, so per-sequence
     numbers are gathered; `update` holds policy_update's global means (timings are rank 0's).
     rewards (N,) final rewards, advantages (N,) or (N, C), flat (N/G,) bool: flat groups."""
-    terms = list(trajs[0].rewards)
+    terms = list(dict.fromkeys(k for t in trajs for k in t.rewards))
+    nan = float("nan")  # a term that does not apply (None): left out of its mean, as TRL's nanmean
     per_seq = torch.tensor([[len(t.completion_ids), t.finish_reason == "length", t.num_turns]
-                            + [t.rewards[k] for k in terms] for t in trajs],
+                            + [nan if t.rewards.get(k) is None else t.rewards[k] for k in terms] for t in trajs],
                            dtype=torch.float64)  # (N, 3 + terms)
     A = sequence_advantages(advantages, len(trajs))
     per_seq = dist.all_gather_cat(torch.cat([rewards[:, None].double().cpu(), A[:, None].cpu(), per_seq], 1))
@@ -38,12 +39,34 @@ def step_metrics(trajs, rewards, advantages, flat, update: dict, t_gen: float, t
         "tokens_per_s": lengths.sum().item() / max(t_gen + t_update, 1e-9), "lr": lr,
     }
     for i, k in enumerate(terms):
-        out[f"reward/{k}"] = per_seq[:, 5 + i].mean().item()
+        applies = per_seq[:, 5 + i][~per_seq[:, 5 + i].isnan()]
+        out[f"reward/{k}"] = applies.mean().item() if len(applies) else 0.0
+        out[f"rewards/{k}/mean"] = out[f"reward/{k}"]                 # TRL's names for the same
+        out[f"rewards/{k}/std"] = applies.std().item() if len(applies) > 1 else 0.0
     out |= {k: v for k, v in update.items() if k not in ("sequences", "tokens", "num_tokens")}
     out["update/sequences"] = update.get("sequences", 0.0)
     if torch.cuda.is_available():
         out["memory/max_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    return out
+    G = len(rewards) // max(len(flat), 1)
+    return out | trl_aliases(out, rewards.view(-1, G).std(1).mean().item() if G > 1 else 0.0, lengths)
+
+
+# our metric -> TRL GRPOTrainer's name for it (logged under both: a TRL user's dashboards find theirs)
+TRL_ALIASES = {"reward/mean": "reward", "flat_groups": "frac_reward_zero_std",
+               "completion/len": "completions/mean_length", "completion/truncated": "completions/clipped_ratio",
+               "clip_low": "clip_ratio/low_mean", "clip_high": "clip_ratio/high_mean", "lr": "learning_rate",
+               "sampler_gap": "sampling/sampling_logp_difference/mean",
+               "is_weight": "sampling/importance_sampling_ratio/mean"}
+
+
+def trl_aliases(out: dict, group_std: float, lengths) -> dict:
+    """TRL's names for our step metrics; `reward_std` is TRL's: the mean over groups of each
+    group's reward std (our reward/std is the batch's)."""
+    aliases = {trl: out[ours] for ours, trl in TRL_ALIASES.items() if ours in out}
+    if "clip_low" in out and "clip_high" in out:
+        aliases["clip_ratio/region_mean"] = out["clip_low"] + out["clip_high"]  # disjoint: A < 0 or A > 0
+    return aliases | {"reward_std": group_std, "completions/min_length": lengths.min().item(),
+                      "completions/max_length": lengths.max().item()}
 
 
 def credit_metrics(credit, t_gen: float, t_credit: float) -> dict:
@@ -71,11 +94,14 @@ class Logger:
     """TensorBoard scalars and text, plus metrics.jsonl (one JSON object per row). Rows form series
     (series() below): the warm-start's, one per eval, and the RL steps'; the warm-start's scalars go
     to their own TensorBoard run (tb/warmstart), since its steps 0..sft_steps-1 overlap RL's."""
-    def __init__(self, out_dir: str, resumed_at: int | None = None, evals_done=()):
+    def __init__(self, out_dir: str, resumed_at: int | None = None, evals_done=(), tensorboard: bool = True,
+                 trackers=()):
         """A run that continues an interrupted one drops what it is about to log again, per series,
         so each row appears once. `resumed_at`: the checkpoint's step; its warm-start (if any) and
         the evals in `evals_done` are kept, RL rows up to that step are kept. None: nothing is
-        kept (a fresh run, or a --resume that found no checkpoint and starts over)."""
+        kept (a fresh run, or a --resume that found no checkpoint and starts over).
+        `tensorboard`: write output_dir/tb; `trackers`: more (grpo.report.open_trackers), each
+        with log(metrics, step) and close()."""
         from torch.utils.tensorboard import SummaryWriter
         os.makedirs(out_dir, exist_ok=True)
         self.out_dir = out_dir
@@ -88,21 +114,25 @@ class Logger:
         # TensorBoard hides what a run logged at or after purge_step (all tags of one run folder)
         purge = 0 if resumed_at is None else resumed_at + 1
         self._writer = lambda sub: SummaryWriter(os.path.join(out_dir, *sub), purge_step=purge)
-        self.tb = self._writer(["tb"])
+        self.tb = self._writer(["tb"]) if tensorboard else None
+        self.trackers = list(trackers)
         self.tb_warmstart = None  # made at the warm-start's first row: a resumed run never has one
         self.jsonl = open(path, "a")
 
     def log(self, metrics: dict, step: int):
-        if series(metrics) == "sft":
+        if series(metrics) == "sft" and self.tb is not None:
             self.tb_warmstart = self.tb_warmstart or self._writer(["tb", "warmstart"])
         tb = self.tb_warmstart if series(metrics) == "sft" else self.tb
-        for k, v in metrics.items():
+        for k, v in metrics.items() if tb is not None else ():
             tb.add_scalar(k, v, step)
+        for tracker in self.trackers:
+            tracker.log(metrics, step)
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self.jsonl.flush()  # nothing lost on a crash
 
     def text(self, tag: str, text: str, step: int):
-        self.tb.add_text(tag, "```\n" + text + "\n```", step)
+        if self.tb is not None:
+            self.tb.add_text(tag, "```\n" + text + "\n```", step)
 
     def rollouts(self, records: list[dict], step: int, shown: int = 4):
         """rollouts/step_N.jsonl with every record, and a TensorBoard table of the first few."""
@@ -113,9 +143,10 @@ class Logger:
         rows = [f"| completion | reward | {' | '.join(terms)} | advantage | finish |",
                 "|" + " --- |" * (len(terms) + 4)]
         rows += [f"| {cell(r['completion'][-600:])} | {r['reward']:.3f} | "
-                 + " | ".join(f"{r['rewards'][k]:.3f}" for k in terms)
+                 + " | ".join("n/a" if r["rewards"].get(k) is None else f"{r['rewards'][k]:.3f}" for k in terms)
                  + f" | {r['advantage']:+.3f} | {r['finish_reason']} |" for r in records[:shown]]
-        self.tb.add_text("rollouts", "\n".join(rows), step)
+        if self.tb is not None:
+            self.tb.add_text("rollouts", "\n".join(rows), step)
 
     def dump_jsonl(self, name: str, records: list):
         with open(os.path.join(self.out_dir, name), "w") as f:
@@ -125,6 +156,8 @@ class Logger:
         for tb in (self.tb, self.tb_warmstart):
             if tb is not None:
                 tb.close()
+        for tracker in self.trackers:
+            tracker.close()
         self.jsonl.close()
 
 

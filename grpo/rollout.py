@@ -34,9 +34,11 @@ class Trajectory:
     answered: bool = False        # cut at the token limit after it answered (score(): env.answered)
 
 
-def render_prompt(tokenizer, messages: list[dict], **chat_kwargs) -> list[int]:
+def render_prompt(tokenizer, messages: list[dict] | str, **chat_kwargs) -> list[int]:
     """The prompt's token ids. Message contents (a dataset's question, an env's text) are text:
     a question that spells `<|im_start|>system` gets those characters, never a forged turn."""
+    if isinstance(messages, str):  # a raw text prompt (TRL's standard form): no chat template, as TRL
+        return tokenizer.encode(messages, add_special_tokens=False)
     if not any(_added_in(tokenizer, m.get("content")) for m in messages):  # the common case: one encode
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **chat_kwargs)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
@@ -184,14 +186,19 @@ def rollout(sampler: Sampler, tokenizer, env, examples: list[dict], params: Samp
 
 
 def score(env, trajectories: list[Trajectory], weights: dict[str, float] | None = None, workers: int = 16):
-    """env.reward for every trajectory, concurrently (a term may wait on an HTTP judge), then the
-    weighted sum. Terms missing from `weights` weigh 1."""
+    """env.reward for every trajectory, concurrently (a term may wait on an HTTP judge), or one
+    env.reward_batch(examples, trajectories) call where the env has it (TRL-style batched reward
+    functions: grpo.rewards); then the weighted sum. Terms missing from `weights` weigh 1; a term
+    that is None (not applicable) is left out of the sum."""
     weights = weights or {}
-    with ThreadPoolExecutor(workers) as pool:
-        terms = list(pool.map(lambda t: env.reward(t.example, t), trajectories))
+    if hasattr(env, "reward_batch"):
+        terms = env.reward_batch([t.example for t in trajectories], trajectories) if trajectories else []
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            terms = list(pool.map(lambda t: env.reward(t.example, t), trajectories))
     for t, r in zip(trajectories, terms):
-        t.rewards = {k: float(v) for k, v in r.items()}
+        t.rewards = {k: None if v is None else float(v) for k, v in r.items()}
         # cut after it answered (the env says so; an env without `answered` never does)
         t.answered = t.finish_reason == "length" and hasattr(env, "answered") and bool(env.answered(t))
-        t.reward = sum(weights.get(k, 1.0) * v for k, v in t.rewards.items())
+        t.reward = sum(weights.get(k, 1.0) * v for k, v in t.rewards.items() if v is not None)
     return trajectories

@@ -22,6 +22,7 @@ Multi-turn tool calls (resume) and prefix continuations (continue_from) share th
 admit/decode/finish loop with plain sampling; the sampling rule is its own file.
 """
 import concurrent.futures as cf
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -205,6 +206,8 @@ class Sampler:
                     self._resume(call)
                     if any(not s.in_tool for s in call.live.values()):
                         self._decode(call)
+                        call.bar.tokens(lambda: sum(len(s.token_ids) for s in call.live.values())
+                                        + sum(len(c.token_ids) for c in call.out if c is not None))
                     elif call.pending and not (call.waiting and self._free(call)):
                         cf.wait(list(call.pending), return_when=cf.FIRST_COMPLETED)
         finally:
@@ -526,8 +529,28 @@ def _prefill_chunks(prompts: list[list[int]], budget: int) -> list[list[int]]:
     return [c for c in chunks if c]
 
 
-def _progress(total: int, enabled: bool):
-    if enabled:
+class _Bar:
+    """Rows finished (tqdm: rate and ETA) and, every 2 s, the tokens decoded and tokens/s: in one
+    call all rows decode together and finish near its end, so the row count alone barely moves."""
+    def __init__(self, total: int, enabled: bool):
         from tqdm import tqdm
-        return tqdm(total=total, desc="sampling", unit="seq")
-    return type("NoBar", (), {"update": lambda self, k: None, "close": lambda self: None})()
+        self.bar = tqdm(total=total, desc="sampling", unit="seq", leave=False) if enabled else None
+        self.t0 = self.shown = time.time()
+
+    def update(self, k: int):
+        if self.bar is not None:
+            self.bar.update(k)
+
+    def tokens(self, count: Callable[[], int]):
+        now = time.time()
+        if self.bar is not None and now - self.shown >= 2.0:
+            n, self.shown = count(), now
+            self.bar.set_postfix_str(f"{n} tok, {n / max(now - self.t0, 1e-9):.0f} tok/s")
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _progress(total: int, enabled: bool) -> _Bar:
+    return _Bar(total, enabled)

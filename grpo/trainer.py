@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from grpo import dist
 from grpo.budget import make_plan, rl_budget, stop_reason
-from grpo.checkpoint import Checkpointer, export, note_run, open_run_dir, run_meta
+from grpo.checkpoint import Checkpointer, export, note_run, open_run_dir, refuse_used_dir, run_meta
 from grpo.config import PROFILES, Config, pick_profile
 from grpo.cpu import measure, set_autocast, set_threads
 from grpo.eval import evaluate, run_eval_settings, summarize
@@ -30,6 +30,7 @@ from grpo.kv_cache import KVCache
 from grpo.loss import group_advantages, overlong_penalty
 from grpo.metrics import Logger, credit_metrics, rollout_records, step_metrics
 from grpo.model import Transformer, _local_or_hub
+from grpo.report import check_reporters, open_trackers, reporters, write_summary
 from grpo.rollout import rollout, sampling_params, score
 from grpo.sampler import Sampler
 from grpo.sft import warm_start
@@ -62,9 +63,10 @@ def prompt_batch(examples: list, step: int, B: int, seed: int) -> tuple[list, in
 
 
 def scored_rollouts(sampler, tokenizer, env, params, chat_kwargs: dict, weights: dict | None,
-           examples: list, offset: int) -> list:
+                    examples: list, offset: int) -> list:
     """G scored trajectories per example; `offset`, the global index of examples[0], seeds them."""
-    trajs = rollout(sampler, tokenizer, env, examples, params, prompt_offset=offset, chat_kwargs=chat_kwargs)
+    trajs = rollout(sampler, tokenizer, env, examples, params, prompt_offset=offset, chat_kwargs=chat_kwargs,
+                    progress=dist.is_main())  # rank 0's bar: rows done, tokens/s
     return score(env, trajs, weights)
 
 
@@ -119,6 +121,10 @@ def check_inputs(cfg: Config, env, train_examples: list, sft_examples: list):
     world = dist.world_size()
     if not str(cfg.model_path).strip():
         raise ValueError("model_path is empty: pass --model_path=a Hugging Face checkpoint folder or hub id")
+    model_folder(cfg.model_path)  # a missing folder: one line, before anything is written
+    if not cfg.resume:
+        refuse_used_dir(cfg.output_dir)  # before config.json is written (open_run_dir checks it again)
+    check_reporters(cfg.report_to)
     if not train_examples:
         raise ValueError("no training examples: the dataset is empty")
     if cfg.prompts_per_step % world:
@@ -253,7 +259,8 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
     ckpt = Checkpointer(cfg.output_dir, keep_last=cfg.save_total_limit)
     found = resume(ckpt, model, optimizer, scheduler, cfg)
     start, results = (found["step"], found.get("results", {})) if found else (0, {})
-    logger = Logger(cfg.output_dir, start if found else None, list(results)) if dist.is_main() else None
+    logger = Logger(cfg.output_dir, start if found else None, list(results), "tensorboard" in reporters(cfg.report_to),
+                    open_trackers(cfg, found is not None)) if dist.is_main() else None
     log = logger.log if logger else (lambda m, s: None)
     B, G, world, rank = cfg.prompts_per_step, cfg.num_generations, dist.world_size(), dist.rank()
     # the eval sizes (run_budget_min: shrunk to what fits on this machine) and the phases' estimates
@@ -369,6 +376,9 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
         run_eval("after", steps_done)
         if cfg.export:
             export(model, os.path.join(cfg.output_dir, "export"))
+    if dist.is_main():  # before -> after with intervals, the paired gain, the export: printed and summary.json
+        write_summary(cfg.output_dir, results, steps_done, time.time() - t_run,
+                      os.path.join(cfg.output_dir, "export") if cfg.export and not stop else None)
     ckpt.close()
     if logger:
         logger.close()

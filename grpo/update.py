@@ -13,6 +13,7 @@
    per-sequence layout the loss reads.
 """
 import math
+import time
 
 import torch
 
@@ -141,7 +142,14 @@ def loss_options(cfg: Config) -> LossOptions:
     eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high  # unset: symmetric clip
     return LossOptions(aggregation=cfg.loss_type, eps_low=cfg.epsilon, eps_high=eps_high,
                        delta=cfg.delta or None, dual_clip=cfg.dual_clip or None, beta=cfg.beta,
-                       tis_cap=cfg.tis_cap or None, max_completion_length=cfg.max_completion_length)
+                       tis_cap=cfg.tis_cap or None, max_completion_length=cfg.max_completion_length,
+                       importance_sampling_level=getattr(cfg, "importance_sampling_level", "token"))
+
+
+def progress_bar(total: int):
+    """Rank 0's bar over the update's micro-batches (rows done, tokens/s, ETA), gone when done."""
+    from tqdm import tqdm
+    return tqdm(total=total, desc="update", unit="mb", leave=False, mininterval=2.0, disable=not dist.is_main())
 
 
 def optimizer_step(model, optimizer, scheduler, cfg: Config) -> tuple[float, bool]:
@@ -172,6 +180,7 @@ def policy_update(model, ref_model, optimizer, scheduler, trajs: list, advantage
     old = batch_logprobs(model, batches, cfg.temperature) if cfg.num_iterations > 1 else None
     ref = batch_logprobs(ref_model, batches, cfg.temperature) if ref_model is not None else None
     sums, grad_norm, skipped = {}, 0.0, 0
+    bar, t0, done_tokens = progress_bar(cfg.num_iterations * len(batches)), time.time(), 0
     for it in range(cfg.num_iterations):
         for k, b in enumerate(batches):
             logprobs, entropy = sequence_logprobs(model, b, cfg.temperature, return_entropy=True)
@@ -181,6 +190,10 @@ def policy_update(model, ref_model, optimizer, scheduler, trajs: list, advantage
                                   num_micro_batches=len(batches), sampler_logprobs=b["sampler_logprobs"],
                                   ref_logprobs=ref[k] if ref is not None else None)
             loss.backward()
+            done_tokens += b["input_ids"].numel()  # rows x padded length: what the forward computed
+            if not bar.disable:
+                bar.set_postfix_str(f"{done_tokens / max(time.time() - t0, 1e-9):.0f} tok/s", refresh=False)
+                bar.update(1)
             m["loss"] = loss.detach()
             if it == 0:  # what the update trains on, counted once (not per iteration)
                 m["entropy"] = (entropy.detach() * b["loss_mask"]).sum()
@@ -189,6 +202,7 @@ def policy_update(model, ref_model, optimizer, scheduler, trajs: list, advantage
                 sums[key] = sums.get(key, 0.0) + v.float()          # on device: no sync per micro-batch
         norm, ok = optimizer_step(model, optimizer, scheduler, cfg)
         grad_norm, skipped = grad_norm + norm / cfg.num_iterations, skipped + (not ok)
+    bar.close()
     keys = sorted(sums)
     total = dict(zip(keys, dist.all_sum(torch.stack([sums[k] for k in keys]).double()).tolist()))  # host sync
     per_token_iter = total["tokens"]                      # mask tokens summed over iterations

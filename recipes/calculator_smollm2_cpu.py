@@ -153,7 +153,8 @@ def main():
         cfg.train_questions, cfg.sft_steps, cfg.sft_batch, cfg.max_steps = 64, 3, 4, 2
         cfg.prompts_per_step, cfg.num_generations, cfg.eval_limit, cfg.max_completion_length = 2, 4, 8, 96
         cfg.eval_before_limit = 4
-        cfg.output_dir = cfg.output_dir.rstrip("/") + "_smoke"
+        if cfg.output_dir == CalculatorCPU.output_dir:  # the default folder only: a given --output_dir is kept
+            cfg.output_dir = cfg.output_dir.rstrip("/") + "_smoke"
     if cfg.grpo_phrasing not in ("train", "rl"):
         raise SystemExit(f"error: --grpo_phrasing={cfg.grpo_phrasing!r}, expected train or rl")
     cfg.model_path = cfg.model_path or local_path()

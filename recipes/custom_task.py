@@ -1,45 +1,52 @@
-"""Your own task: any question/answer data, and reward functions named on the command line.
+"""Your own task: any prompts (question/answer rows or TRL's conversational `prompt` column) and
+reward functions written for TRL, named on the command line.
 
-    python recipes/custom_task.py --model_path=Qwen/Qwen2.5-0.5B-Instruct --train_data=my.jsonl \\
-        --eval_data=my_test.jsonl --reward_funcs=custom_task:boxed_answer,custom_task:boxed_format \\
-        --reward_weights=1,0.2
+    python -m grpo.smollm2                # prints the packaged SmolLM2's folder: a --model_path
+    python recipes/custom_task.py --model_path=PATH --train_data=my.jsonl --eval_data=my_test.jsonl \\
+        --reward_funcs=my_rewards.py:correct,custom_task:boxed_format --reward_weights=1,0.2
     torchrun --nproc_per_node=8 recipes/custom_task.py ...   # the same on GPUs
 
 Data: a JSONL, CSV or Parquet file or a dataset id (grpo.data.load_examples) with a question
-and an answer column (--question_field, --answer_field). Rewards, as TRL's GRPOTrainer takes
-them: `module:function` names, each called as
+column (--question_field; the recipe adds --system_prompt and the chat template) or TRL's
+conversational `prompt` column of chat messages (used as given); an answer column
+(--answer_field) is passed on when there is one. Rewards: `module:function` (the current folder
+is importable), `file.py:function` or `path/to/file.py:function`, called as TRL's GRPOTrainer
+calls them (grpo.rewards): batched,
 
-    fn(prompts: list[str], completions: list[str], **columns) -> list[float]
+    fn(prompts, completions, completion_ids, **columns) -> list[float | None]
 
-with the user messages, the decoded completions and every data column as a list (e.g.
-`answer`). `module` is any importable module, or a file beside this recipe. The first function
-is the eval's score (mean@k, pass@k); --reward_weights weighs them (default 1 each). The
-functions here are examples: `boxed_answer` (math-verify on the last \\boxed{}) and
-`boxed_format`. For a multi-turn task with a tool, write an env class instead: see the README's
-"Your own task" and envs/calculator.py.
+with prompts and completions as text (question rows) or chat messages (conversational rows),
+every other data column as a list (e.g. `answer`), and None for "not applicable" (left out of
+the weighted sum). The first function is the eval's score (mean@k, pass@k); --reward_weights
+weighs them (default 1 each). `boxed_answer` (math-verify on the last \\boxed{}) and
+`boxed_format` below are examples. The same from Python: grpo.api.GRPOTrainer. For a multi-turn
+task with a tool, write an env class: see the README's "Your own task" and envs/calculator.py.
 """
-import importlib
 import os
 import sys
 from dataclasses import dataclass
+from typing import ClassVar
 
 from grpo.config import Config, parse_args
 from grpo.data import load_or_exit
 from grpo.envs.math import is_equiv, last_boxed
-from grpo.trainer import train
+from grpo.rewards import RewardFunctionsEnv, completion_text, import_functions, portable_names
+from grpo.trainer import check_inputs, train
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `custom_task:...` and files beside it
 
 
 @dataclass
 class CustomTask(Config):
+    required: ClassVar[tuple] = ("model_path", "train_data", "reward_funcs")  # --help lists them first
     output_dir: str = "runs/custom_task"
     train_data: str = ""              # a JSONL, CSV or Parquet file, or a dataset id name[:config[:split]]
     eval_data: str = ""               # the same; empty = no eval
-    question_field: str = "question"  # the data column holding the question
-    answer_field: str = "answer"      # the data column holding the answer
-    system_prompt: str = "Please reason step by step, and put your final answer within \\boxed{}."
-    reward_funcs: str = "custom_task:boxed_answer"  # comma-separated module:function names
+    question_field: str = "question"  # the data column holding the question (else TRL's `prompt` messages)
+    answer_field: str = "answer"      # the data column holding the answer, if any (passed to the rewards)
+    system_prompt: str = "Please reason step by step, and put your final answer within \\boxed{}."  # before
+                                      # each question (not added to conversational prompts)
+    reward_funcs: str = ""            # comma-separated module:function, file.py:function or path/file.py:function
     reward_weights: str = ""          # comma-separated weights, one per function; empty = 1 each
     max_steps: int = 100
     learning_rate: float = 1e-6
@@ -48,58 +55,21 @@ class CustomTask(Config):
 
 # ----------------------------------------------------------------------------- example rewards
 
-def boxed_answer(prompts: list[str], completions: list[str], answer: list, **columns) -> list[float]:
-    """1 when the last \\boxed{} is equivalent to the answer (math-verify), else 0."""
-    boxed = [last_boxed(c) for c in completions]
-    return [float(b is not None and is_equiv(b, str(a))) for b, a in zip(boxed, answer)]
+def boxed_answer(prompts: list, completions: list, answer: list, **columns) -> list[float | None]:
+    """1 when the last \\boxed{} is equivalent to the answer (math-verify), else 0; None (not
+    applicable) for a row without an answer."""
+    boxed = [last_boxed(completion_text(c)) for c in completions]
+    return [None if a is None else float(b is not None and is_equiv(b, str(a))) for b, a in zip(boxed, answer)]
 
 
-def boxed_format(prompts: list[str], completions: list[str], **columns) -> list[float]:
+def boxed_format(prompts: list, completions: list, **columns) -> list[float]:
     """1 when the completion ends its reasoning in a \\boxed{} answer."""
-    return [float(last_boxed(c) is not None) for c in completions]
-
-# ----------------------------------------------------------------------------- the env
-
-
-class RewardFunctionsEnv:
-    """A single-turn env over TRL-style reward functions: the protocol every env follows
-    (prompt, reward; multi-turn envs add stop_strings, max_turns and step)."""
-    stop_strings: list = []
-    max_turns = 1
-    observation_role = "user"
-
-    def __init__(self, funcs: dict, system_prompt: str = ""):
-        self.funcs, self.system_prompt = funcs, system_prompt
-        self.score_term = next(iter(funcs))   # what grpo.eval reports
-
-    def prompt(self, example: dict) -> list[dict]:
-        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return system + [{"role": "user", "content": example["question"]}]
-
-    def reward(self, example: dict, trajectory) -> dict[str, float]:
-        columns = {k: [v] for k, v in example.items()}
-        return {name: float(fn(prompts=[example["question"]], completions=[trajectory.text], **columns)[0])
-                for name, fn in self.funcs.items()}
-
-
-def import_functions(names: str) -> dict:
-    """"pkg.module:fn,other:fn2" -> {fn: callable}; one-line errors."""
-    funcs = {}
-    for name in filter(None, (n.strip() for n in names.split(","))):
-        module, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise SystemExit(f"error: --reward_funcs {name!r}: {type(e).__name__}: {e} "
-                             "(expected module:function)")
-        funcs[attr] = fn
-    if not funcs:
-        raise SystemExit("error: --reward_funcs names no function")
-    return funcs
+    return [float(last_boxed(completion_text(c)) is not None) for c in completions]
 
 
 def load(cfg: CustomTask, source: str) -> list[dict]:
-    return load_or_exit(source, question_field=cfg.question_field, answer_field=cfg.answer_field)
+    return load_or_exit(source, question_field=cfg.question_field, answer_field=cfg.answer_field,
+                        require_answer=False)  # a reward function may need none
 
 
 def eval_setup(cfg: CustomTask) -> tuple:
@@ -110,14 +80,24 @@ def eval_setup(cfg: CustomTask) -> tuple:
 
 def main(cls=CustomTask):
     cfg = parse_args(cls)
-    if not cfg.train_data:
-        raise SystemExit("error: --train_data is required (a JSONL, CSV or Parquet file, or a dataset id)")
+    for field in ("train_data", "eval_data"):  # local files as absolute paths: config.json works from anywhere
+        if os.path.isfile(getattr(cfg, field)):
+            setattr(cfg, field, os.path.abspath(getattr(cfg, field)))
     env, eval_examples = eval_setup(cfg)
+    cfg.reward_funcs = portable_names(cfg.reward_funcs)  # config.json: found again by grpo.eval --run
     names = list(env.funcs)
-    weights = [float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights else [1.0] * len(names)
+    try:
+        weights = [float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights else [1.0] * len(names)
+    except ValueError:
+        raise SystemExit(f"error: --reward_weights={cfg.reward_weights!r}: expected comma-separated numbers") from None
     if len(weights) != len(names):
         raise SystemExit(f"error: {len(weights)} --reward_weights for {len(names)} --reward_funcs")
-    return train(cfg, env, load(cfg, cfg.train_data), eval_examples, reward_weights=dict(zip(names, weights)))
+    train_examples = load(cfg, cfg.train_data)
+    try:  # every user error in one line before the model loads and before the output folder is touched
+        check_inputs(cfg, env, train_examples, train_examples)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    return train(cfg, env, train_examples, eval_examples, reward_weights=dict(zip(names, weights)))
 
 
 if __name__ == "__main__":

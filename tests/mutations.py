@@ -1,7 +1,8 @@
-"""Loss options patched out one at a time, to prove the loss tests would notice: each entry
-replaces one line of grpo/loss.py. tests/test_mutations.py runs tests/test_loss.py once per
-entry, in a child process that applies it before the tests import grpo.loss, and expects a
-failure every time."""
+"""Loss options patched out one at a time, to prove the loss tests would notice: each MUTATIONS
+entry replaces one line of grpo/loss.py; each BY_NAME entry replaces one of its functions, by
+name, so that it keeps working when the function's lines are edited. tests/test_mutations.py runs
+tests/test_loss.py once per entry, in a child process that applies it before the tests import
+grpo.loss, and expects a failure every time."""
 import grpo.loss
 
 MUTATIONS = {  # name: (text in grpo/loss.py, what replaces it)
@@ -32,8 +33,28 @@ MUTATIONS = {  # name: (text in grpo/loss.py, what replaces it)
 }
 
 
+BY_NAME = {  # name: (function in grpo.loss, what replaces it)
+    # GSPO off: the sequence level silently runs token ratios
+    "gspo_sequence_ratio": ("sequence_ratio_logprobs", lambda logprobs, old_logprobs, loss_mask: logprobs),
+    # GSPO's ratio without its gradient through the mean (a detached sequence ratio trains nothing)
+    "gspo_ratio_gradient": ("sequence_ratio_logprobs",
+                            lambda logprobs, old_logprobs, loss_mask: _seq(logprobs, old_logprobs, loss_mask).detach()),
+}
+
+
+def _seq(logprobs, old_logprobs, loss_mask):
+    return grpo.loss.__dict__["_unpatched_sequence_ratio_logprobs"](logprobs, old_logprobs, loss_mask)
+
+
 def apply(name: str):
-    """Re-execute grpo/loss.py with one line replaced, in the module's own namespace."""
+    """Replace one function of grpo.loss by name (BY_NAME), or re-execute grpo/loss.py with one
+    line replaced (MUTATIONS), in the module's own namespace."""
+    if name in BY_NAME:
+        attr, replacement = BY_NAME[name]
+        assert callable(getattr(grpo.loss, attr, None)), f"mutation {name!r}: grpo.loss has no {attr}"
+        grpo.loss.__dict__["_unpatched_" + attr] = getattr(grpo.loss, attr)
+        setattr(grpo.loss, attr, replacement)
+        return
     old, new = MUTATIONS[name]
     source = open(grpo.loss.__file__).read()
     assert source.count(old) == 1, f"mutation {name!r}: its line is not in grpo/loss.py once"

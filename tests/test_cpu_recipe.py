@@ -22,7 +22,11 @@ def test_cpu_recipe_smoke_end_to_end(tmp_path, smollm2_path):
                         "--autocast_bf16", "false"],
                        cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
-    run = Path(str(out) + "_smoke")
+    run = out  # an explicit --output_dir is honoured (only the default folder gets a _smoke suffix)
+    assert not Path(str(out) + "_smoke").exists()
+    summary = json.loads((run / "summary.json").read_text())  # the run's end: before/after, gains, export
+    assert {"before", "warmstart", "after"} <= set(summary["evals"]) and "after - before" in summary["gains"]
+    assert summary["export"] == str(run / "export") and summary["steps"] == 2
     for phase in ("before", "warmstart", "after"):  # the untrained model on 4 questions, the others on 8
         for protocol in ("", "_greedy"):  # one sample at T 1.0, and greedy
             records = [json.loads(line) for line in open(run / f"eval_{phase}{protocol}.jsonl")]

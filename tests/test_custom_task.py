@@ -25,7 +25,8 @@ def test_custom_task_trains_two_steps(tmp_path):
              "--reward_funcs=toy:target_words,toy:short", "--reward_weights=1,0.5", "--max_steps=2",
              "--prompts_per_step=2", "--num_generations=4", "--max_prompt_length=16", "--max_completion_length=8",
              "--micro_batch_tokens=256", "--gen_batch=8", "--eval_limit=4", "--profile=none", "--save_steps=0"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))}
     r = subprocess.run([sys.executable, "recipes/custom_task.py", *flags], cwd=ROOT, capture_output=True,
                        text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -50,6 +51,6 @@ def test_custom_task_trains_two_steps(tmp_path):
 def test_custom_task_refuses_bad_reward_names(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
-    r = subprocess.run([sys.executable, "recipes/custom_task.py", f"--train_data={data}", "--profile=none",
+    r = subprocess.run([sys.executable, "recipes/custom_task.py", f"--train_data={data}", "--profile=none", "--model_path=m",
                         "--reward_funcs=no_such_module:fn"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and r.stderr.strip().startswith("error: --reward_funcs 'no_such_module:fn'"), r.stderr

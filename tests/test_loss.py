@@ -251,3 +251,78 @@ def test_bnpo_is_per_micro_batch():
     whole = lp.clone().requires_grad_()
     naive_policy_loss(whole, old, A, mask, "bnpo", 4, 1, 16, 0.2, 0.2, None, None, None, 0.0, None, None).backward()
     assert (whole.grad - grads).abs().max() > 1e-3
+
+
+# -----------------------------------------------------------------------------
+# GSPO: one ratio per sequence (importance_sampling_level="sequence")
+
+def test_sequence_level_ratio_by_hand():
+    """Sequence 0: token log-ratios 0.1 and 0.3 (a third token masked) -> s = e^0.2 = 1.2214, past
+    1 + eps = 1.2 with A > 0: clipped at every token, no gradient. Sequence 1: log-ratios -0.1, 0.1,
+    0 -> s = 1, A = -1: each token's loss is 1 and d s / d logp_t = s / 3, so the GRPO mean over 2
+    sequences gives 1/6 per token. Token level would clip only sequence 0's second token."""
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    lp = torch.tensor([[0.1, 0.3, 7.0], [-0.1, 0.1, 0.0]], dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    A = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    opts = LossOptions(aggregation="grpo", importance_sampling_level="sequence", backend="torch")
+    loss, metrics = policy_loss(lp, old, A, mask, opts, num_sequences=2, num_tokens=5)
+    loss.backward()
+    # the loss is computed in fp32: a few ulps
+    torch.testing.assert_close(loss.double(), torch.tensor((-1.2 + 1.0) / 2, dtype=torch.float64), atol=1e-6, rtol=0)
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.0, 0.0, 0.0], [1 / 6] * 3], dtype=torch.float64),
+                               atol=1e-6, rtol=0)
+    # the logged ratio and clip counts are the sequence's: 2 tokens at e^0.2 and 3 at 1; 2 clipped high
+    torch.testing.assert_close(metrics["ratio"].double(), torch.tensor(2 * math.exp(0.2) + 3, dtype=torch.float64),
+                               atol=1e-5, rtol=0)
+    assert metrics["clip_high"].item() == 2 and metrics["clip_low"].item() == 0
+
+
+def naive_gspo_loss(lp, old, A, mask, agg, num_seq, num_tok, L, eps_low, eps_high, delta, dual, ref, beta,
+                    sampler, cap):
+    """TRL's sequence level in float64, token by token: s_b = exp(mean of the masked log-ratios),
+    differentiated through that mean, in place of every token's ratio; KL on the real log-probs."""
+    B, T = lp.shape
+    total = 0.0
+    for b in range(B):
+        n = max(mask[b].sum(), 1)
+        rho = torch.exp(sum((lp[b, t] - old[b, t]) * mask[b, t] for t in range(T)) / n)
+        seq = []
+        for t in range(T):
+            r1 = torch.clamp(rho, max=delta) if delta is not None else rho
+            lt = -torch.minimum(r1 * A[b], torch.clamp(rho, 1 - eps_low, 1 + eps_high) * A[b])
+            if dual is not None and A[b] < 0:
+                lt = torch.minimum(lt, -dual * A[b])
+            if sampler is not None:
+                lt = lt * min(math.exp(old[b, t] - sampler[b, t]), cap)
+            if ref is not None:
+                d = ref[b, t] - lp[b, t]
+                lt = lt + beta * (torch.exp(d) - d - 1)
+            seq.append(lt * mask[b, t])
+        s = torch.stack(seq).sum()
+        total = total + (s / n / num_seq if agg == "grpo" else s)
+    return {"grpo": total, "dr_grpo": total / (num_seq * L), "dapo": total / num_tok,
+            "bnpo": total / mask.sum()}[agg]
+
+
+@pytest.mark.parametrize("agg,delta,dual,kl,tis", list(itertools.product(
+    ["grpo", "bnpo", "dr_grpo", "dapo"], [None, 4.0], [None, 3.0], [False, True], [False, True])))
+def test_sequence_level_every_option(agg, delta, dual, kl, tis):
+    lp, old, A, mask, ref, sampler = active_batch()
+    # rows whose sequence ratios land on each side of the clip range and past delta and dual-clip
+    lp = old + (lp - old) * torch.tensor([0.6, 1.0, 0.9, 0.4, 1.0], dtype=torch.float64)[:, None]
+    opts = LossOptions(aggregation=agg, eps_low=0.2, eps_high=0.28, delta=delta, dual_clip=dual,
+                       beta=0.05 if kl else 0.0, tis_cap=2.0 if tis else None, max_completion_length=13,
+                       backend="torch", importance_sampling_level="sequence")
+    x = lp.float().requires_grad_()
+    loss, _ = policy_loss(x, old.float(), A.float(), mask.float(), opts, num_sequences=6, num_tokens=40,
+                          ref_logprobs=ref.float() if kl else None, sampler_logprobs=sampler.float() if tis else None)
+    loss.backward()
+    lp64 = lp.clone().requires_grad_()
+    expected = naive_gspo_loss(lp64, old, A, mask, agg, 6, 40, 13, 0.2, 0.28, delta, dual, ref if kl else None,
+                               0.05 if kl else 0.0, sampler if tis else None, 2.0)
+    expected.backward()
+    # fp32 inputs against float64, as in test_policy_loss_every_option
+    torch.testing.assert_close(loss.double(), expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(x.grad.double(), lp64.grad, atol=1e-6, rtol=1e-5)
+    assert x.grad[4].abs().sum() == 0, "a fully masked row must get no gradient"

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from mutations import MUTATIONS
+from mutations import BY_NAME, MUTATIONS
 
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast subset leaves it out)
 
 HERE = Path(__file__).parent
 
 
-@pytest.mark.parametrize("name", sorted(MUTATIONS))
+@pytest.mark.parametrize("name", sorted(MUTATIONS) + sorted(BY_NAME))
 def test_removing_an_option_fails_a_test(name):
     # a child process: patch grpo.loss first, then let test_loss.py import it (no conftest: it
     # needs none, and importing transformers would double the time)
@@ -23,7 +23,7 @@ def test_removing_an_option_fails_a_test(name):
               f"sys.exit(pytest.main([{str(HERE / 'test_loss.py')!r}, '-x', '-q', '--noconftest', "
               f"'-p', 'no:cacheprovider']))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=HERE,
-                         env={**os.environ, "PYTHONPATH": str(HERE)})
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))})
     # exit code 1: tests ran and one failed (2 and above: an error in the run itself)
     assert out.returncode == 1, f"{name}: exit {out.returncode}\n{out.stdout[-3000:]}{out.stderr[-2000:]}"
     assert " failed" in out.stdout, out.stdout[-3000:]
@@ -33,5 +33,5 @@ def test_the_loss_tests_pass_unpatched_in_the_same_harness():
     script = (f"import sys, pytest; sys.exit(pytest.main([{str(HERE / 'test_loss.py')!r}, '-q', "
               f"'--noconftest', '-p', 'no:cacheprovider']))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=HERE,
-                         env={**os.environ, "PYTHONPATH": str(HERE)})
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]

@@ -206,6 +206,7 @@ def test_a_bad_model_path_fails_before_the_tokenizer_loads(model_path, message, 
         os.mkdir(model_path)
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         run(config(model_path, tmp_path / "run"), ToyEnv())
+    assert not (tmp_path / "run").exists()  # refused before anything is written (no config.json left behind)
 
 
 def test_an_empty_dataset_fails_before_the_model_loads(toy, tmp_path, monkeypatch):

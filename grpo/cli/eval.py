@@ -21,6 +21,15 @@ from grpo.cpu import set_autocast
 from grpo.eval import evaluate, run_eval_settings
 
 
+def _flag(text: str) -> bool:
+    """A boolean flag's value, spelled as the recipes take it (grpo.config)."""
+    from grpo.config import _convert
+    try:
+        return _convert("flag", text, bool)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected true or false (or 1 or 0)") from None
+
+
 def main(argv: list[str] | None = None) -> dict:
     from grpo.data import DataError
     from grpo.envs.tasks import SOURCES, TASKS, load_task
@@ -45,8 +54,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max_completion_length", type=int, default=1024,
                    help="completion tokens, tool output included")
     p.add_argument("--max_turns", type=int, default=0, help="0 = the env's own limit")
-    p.add_argument("--enable_thinking", type=int, default=1,
-                   help="chat template switch (Qwen3: 0 = non-thinking)")
+    p.add_argument("--enable_thinking", type=_flag, default=True, metavar="{true,false}",
+                   help="chat template switch (Qwen3: false = non-thinking); true/false or 1/0, as the recipes take")
     p.add_argument("--autocast_bf16", default="auto", choices=["auto", "true", "false"],
                    help="CPU: bf16 matmuls under autocast; auto = where a start-up measurement finds them faster")
     p.add_argument("--tool", choices=["none", "code_interpreter"], default="none",
