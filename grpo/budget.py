@@ -50,16 +50,18 @@ def probe(model, sampler, prompt: list[int], rows: int, k: int = 8, train_tokens
     return Rates(decode=decode_s, train=train_s)
 
 
-def estimate(cfg, rates: Rates, prompt_len: float, answer_len: float, sft_tokens: float, world: int = 1) -> dict:
+def estimate(cfg, rates: Rates, prompt_len: float, sft_tokens: float, world: int = 1) -> dict:
     """Seconds per unit of each phase: "before", "warmstart", "after" per eval question,
     "warm-start" per step, "rl_step" per RL step. An eval question costs its prompt (prefill)
     and its decoded tokens, per protocol (sampled, and greedy with eval_greedy); the untrained
-    model rambles to the token limit, a warm-started one writes about as long as the gold
-    answers (`answer_len`). An RL step: B x G rollouts and mu updates over them. Each of the
-    `world` ranks takes its share of the questions and rollouts; `sft_tokens` is one rank's."""
+    model rambles to the token limit, and so may a warm-started one: the CPU recipe's, after its
+    15 steps, wrote 195 of its 224 tokens on average (137 of 200 answers cut at the limit, fp32),
+    far longer than the gold answers it learned from, so every eval is planned at the limit
+    (errs slow). An RL step: B x G rollouts and mu updates over them. Each of the `world` ranks
+    takes its share of the questions and rollouts; `sft_tokens` is one rank's."""
     n = (2 if cfg.eval_greedy and cfg.eval_temperature else 1) * cfg.eval_n / world
     question = lambda length: n * (length * rates.decode + prompt_len * rates.train / 3)  # noqa: E731
-    trained_len = answer_len if cfg.sft_steps else cfg.max_completion_length
+    trained_len = cfg.max_completion_length
     rows = cfg.prompts_per_step * cfg.num_generations / world
     return {"before": question(cfg.max_completion_length), "warmstart": question(trained_len),
             "after": question(trained_len), "warm-start": sft_tokens * rates.train,
@@ -176,11 +178,9 @@ def make_plan(cfg, model, sampler, tokenizer, env, eval_examples: list, sft_exam
     prompts = [render_prompt(tokenizer, env.prompt(ex), **kw) for ex in (list(eval_examples) or sft_examples)[:16]]
     gold = [gold_trajectory(tokenizer, env, ex, model.eos_token_ids()[0], kw)
             for ex in sft_examples[:32]] if cfg.sft_steps else []
-    answer_len = min(mean([len(t.completion_ids) for t in gold]) or cfg.max_completion_length,
-                     cfg.max_completion_length)
     sft_tokens = mean([len(t.prompt_ids) + len(t.completion_ids) for t in gold]) * cfg.sft_batch / dist.world_size()
     rates = probe(model, sampler, prompts[0], rows=min(cfg.gen_batch, 64))
-    unit = estimate(cfg, rates, mean([len(p) for p in prompts]), answer_len, sft_tokens, dist.world_size())
+    unit = estimate(cfg, rates, mean([len(p) for p in prompts]), sft_tokens, dist.world_size())
     budget = Budget.plan(cfg, unit, eval_q, before_q)
     dist.print0(f"speed probe: decode {1 / rates.decode:.0f} tokens/s (64 rows), forward + backward "
                 f"{1 / rates.train:.0f} tokens/s a rank")

@@ -1,7 +1,8 @@
 """The trainer's one flat config, its command line, and per-GPU profiles.
 
 A recipe subclasses `Config` with its own defaults and fields; precedence is
-    Config defaults < recipe defaults < --config YAML file < GPU profile < command line.
+    Config defaults < GPU profile < recipe defaults < --config YAML file < command line
+(the profile sizes what a recipe leaves at Config's default; it never overrides a forker's choice).
     python recipes/calculator_smollm2_cpu.py --num_generations=8 --learning_rate 1e-6
 Field names are TRL's GRPOConfig names where the idea is the same (num_generations,
 learning_rate, max_prompt_length, max_completion_length, max_steps, num_iterations = mu,
@@ -361,11 +362,9 @@ def parse_args(cls=Config, argv: list[str] | None = None):
         given[name] = _convert(name, text, hints[name]) if eq else True
     from_file = load_yaml(config_file, fields, hints) if config_file else {}
     cfg = cls()
-    name = given.get("profile", from_file.get("profile", cfg.profile))
-    profile = {} if name == "none" else pick_profile(None if name == "auto" else name)
-    for key, value in {**from_file, **profile, **given}.items():
-        if key in fields:  # a profile may name fields a recipe does not use
-            setattr(cfg, key, value)
+    apply_profile(cfg, given.get("profile", from_file.get("profile", cfg.profile)))
+    for key, value in {**from_file, **given}.items():
+        setattr(cfg, key, value)
     text = descriptions(cls)
     for name in required_fields(cls):
         if not str(getattr(cfg, name)).strip():
@@ -413,6 +412,23 @@ PROFILES = {
     "L4":       dict(gen_batch=64, kv_budget_gb=5, micro_batch_tokens=8192, gradient_checkpointing=True),
     "cpu":      dict(dtype="float32"),
 }
+
+
+def apply_profile(cfg: Config, name: str = "auto") -> dict:
+    """The GPU profile's settings onto cfg, under what the recipe chose: Config defaults < profile <
+    the recipe's own defaults (< YAML < command line, which parse_args applies after). A field the
+    recipe set to a value of its own keeps it. Resolved once; cfg.profile_applied records it
+    (config.json: a Config built in Python without this records that no profile was applied)."""
+    settings = {} if name == "none" else pick_profile(None if name == "auto" else name)
+    base, fields = Config(), {f.name for f in dataclasses.fields(cfg)}
+    own = {k for k in settings if k in fields and hasattr(base, k) and getattr(cfg, k) != getattr(base, k)}
+    applied = {k: v for k, v in settings.items() if k in fields and k not in own}
+    for key, value in applied.items():
+        setattr(cfg, key, value)
+    resolved = next((k for k, v in PROFILES.items() if v == settings), None) if name == "auto" else name
+    cfg.profile_applied = {"name": name, "resolved": resolved, "settings": applied,
+                           "kept_from_the_recipe": {k: getattr(cfg, k) for k in sorted(own)}}
+    return applied
 
 
 def pick_profile(name: str | None = None) -> dict:

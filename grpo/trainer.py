@@ -23,7 +23,7 @@ from tqdm import tqdm
 from grpo import dist
 from grpo.budget import make_plan, rl_budget, stop_reason
 from grpo.checkpoint import Checkpointer, export, note_run, open_run_dir, refuse_used_dir, run_meta
-from grpo.config import PROFILES, Config, pick_profile
+from grpo.config import Config
 from grpo.cpu import measure, set_autocast, set_threads
 from grpo.eval import evaluate, run_eval_settings, summarize
 from grpo.kv_cache import KVCache
@@ -142,11 +142,10 @@ def check_inputs(cfg: Config, env, train_examples: list, sft_examples: list):
 
 
 def record_run(cfg: Config):
-    """Rank 0: claim the output folder (open_run_dir) and write config.json with the profile applied."""
-    auto = cfg.profile == "auto"
-    settings = {} if cfg.profile == "none" else pick_profile(None if auto else cfg.profile)
-    name = next((k for k, v in PROFILES.items() if v == settings), None) if auto else cfg.profile
-    profile = {"name": cfg.profile, "resolved": name, "settings": settings}
+    """Rank 0: claim the output folder (open_run_dir) and write config.json with the profile as
+    parse_args applied it (grpo.config.apply_profile), or none for a Config built in Python."""
+    profile = getattr(cfg, "profile_applied", {"name": cfg.profile, "resolved": None, "settings": {},
+                                              "note": "Config built in Python: no profile applied"})
     meta = run_meta(profile) | {"config_class": type(cfg).__name__}   # grpo.eval --run rebuilds it
     open_run_dir(cfg.output_dir, dataclasses.asdict(cfg), cfg.resume, meta)
 

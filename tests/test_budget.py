@@ -62,13 +62,12 @@ def test_estimate_counts_tokens_protocols_and_ranks():
     cfg = Config(eval_greedy=True, eval_temperature=1.0, eval_n=1, sft_steps=5, max_completion_length=200,
                  prompts_per_step=4, num_generations=2, num_iterations=1)
     rates = Rates(decode=0.01, train=0.003)
-    u = estimate(cfg, rates, prompt_len=100, answer_len=50, sft_tokens=1000)
-    # two protocols (sampled + greedy): each question decodes its answer and prefills its prompt
-    assert u["before"] == pytest.approx(2 * (200 * 0.01 + 100 * 0.001))     # the untrained model rambles
-    assert u["warmstart"] == u["after"] == pytest.approx(2 * (50 * 0.01 + 100 * 0.001))
+    u = estimate(cfg, rates, prompt_len=100, sft_tokens=1000)
+    # two protocols (sampled + greedy): each question decodes to the limit and prefills its prompt
+    assert u["before"] == u["warmstart"] == u["after"] == pytest.approx(2 * (200 * 0.01 + 100 * 0.001))
     assert u["warm-start"] == pytest.approx(1000 * 0.003)
-    assert u["rl_step"] == pytest.approx(8 * (50 * 0.01 + 150 * 0.003))
-    half = estimate(cfg, rates, 100, 50, 1000, world=2)        # two ranks: half the rows each
+    assert u["rl_step"] == pytest.approx(8 * (200 * 0.01 + 300 * 0.003))
+    half = estimate(cfg, rates, 100, 1000, world=2)            # two ranks: half the rows each
     assert half["after"] == pytest.approx(u["after"] / 2) and half["rl_step"] == pytest.approx(u["rl_step"] / 2)
 
 
