@@ -17,7 +17,6 @@ import tempfile
 import time
 
 import torch
-import transformers
 
 from grpo.model import Transformer
 from grpo.sampler import Sampler, SamplingParams
@@ -115,6 +114,7 @@ def row(name, B, prompts, new, ours, hf, roof=None, floor=None):
 
 
 def cpu_rows(quick: bool, reps: int):
+    import transformers  # here, not at the top: bench/gpu_check.py runs without it
     from grpo.smollm2 import local_path
     path = local_path()
     tok = transformers.AutoTokenizer.from_pretrained(path)
@@ -130,6 +130,7 @@ def cpu_rows(quick: bool, reps: int):
 
 
 def gpu_rows(quick: bool):
+    import transformers  # here, not at the top: bench/gpu_check.py runs without it
     device, rows = torch.device("cuda"), []
     bw = bandwidth(device)
     for name, (family, cfg) in SHAPES.items():

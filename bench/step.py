@@ -22,7 +22,6 @@ import json
 import time
 
 import torch
-import transformers
 
 from grpo import dist
 from grpo.config import Config, pick_profile
@@ -166,6 +165,7 @@ def cpu_rows(quick: bool, repeat: int) -> list[dict]:
 
 
 def gpu_rows(quick: bool, repeat: int) -> list[dict]:
+    import transformers  # here, not at the top: bench/gpu_check.py runs without it
     device = dist.device()
     torch.cuda.set_device(device)
     B, G, plen, new = (4, 4, 128, 128) if quick else (16, 8, 256, 512)

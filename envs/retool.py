@@ -78,7 +78,7 @@ class ReToolEnv:
     observation_role = "tool"         # the template wraps it in <tool_response>
     chat_kwargs = {"tools": [CODE_INTERPRETER]}
 
-    def __init__(self, run_code=None, timeout: float = 10.0, max_turns: int = 8,
+    def __init__(self, run_code=None, timeout: float = 10.0, max_turns: int = 16,
                  system_prompt: str = SYSTEM_PROMPT):
         if run_code is None:
             from grpo.envs.sandbox import run_code   # isolated workers; see its header for what it stops
@@ -116,3 +116,19 @@ class ReToolEnv:
 
 # the recipe's weights: reward = 2 correct - 1 (+-1, as the reference), tool counts logged only
 REWARD_WEIGHTS = {"correct": 2.0, "bias": -1.0, "tool_calls": 0.0, "tool_errors": 0.0}
+
+
+# DAPO-Math-17k's prompts (open-r1/DAPO-Math-17k-Processed keeps them in its `prompt` column: its
+# create_dataset.py takes the original source_prompt's content) wrap each problem in the DAPO
+# instruction to end on an "Answer: $Answer" line, which fights this env's \boxed{} reward.
+DAPO_HEAD = re.compile(r"^\s*Solve the following math problem step by step\.\s*The last line of your response "
+                       r"should be of the form Answer: \$Answer \(without quotes\) where \$Answer is the answer "
+                       r"to the problem\.\s*", re.I)
+DAPO_TAIL = re.compile(r"\s*Remember to put your answer on its own line after \"Answer:\"[^\n]*$", re.I)
+
+
+def dapo_example(example: dict) -> dict:
+    """A DAPO-Math-17k row with the problem alone as its question: the "Answer: $Answer"
+    instruction around it stripped (a row without it is left as it is)."""
+    question = DAPO_TAIL.sub("", DAPO_HEAD.sub("", example["question"]))
+    return {**example, "question": question.strip() or example["question"]}

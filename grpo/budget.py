@@ -61,12 +61,12 @@ def estimate(cfg, rates: Rates, prompt_len: float, sft_tokens: float, world: int
     takes its share of the questions and rollouts; `sft_tokens` is one rank's."""
     n = (2 if cfg.eval_greedy and cfg.eval_temperature else 1) * cfg.eval_n / world
     question = lambda length: n * (length * rates.decode + prompt_len * rates.train / 3)  # noqa: E731
-    trained_len = cfg.max_completion_length
+    trained_len = cfg.eval_max_completion_length or cfg.max_completion_length
     rows = cfg.prompts_per_step * cfg.num_generations / world
-    return {"before": question(cfg.max_completion_length), "warmstart": question(trained_len),
+    L = cfg.max_completion_length
+    return {"before": question(trained_len), "warmstart": question(trained_len),
             "after": question(trained_len), "warm-start": sft_tokens * rates.train,
-            "rl_step": rows * (trained_len * rates.decode
-                               + cfg.num_iterations * (prompt_len + trained_len) * rates.train)}
+            "rl_step": rows * (L * rates.decode + cfg.num_iterations * (prompt_len + L) * rates.train)}
 
 
 def fit(left_s: float, per_q: float, per_before_q: float, eval_q: int, before_q: int) -> tuple[int, int]:

@@ -65,6 +65,8 @@ class Config:
     kv_budget_gb: float = 0.0         # sampler KV-cache budget; 0 = sized from gen_batch
     # ---- GRPO
     num_iterations: int = 1           # mu: policy updates per batch of rollouts
+    steps_per_generation: int = 1     # S: each batch of rollouts split into S mini-batches of whole groups, each an
+                                      # optimizer step (TRL's name); the old log-probs are the rollout policy's
     loss_type: str = "grpo"           # aggregation over tokens (grpo.loss: one function each)
     scale_rewards: str = "group"      # advantage std: group | batch | none (Dr. GRPO)
     epsilon: float = 0.2              # eps_low of the clip range
@@ -87,7 +89,7 @@ class Config:
     weight_decay: float = 0.0         # AdamW weight decay
     adam_beta1: float = 0.9           # AdamW beta1
     adam_beta2: float = 0.99          # AdamW beta2
-    warmup_steps: int = 0             # linear warmup, in optimizer steps (num_iterations per RL step)
+    warmup_steps: int = 0             # linear warmup, in optimizer steps (num_iterations x steps_per_generation a step)
     lr_scheduler_type: str = "constant"  # after warmup
     max_grad_norm: float = 1.0        # 0 = no clipping
     micro_batch_tokens: int = 8192    # token budget of one packed micro-batch (padding included)
@@ -105,6 +107,7 @@ class Config:
     eval_steps: int = 0               # eval every N steps; 0 = only before and after training
     eval_limit: int = 200             # eval questions
     eval_n: int = 1                   # samples per eval question (mean@k, pass@k)
+    eval_max_completion_length: int = 0  # the evals' completion tokens; 0 = max_completion_length
     eval_temperature: float = 0.0     # 0 = greedy
     eval_greedy: bool = False         # with eval_temperature > 0: each eval also greedy, as "<phase>_greedy"
     eval_before_limit: int = 0        # questions for the eval before training; 0 = eval_limit
@@ -149,8 +152,8 @@ class Config:
              "lengths >= 1 and max_turns >= 0")
         need(self.overlong_buffer < self.max_completion_length,
              "overlong_buffer must be < max_completion_length")
-        need(self.num_iterations >= 1 and self.micro_batch_tokens >= 1,
-             "num_iterations and micro_batch_tokens >= 1")
+        need(self.num_iterations >= 1 and self.micro_batch_tokens >= 1 and self.steps_per_generation >= 1,
+             "num_iterations, steps_per_generation and micro_batch_tokens >= 1")
         need(self.micro_batch_tokens >= self.max_prompt_length + self.max_completion_length,
              f"micro_batch_tokens={self.micro_batch_tokens} cannot hold one sequence of "
              f"{self.max_prompt_length}+{self.max_completion_length} tokens")
@@ -173,7 +176,6 @@ TRL_NAMES = {
     "per_device_eval_batch_size": "evals sample gen_batch rows at a time: use --gen_batch (and --eval_limit)",
     "generation_batch_size": "a step samples prompts_per_step x num_generations completions: use "
                              "--prompts_per_step (--gen_batch: rows decoded together)",
-    "steps_per_generation": "one batch of rollouts feeds num_iterations optimizer steps: use --num_iterations",
     "gradient_accumulation_steps": "not needed: a step's batch is split into micro-batches by token count "
                                    "(--micro_batch_tokens) and the gradient does not depend on the split",
     "use_vllm": "not needed: the sampler runs on the training weights (no second engine, no weight sync)",
@@ -211,7 +213,8 @@ TRL_NAMES = {
 # --help's sections, in order; a recipe's own fields join the first
 HELP_GROUPS = {
     "model and data": ("model_path", "output_dir", "seed", "max_steps", "resume", "export"),
-    "GRPO": ("prompts_per_step", "num_generations", "num_iterations", "loss_type", "importance_sampling_level",
+    "GRPO": ("prompts_per_step", "num_generations", "num_iterations", "steps_per_generation", "loss_type",
+             "importance_sampling_level",
              "scale_rewards", "epsilon", "epsilon_high", "delta", "dual_clip", "beta", "tis_cap",
              "mask_truncated_completions", "keep_truncated_answers", "overlong_buffer", "drop_flat_groups",
              "max_refills"),
@@ -220,7 +223,7 @@ HELP_GROUPS = {
     "optimization": ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "warmup_steps",
                      "lr_scheduler_type", "max_grad_norm", "sft_steps", "sft_batch", "sft_learning_rate"),
     "logging, eval and checkpoints": ("report_to", "log_completions_steps", "eval_steps", "eval_limit", "eval_n",
-                                      "eval_temperature", "eval_greedy", "eval_before_limit", "save_steps",
+                                      "eval_temperature", "eval_max_completion_length", "eval_greedy", "eval_before_limit", "save_steps",
                                       "save_total_limit", "time_budget_min", "run_budget_min", "min_rl_steps"),
     "hardware": ("dtype", "autocast_bf16", "num_threads", "profile", "gen_batch", "kv_budget_gb",
                  "micro_batch_tokens", "gradient_checkpointing", "share_prompt", "dist_timeout_min"),

@@ -87,7 +87,8 @@ def run_eval_settings(cfg, greedy: bool = False) -> dict:
     mapping, so a run evaluated again is evaluated as it evaluated itself. `greedy`: the
     one-sample greedy protocol that `eval_greedy` adds beside the sampled one."""
     n, temperature = (1, 0.0) if greedy else (cfg.eval_n, cfg.eval_temperature)
-    return dict(n=n, temperature=temperature, max_tokens=cfg.max_completion_length,
+    max_tokens = getattr(cfg, "eval_max_completion_length", 0) or cfg.max_completion_length
+    return dict(n=n, temperature=temperature, max_tokens=max_tokens,
                 max_turns=cfg.max_turns, chat_kwargs={"enable_thinking": cfg.enable_thinking},
                 gen_batch=cfg.gen_batch, kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
 

@@ -127,6 +127,9 @@ def check_inputs(cfg: Config, env, train_examples: list, sft_examples: list):
     check_reporters(cfg.report_to)
     if not train_examples:
         raise ValueError("no training examples: the dataset is empty")
+    if (cfg.prompts_per_step // world) % cfg.steps_per_generation:
+        raise ValueError(f"steps_per_generation={cfg.steps_per_generation} must divide the prompts each rank "
+                         f"samples ({cfg.prompts_per_step} / {world}): each optimizer step takes whole groups")
     if cfg.prompts_per_step % world:
         raise ValueError(f"prompts_per_step={cfg.prompts_per_step} must be a multiple of the world size "
                          f"{world} (each rank samples prompts_per_step / world size prompts)")
@@ -185,7 +188,7 @@ def build(cfg: Config, device) -> tuple:
         dist.shard(ref_model, compute_dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
-    total_steps = cfg.max_steps * cfg.num_iterations
+    total_steps = cfg.max_steps * cfg.num_iterations * cfg.steps_per_generation  # optimizer steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
     # the KV cache takes the dtype of the weights it reads (bf16 under FSDP on GPU); sized per
     # call (rollouts and evals, whose few-shot prompts may be longer), so check the budget now

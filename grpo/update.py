@@ -168,41 +168,54 @@ def optimizer_step(model, optimizer, scheduler, cfg: Config) -> tuple[float, boo
 
 def policy_update(model, ref_model, optimizer, scheduler, trajs: list, advantages: torch.Tensor, cfg: Config,
                   device, opts: LossOptions | None = None) -> dict:
-    """mu optimizer steps over one batch of trajectories. Returns the update's metrics over the
-    global batch: per-token means (ratio, clip and IS rates, kl, entropy, sampler_gap), the loss,
-    the mean grad norm, skipped updates, and counts (tokens, sequences trained on)."""
+    """mu x S optimizer steps over one batch of trajectories: S = steps_per_generation mini-batches
+    of whole groups (TRL's name), each an optimizer step, mu passes over them. With mu > 1 or
+    S > 1 the old log-probs are the rollout policy's, computed once before any step. Returns the
+    update's metrics over the global batch: per-token means (ratio, clip and IS rates, kl,
+    entropy, sampler_gap), the loss, the mean grad norm, skipped updates, and counts (tokens,
+    sequences trained on)."""
     opts = opts or loss_options(cfg)
-    world = dist.world_size()
-    # the normalizers count every sequence, also those update_batches leaves out
-    num_sequences = dist.all_sum(float(len(trajs)))
-    num_tokens = dist.all_sum(float(sum(sum(t.loss_mask) for t in trajs if not masked_out(t, cfg))))
-    batches = update_batches(trajs, advantages, cfg, device)
-    old = batch_logprobs(model, batches, cfg.temperature) if cfg.num_iterations > 1 else None
-    ref = batch_logprobs(ref_model, batches, cfg.temperature) if ref_model is not None else None
+    world, S, G = dist.world_size(), cfg.steps_per_generation, cfg.num_generations
+    groups = len(trajs) // G
+    assert S == 1 or groups * G == len(trajs) and groups % S == 0, \
+        f"{len(trajs)} sequences on this rank cannot split into steps_per_generation={S} sets of whole groups"
+    steps = []  # per mini-batch: its micro-batches and its normalizers (every sequence, all ranks)
+    for c in range(S):
+        rows = list(range(c * groups // S * G, (c + 1) * groups // S * G)) if S > 1 else list(range(len(trajs)))
+        sub, adv = [trajs[i] for i in rows], advantages[rows]
+        num_sequences = dist.all_sum(float(len(sub)))
+        num_tokens = dist.all_sum(float(sum(sum(t.loss_mask) for t in sub if not masked_out(t, cfg))))
+        steps.append((update_batches(sub, adv, cfg, device), num_sequences, num_tokens))
+    from_rollout = cfg.num_iterations > 1 or S > 1  # else old = the current policy, detached (rho = 1)
+    old = [batch_logprobs(model, b, cfg.temperature) for b, _, _ in steps] if from_rollout else None
+    ref = [batch_logprobs(ref_model, b, cfg.temperature) for b, _, _ in steps] if ref_model is not None else None
     sums, grad_norm, skipped = {}, 0.0, 0
-    bar, t0, done_tokens = progress_bar(cfg.num_iterations * len(batches)), time.time(), 0
+    total_mbs = cfg.num_iterations * sum(len(b) for b, _, _ in steps)
+    bar, t0, done_tokens = progress_bar(total_mbs), time.time(), 0
     for it in range(cfg.num_iterations):
-        for k, b in enumerate(batches):
-            logprobs, entropy = sequence_logprobs(model, b, cfg.temperature, return_entropy=True)
-            old_logprobs = old[k] if old is not None else logprobs.detach()
-            loss, m = policy_loss(logprobs, old_logprobs, b["advantages"], b["loss_mask"], opts,
-                                  num_sequences=num_sequences, num_tokens=num_tokens, world_size=world,
-                                  num_micro_batches=len(batches), sampler_logprobs=b["sampler_logprobs"],
-                                  ref_logprobs=ref[k] if ref is not None else None)
-            loss.backward()
-            done_tokens += b["input_ids"].numel()  # rows x padded length: what the forward computed
-            if not bar.disable:
-                bar.set_postfix_str(f"{done_tokens / max(time.time() - t0, 1e-9):.0f} tok/s", refresh=False)
-                bar.update(1)
-            m["loss"] = loss.detach()
-            if it == 0:  # what the update trains on, counted once (not per iteration)
-                m["entropy"] = (entropy.detach() * b["loss_mask"]).sum()
-                m["sequences"] = (b["loss_mask"].sum(1) > 0).sum().float()
-            for key, v in m.items():
-                sums[key] = sums.get(key, 0.0) + v.float()          # on device: no sync per micro-batch
-        norm, ok = optimizer_step(model, optimizer, scheduler, cfg)
-        grad_norm, skipped = grad_norm + norm / cfg.num_iterations, skipped + (not ok)
+        for c, (batches, num_sequences, num_tokens) in enumerate(steps):
+            for k, b in enumerate(batches):
+                logprobs, entropy = sequence_logprobs(model, b, cfg.temperature, return_entropy=True)
+                old_logprobs = old[c][k] if old is not None else logprobs.detach()
+                loss, m = policy_loss(logprobs, old_logprobs, b["advantages"], b["loss_mask"], opts,
+                                      num_sequences=num_sequences, num_tokens=num_tokens, world_size=world,
+                                      num_micro_batches=len(batches), sampler_logprobs=b["sampler_logprobs"],
+                                      ref_logprobs=ref[c][k] if ref is not None else None)
+                loss.backward()
+                done_tokens += b["input_ids"].numel()  # rows x padded length: what the forward computed
+                if not bar.disable:
+                    bar.set_postfix_str(f"{done_tokens / max(time.time() - t0, 1e-9):.0f} tok/s", refresh=False)
+                    bar.update(1)
+                m["loss"] = loss.detach()
+                if it == 0:  # what the update trains on, counted once (not per iteration)
+                    m["entropy"] = (entropy.detach() * b["loss_mask"]).sum()
+                    m["sequences"] = (b["loss_mask"].sum(1) > 0).sum().float()
+                for key, v in m.items():
+                    sums[key] = sums.get(key, 0.0) + v.float()          # on device: no sync per micro-batch
+            norm, ok = optimizer_step(model, optimizer, scheduler, cfg)
+            grad_norm, skipped = grad_norm + norm / (cfg.num_iterations * S), skipped + (not ok)
     bar.close()
+    num_tokens = sum(n for _, _, n in steps)
     keys = sorted(sums)
     total = dict(zip(keys, dist.all_sum(torch.stack([sums[k] for k in keys]).double()).tolist()))  # host sync
     per_token_iter = total["tokens"]                      # mask tokens summed over iterations
@@ -210,7 +223,7 @@ def policy_update(model, ref_model, optimizer, scheduler, trajs: list, advantage
            ("ratio", "clip_low", "clip_high", "dual_clip", "kl", "is_weight", "is_capped", "sampler_gap")}
     out |= {"entropy": total["entropy"] * cfg.num_iterations / max(per_token_iter, 1.0),
             # each rank's loss is scaled by world size (FSDP averages gradients): the mean is the global loss
-            "loss": total["loss"] / cfg.num_iterations / world,
+            "loss": total["loss"] / (cfg.num_iterations * S) / world,  # the mean over the optimizer steps
             "grad_norm": grad_norm, "skipped_updates": skipped, "sequences": total["sequences"],
             "tokens": per_token_iter / cfg.num_iterations, "num_tokens": num_tokens}
     return out

@@ -8,13 +8,19 @@ model card: BillyWang1/qwen3-4b-instruct-2507-retool-grpo).
 
 Reference (slime: Megatron training on 2 B200 + SGLang rollouts on 6): AIME 2024 0.581, AIME
 2025 0.498 (mean of 16 samples), MATH-500 0.956, with the interpreter at a 16k-token budget,
-after one epoch of DAPO-Math-17k (271 rollouts). Settings as the card: 64 prompts x 16 samples
+after one epoch of DAPO-Math-17k (271 rollouts of 64: its 17.4k deduplicated problems; the English
+subset this recipe reads, config `en`, has about 14.1k, so its epoch is derived from the rows:
+about 221 rollouts, --max_steps to set another length). Settings as the card: 64 prompts x 16 samples
 per rollout, lr 1e-6 constant, no KL, seed 42, reward +-1 on the final \\boxed{} (grpo.envs.retool),
-max response 8,192 tokens in training (16,384 in eval), the card's system prompt. Here the same
+max response 8,192 tokens in training and 16,384 in eval (`eval_max_completion_length`, also the
+in-training AIME eval's, with the run's 16 tool turns: a row of the eval holds twice the KV, 2.4
+GiB, so half as many rows fit and a long answer costs twice the decode), the card's system prompt. Here the same
 GPUs sample and train, and a tool call runs in the sandbox while the other rows keep decoding.
-Deviation: the card takes 4 optimizer steps per rollout (global batch 256 of the 1,024 samples);
-this trainer takes one step per rollout over all 1,024 (num_iterations = mu passes over it), so
-the epoch is 271 steps at the same learning rate: fewer, larger updates.
+As the card, 4 optimizer steps per rollout (`steps_per_generation`: mini-batches of 16 prompts x
+16 samples, a global batch of 256; the old log-probs are the rollout's). The dataset's prompts
+carry DAPO's instruction to end on an "Answer: $Answer" line, which fights the \\boxed{} reward:
+it is stripped (grpo.envs.retool.dapo_example), so the model sees the problem and the card's
+system prompt.
 
 Sizing (bf16 KV cache, estimated, not measured: no GPU has run it). Qwen3-4B keeps
 2 (K, V) x 36 layers x 8 KV heads x 128 dims x 2 bytes = 144 KiB per token, so a slot of
@@ -32,7 +38,7 @@ from dataclasses import dataclass
 from grpo.config import Config, parse_args
 from grpo.data import load_or_exit
 from grpo.envs.math import aime_example
-from grpo.envs.retool import REWARD_WEIGHTS, ReToolEnv
+from grpo.envs.retool import REWARD_WEIGHTS, ReToolEnv, dapo_example
 from grpo.trainer import train
 
 
@@ -47,9 +53,10 @@ class ReToolQwen3(Config):
     eval_question_field: str = "problem"
     tool_timeout: float = 10.0        # seconds per code_interpreter call (the sandbox kills it after)
     seed: int = 42
-    max_steps: int = 271              # one epoch of DAPO-Math-17k at 64 prompts a step
+    max_steps: int = 0                # 0 = one epoch of the training set: rows / prompts_per_step rollouts
     prompts_per_step: int = 64
     num_generations: int = 16
+    steps_per_generation: int = 4     # the card's 4 optimizer steps per rollout of 64 x 16 (global batch 256)
     temperature: float = 1.0
     learning_rate: float = 1e-6
     beta: float = 0.0
@@ -60,6 +67,7 @@ class ReToolQwen3(Config):
     enable_thinking: bool = False     # the 2507 Instruct model has no thinking mode
     gradient_checkpointing: bool = True
     micro_batch_tokens: int = 16384   # holds one 512 + 8,192-token sequence (GPU profiles set their own)
+    eval_max_completion_length: int = 16384  # the card's eval budget (training: 8,192); 2.4 GiB of KV a row
     eval_limit: int = 30
     eval_n: int = 16
     eval_temperature: float = 1.0
@@ -79,7 +87,11 @@ def eval_setup(cfg: ReToolQwen3) -> tuple:
 
 def main(cls=ReToolQwen3):
     cfg = parse_args(cls)
-    train_set = load(cfg.train_data, question_field=cfg.question_field, answer_field=cfg.answer_field)
+    train_set = load(cfg.train_data, question_field=cfg.question_field, answer_field=cfg.answer_field,
+                     prepare=dapo_example)  # the problem alone: no "Answer: $Answer" instruction
+    if cfg.max_steps == 0:  # one epoch, from the rows there are (the card's 271 were of all 17.4k rows)
+        cfg.max_steps = -(-len(train_set) // cfg.prompts_per_step)
+        print(f"max_steps={cfg.max_steps}: one epoch of {len(train_set)} problems at {cfg.prompts_per_step} a step")
     env, eval_set = eval_setup(cfg)
     train(cfg, env, train_set, eval_set, reward_weights=REWARD_WEIGHTS)
 

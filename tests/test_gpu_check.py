@@ -113,3 +113,15 @@ def test_decode_profile_dry_run():
     assert [(x["sync_every"], x["temperature"]) for x in rows] == [(8, 1.0), (32, 1.0), (8, 0.0)]
     assert all(x["decode_tok_s"] > 0 and x["decode_s"] > 0 for x in rows)
     assert "profiled call (sync_every 8, temperature 1): wall" in r.stdout
+
+
+def test_it_imports_on_a_box_with_torch_and_triton_only():
+    """A bare GPU box has torch and triton: the script must import with every other dependency
+    blocked (bench/sampler.py and bench/step.py imported transformers at the top)."""
+    blocked = ["transformers", "tokenizers", "safetensors", "tqdm", "numpy", "yaml", "tensorboard", "math_verify"]
+    code = ("import sys, importlib.util\n"
+            f"for m in {blocked!r}: sys.modules[m] = None\n"
+            f"spec = importlib.util.spec_from_file_location('gpu_check', {str(SCRIPT)!r})\n"
+            "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=SCRIPT.parent, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -119,3 +119,16 @@ def test_rollout_with_real_sandbox_calls(smollm2_path):
             logp = (model(ids)[0, len(t.prompt_ids) - 1:-1] / 0.7).log_softmax(-1)
         full = logp.gather(-1, torch.tensor(t.completion_ids)[:, None])[:, 0] * torch.tensor(t.loss_mask)
         torch.testing.assert_close(torch.tensor(t.sampler_logprobs), full, atol=2e-4, rtol=0)
+
+
+def test_dapo_rows_lose_the_answer_line_instruction():
+    """open-r1/DAPO-Math-17k-Processed's prompt column holds DAPO's own instruction to end on an
+    "Answer: $Answer" line (it fights the \\boxed{} reward): stripped; a row without it unchanged."""
+    from grpo.envs.retool import dapo_example
+    problem = "Find the number of ordered pairs $(a, b)$ with $a + b = 10$."
+    wrapped = ("Solve the following math problem step by step. The last line of your response should be of the form "
+               "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n" + problem +
+               '\n\nRemember to put your answer on its own line after "Answer:".')
+    assert dapo_example({"question": wrapped, "answer": "11"}) == {"question": problem, "answer": "11"}
+    assert dapo_example({"question": problem, "answer": "11"})["question"] == problem
+    assert "Answer:" not in dapo_example({"question": wrapped.replace("\n\n", "\n"), "answer": "11"})["question"]

@@ -396,3 +396,65 @@ def test_packed_warm_start_batch_equals_the_padded_one(tmp_path):
     torch.testing.assert_close(nll_b, nll_a, atol=1e-4, rtol=1e-6)
     for a, b in zip(g_a, g_b):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
+def rollout_batch(tmp_path, **kw):
+    """A toy model, its config and 4 prompts x G=4 scored rollouts with informative advantages."""
+    from transformers import AutoTokenizer
+    cfg = toy_config(tmp_path, num_generations=4, max_grad_norm=0.0, loss_type="dr_grpo", temperature=0.7, **kw)
+    model, tok = Transformer.from_pretrained(cfg.model_path), AutoTokenizer.from_pretrained(cfg.model_path)
+    params = sampling_params(ToyEnv(), tok, 4, cfg.temperature, cfg.max_completion_length, seed=3)
+    trajs = score(ToyEnv(), rollout(Sampler(model, tok, gen_batch=16), tok, ToyEnv(), EXAMPLES[:4], params))
+    adv = group_advantages(torch.tensor([t.reward for t in trajs]), 4)
+    assert (adv[:8] != 0).any() and (adv[8:] != 0).any()
+    return cfg, model, trajs, adv
+
+
+def sgd_step(model, cfg, trajs, adv, old_logprobs=None):
+    """One SGD step at lr 1 on the Dr. GRPO loss of `trajs` alone (their own normalizers); the old
+    log-probs default to the current ones (rho = 1). Returns those current log-probs, detached."""
+    b = collate(trajs, "cpu")
+    logprobs = model(b["input_ids"], labels=b["labels"], temperature=cfg.temperature)
+    old = logprobs.detach() if old_logprobs is None else old_logprobs
+    opts = LossOptions(aggregation="dr_grpo", max_completion_length=cfg.max_completion_length)
+    loss, _ = policy_loss(logprobs, old, adv, b["loss_mask"], opts, num_sequences=len(trajs),
+                          num_tokens=int(b["loss_mask"].sum()), sampler_logprobs=b["sampler_logprobs"])
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), grads):
+            p -= g
+    return logprobs.detach()
+
+
+def test_steps_per_generation_2_is_two_optimizer_steps_on_halves(tmp_path):
+    """steps_per_generation = 2 (TRL's name): the first half of the groups is one SGD step, the
+    second half another, from the moved weights, its ratio against the rollout policy's log-probs
+    (computed before the first step); by hand, step by step, against policy_update."""
+    cfg, model, trajs, adv = rollout_batch(tmp_path, steps_per_generation=2)
+    import copy
+    by_hand = copy.deepcopy(model)
+    with torch.no_grad():
+        rollout_logprobs = by_hand(collate(trajs[8:], "cpu")["input_ids"], labels=collate(trajs[8:], "cpu")["labels"],
+                                   temperature=cfg.temperature)
+    sgd_step(by_hand, cfg, trajs[:8], adv[:8])
+    sgd_step(by_hand, cfg, trajs[8:], adv[8:], old_logprobs=rollout_logprobs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    m = policy_update(model, None, optimizer, scheduler, trajs, adv, cfg, "cpu")
+    for p, q in zip(model.parameters(), by_hand.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-4)
+    assert scheduler.last_epoch == 2 and m["ratio"] != 1.0   # two optimizer steps; the second saw the first
+
+
+def test_steps_per_generation_1_is_the_one_step_update(tmp_path):
+    """steps_per_generation = 1: one SGD step on the whole batch, exactly as before the option."""
+    cfg, model, trajs, adv = rollout_batch(tmp_path, steps_per_generation=1)
+    import copy
+    by_hand = copy.deepcopy(model)
+    sgd_step(by_hand, cfg, trajs, adv)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    policy_update(model, None, optimizer, scheduler, trajs, adv, cfg, "cpu")
+    for p, q in zip(model.parameters(), by_hand.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-4)
+    assert scheduler.last_epoch == 1
