@@ -43,6 +43,10 @@ class Config:
     # ---- run
     model_path: str = ""              # HF checkpoint folder (config.json + safetensors) or hub id
     output_dir: str = "runs/grpo"     # checkpoints, metrics.jsonl, TensorBoard, export
+    train_data: str = ""              # training questions: a JSONL, CSV or Parquet file or a dataset id name[:config[:split]]
+    eval_data: str = ""               # eval questions, the same forms; empty = the recipe's own (or none)
+    question_field: str = "question"  # the data column holding the question (else prompt, else problem)
+    answer_field: str = "answer"      # the data column holding the answer
     seed: int = 0                     # seeds the data order, the sampler and the init
     max_steps: int = 100              # optimizer steps of RL (each: sample, score, mu updates)
     prompts_per_step: int = 8         # B: prompts per step over all ranks (TRL counts completions per device)
@@ -212,7 +216,8 @@ TRL_NAMES = {
 }
 # --help's sections, in order; a recipe's own fields join the first
 HELP_GROUPS = {
-    "model and data": ("model_path", "output_dir", "seed", "max_steps", "resume", "export"),
+    "model and data": ("model_path", "output_dir", "train_data", "eval_data", "question_field", "answer_field",
+                       "seed", "max_steps", "resume", "export"),
     "GRPO": ("prompts_per_step", "num_generations", "num_iterations", "steps_per_generation", "loss_type",
              "importance_sampling_level",
              "scale_rewards", "epsilon", "epsilon_high", "delta", "dual_clip", "beta", "tis_cap",

@@ -307,6 +307,8 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
             if cfg.save_steps:
                 save(0)  # a crash in the RL phase does not cost the warm-start
 
+    dist.on_rank0(note_run, cfg.output_dir, {"eval_questions": budget.eval_q})  # grpo.eval --run asks these
+
     # ---- 3. RL
     params = sampling_params(env, tokenizer, G, cfg.temperature, cfg.max_completion_length, cfg.seed,
                              cfg.top_p, cfg.top_k, cfg.min_p, cfg.max_turns)

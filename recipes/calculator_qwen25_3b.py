@@ -34,10 +34,6 @@ class CalculatorQwen(Config):
     output_dir: str = "runs/calculator_qwen25_3b"
     train_questions: int = 1500       # one epoch: max_steps = train_questions / prompts_per_step
     eval_questions: int = 200
-    train_data: str = ""              # your own questions instead of generated ones: a file or a dataset id
-    eval_data: str = ""               # the same, for eval
-    question_field: str = "question"
-    answer_field: str = "answer"
     judge_base_url: str = ""          # optional LLM judge (OpenAI-compatible /chat/completions)
     judge_model: str = ""
     judge_weight: float = 0.5

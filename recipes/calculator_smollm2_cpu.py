@@ -173,6 +173,9 @@ def main():
     weights = {**REWARD_WEIGHTS, "structure": cfg.structure_weight}
     results = train(cfg, env, train_qs, eval_qs, reward_weights=weights, sft_examples=sft_qs)
     minutes = (time.time() - t0) / 60
+    # the evals after the warm-start and after GRPO ran on the first questions the run budget left
+    asked = results.get("after", results.get("warmstart", {})).get("questions", len(eval_qs))
+    eval_qs = eval_qs[:asked]
     print(f"\n{len(eval_qs)} held-out questions, phrased unlike any training question; "
           f"{minutes:.1f} min in all")
     print(f"| phase | greedy | 95% CI | mean of {cfg.eval_n} samples at T {cfg.eval_temperature} | 95% CI |")

@@ -40,10 +40,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `custom_task:.
 class CustomTask(Config):
     required: ClassVar[tuple] = ("model_path", "train_data", "reward_funcs")  # --help lists them first
     output_dir: str = "runs/custom_task"
-    train_data: str = ""              # a JSONL, CSV or Parquet file, or a dataset id name[:config[:split]]
-    eval_data: str = ""               # the same; empty = no eval
-    question_field: str = "question"  # the data column holding the question (else TRL's `prompt` messages)
-    answer_field: str = "answer"      # the data column holding the answer, if any (passed to the rewards)
     system_prompt: str = "Please reason step by step, and put your final answer within \\boxed{}."  # before
                                       # each question (not added to conversational prompts)
     reward_funcs: str = ""            # comma-separated module:function, file.py:function or path/file.py:function

@@ -32,8 +32,6 @@ class GSM8KQwen3(Config):
     output_dir: str = "runs/gsm8k_qwen3_06b"
     train_data: str = "openai/gsm8k:main:train"  # a JSONL, CSV or Parquet file, or name[:config[:split]]
     eval_data: str = "openai/gsm8k:main:test"    # the same; the eval's 10 shots come from train_data
-    question_field: str = "question"
-    answer_field: str = "answer"      # GSM8K's worked solution ending in '#### 72', or the bare number
     eval_shots: int = 10              # eval protocol: 10-shot greedy (training prompts are zero-shot)
     enable_thinking: bool = False     # Qwen3 non-thinking mode, in training and eval alike
     max_steps: int = 250

@@ -80,8 +80,6 @@ class ProcessGRPOQwen(Config):
     output_dir: str = "runs/processgrpo_qwen25_05b"
     train_data: str = "openai/gsm8k:main:train"  # comma-separated: files, dataset ids, multistep:train:N
     eval_data: str = "multistep:validation:50"   # checkpoint choice: 50 problems per operation count 2..8
-    question_field: str = "question"  # the data column holding the question (else prompt, else problem)
-    answer_field: str = "answer"      # the data column holding the answer ('#### n' endings are read)
     credit: str = "process"           # process | outcome (final-answer only) | shuffled (control)
     num_continuations: int = 16       # K: continuations of the frozen copy per step boundary
     progress_weight: float = 3.0      # token advantage = A + weight x its step's progress

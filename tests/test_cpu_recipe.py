@@ -52,3 +52,20 @@ def test_cpu_recipe_smoke_end_to_end(tmp_path, smollm2_path):
                                   return_tensors="pt", return_dict=True)
     gen = model.generate(**ids, max_new_tokens=5, do_sample=False)
     assert gen.shape[1] == ids["input_ids"].shape[1] + 5 or tok.eos_token_id in gen[0].tolist()
+
+
+def test_the_table_reads_the_questions_the_budget_left(tmp_path, monkeypatch, capsys, smollm2_path):
+    """On a slow machine the run budget shrinks the evals: the recipe's table and its breakdown
+    by operation count and phrasing read the questions evaluated (its breakdown indexed all 200
+    and raised IndexError after a full fp32 run that evaluated 104)."""
+    sys.path.insert(0, str(ROOT / "recipes"))
+    import calculator_smollm2_cpu as recipe
+    scores = {"questions": 5, "mean": 0.4, "ci95": 0.4, "per_question": [1.0, 0.0, 1.0, 0.0, 0.0]}
+    fake = {name: dict(scores) for name in ("warmstart", "warmstart_greedy", "after", "after_greedy")}
+    monkeypatch.setattr(recipe, "train", lambda *a, **k: fake)
+    monkeypatch.setattr(sys, "argv", ["calculator_smollm2_cpu.py", "--smoke", f"--output_dir={tmp_path / 'run'}"])
+    recipe.main()
+    out = capsys.readouterr().out
+    assert "\n5 held-out questions" in out
+    ops_rows = [line for line in out.splitlines() if line.startswith("| ops ")]
+    assert ops_rows and sum(int(line.split("|")[2]) for line in ops_rows) == 5

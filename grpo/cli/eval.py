@@ -137,7 +137,8 @@ def evaluate_run(run_dir: str, out: str | None = None) -> dict:
     if not hasattr(module, "eval_setup"):
         raise SystemExit(f"python -m grpo.eval: {module.__file__} defines no eval_setup(cfg): use --task")
     env, examples = module.eval_setup(cfg)
-    examples = list(examples[:cfg.eval_limit])
+    meta = json.load(open(os.path.join(run_dir, "config.json"))).get("_meta", {})
+    examples = list(examples[:meta.get("eval_questions", cfg.eval_limit)])  # as many as the run's budget asked
     if not examples:  # an accuracy over 0 questions would print as 0.0000
         raise SystemExit(f"python -m grpo.eval: the run has no eval questions (eval_limit={cfg.eval_limit})")
     export = os.path.join(run_dir, "export")
@@ -148,7 +149,7 @@ def evaluate_run(run_dir: str, out: str | None = None) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = Transformer.from_pretrained(export, dtype=dtype, device=device).eval()
     # the precision the run's evals used ("auto" resolved at its start), so the records repeat exactly
-    chosen = json.load(open(os.path.join(run_dir, "config.json"))).get("_meta", {}).get("autocast_bf16_chosen")
+    chosen = meta.get("autocast_bf16_chosen")
     setting = getattr(cfg, "autocast_bf16", "false") if chosen is None else chosen
     print(set_autocast(model, setting) + ("" if chosen is None else " (as the run chose)"))
     r = evaluate(model, AutoTokenizer.from_pretrained(export), env, examples, **run_eval_settings(cfg))
