@@ -30,7 +30,8 @@ from typing import ClassVar
 from grpo.config import Config, parse_args
 from grpo.data import load_or_exit
 from grpo.envs.math import is_equiv, last_boxed
-from grpo.rewards import RewardFunctionsEnv, completion_text, import_functions, portable_names
+from grpo.cli.reward_funcs import import_functions, portable_names
+from grpo.rewards import RewardFunctionsEnv, completion_text
 from grpo.trainer import check_inputs, train
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `custom_task:...` and files beside it

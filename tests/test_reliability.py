@@ -109,7 +109,9 @@ def test_config_json_records_the_run(toy, tmp_path):
     meta = record.pop("_meta")
     assert record == dataclasses.asdict(cfg)  # every field, as resolved (epsilon_high filled in)
     assert meta["grpo_version"] == importlib.metadata.version("grpo")
-    assert meta["profile"] == {"name": "none", "resolved": "none", "settings": {}}
+    # built in Python, not by parse_args: no profile was applied, and the record says so
+    assert meta["profile"] == {"name": "none", "resolved": None, "settings": {},
+                               "note": "Config built in Python: no profile applied"}
     assert meta["torch_version"] == torch.__version__ and meta["world_size"] == 1
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
     if head.returncode == 0:  # a clone: the commit the code came from

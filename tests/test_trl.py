@@ -13,7 +13,8 @@ import pytest
 
 from grpo.api import GRPOTrainer
 from grpo.config import Config, parse_args, print_help
-from grpo.rewards import RewardFunctionsEnv, import_functions
+from grpo.cli.reward_funcs import import_functions
+from grpo.rewards import RewardFunctionsEnv
 from grpo.rollout import render_prompt, score
 from toy import make_toy_dir
 
