@@ -29,7 +29,7 @@ def loss_fn(logprobs_fn, backend):
     def f(hidden, weight, labels, old, ref, sampler, advantages, mask):
         logprobs = logprobs_fn(hidden, weight, labels) if weight is not None else hidden
         B, T_ = old.shape
-        opts = LossOptions(aggregation="dapo", max_completion_length=T_, beta=0.04, tis_cap=2.0, backend=backend)
+        opts = LossOptions(loss_type="dapo", max_completion_length=T_, beta=0.04, tis_cap=2.0, backend=backend)
         loss, _ = policy_loss(logprobs.view(B, T_), old, advantages, mask, opts, num_sequences=B,
                               num_tokens=int(mask.sum()), ref_logprobs=ref, sampler_logprobs=sampler)
         return loss

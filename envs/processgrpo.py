@@ -130,7 +130,7 @@ def filter_by_solve_rate(sampler, tokenizer, env, examples: list[dict], n: int =
     kept problems its base model solves 1 to 7 times in 8, the ones whose groups have a reward
     spread. `sampler` runs the model (e.g. the frozen copy's grpo.sampler.Sampler)."""
     from grpo.rollout import rollout, sampling_params
-    from grpo.rollout import score as score_all
+    from grpo.rollout import assign_rewards as score_all
     params = sampling_params(env, tokenizer, n, temperature, max_tokens, seed)
     solved = []
     for start in range(0, len(examples), chunk):   # chunks: a progress line, and bounded trajectory memory

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from grpo.rollout import rollout, sampling_params, score
+from grpo.rollout import assign_rewards, rollout, sampling_params
 
 
 def mean_ci95(values: list[float]) -> tuple[float, float]:
@@ -54,7 +54,7 @@ def evaluate(model, tokenizer, env, examples: list[dict], n: int = 1, temperatur
     # a sampler sized to this call unless the caller lends its own
     sampler = sampler or Sampler(model, tokenizer, gen_batch=gen_batch, kv_budget_bytes=kv_budget_bytes)
     params = sampling_params(env, tokenizer, n, temperature, max_tokens, seed, max_turns=max_turns)
-    trajs = score(env, rollout(sampler, tokenizer, env, list(examples), params, prompt_offset=prompt_offset,
+    trajs = assign_rewards(env, rollout(sampler, tokenizer, env, list(examples), params, prompt_offset=prompt_offset,
                                chat_kwargs=chat_kwargs, progress=progress))
     failed = [t for t in trajs if t.finish_reason == "error"]
     if failed:  # a refused prompt would silently score 0: an accuracy must not hide that

@@ -190,7 +190,7 @@ def dapo_aggregate(losses: Tensor, loss_mask: Tensor, num_tokens: int, world_siz
 @dataclass(frozen=True)
 class LossOptions:
     """A run's loss settings, built once from its config (grpo.update.loss_options)."""
-    aggregation: str = "grpo"          # grpo | bnpo | dr_grpo | dapo (the *_aggregate functions)
+    loss_type: str = "grpo"            # grpo | bnpo | dr_grpo | dapo (the *_aggregate functions; the config's name)
     eps_low: float = 0.2
     eps_high: float = 0.2
     delta: float | None = None         # two-sided clipping cap; None = off
@@ -202,8 +202,8 @@ class LossOptions:
     backend: str | None = None         # token loss: "triton" | "torch" | None (triton on CUDA)
 
     def __post_init__(self):
-        if self.aggregation not in ("grpo", "bnpo", "dr_grpo", "dapo"):
-            raise ValueError(f"aggregation={self.aggregation!r} not in grpo|bnpo|dr_grpo|dapo")
+        if self.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo"):
+            raise ValueError(f"loss_type={self.loss_type!r} not in grpo|bnpo|dr_grpo|dapo")
         if self.importance_sampling_level not in ("token", "sequence"):
             raise ValueError(f"importance_sampling_level={self.importance_sampling_level!r} not in token|sequence")
 
@@ -273,11 +273,11 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss
         kl = kl_k3(torch.where(m, logprobs.float(), 0.0), torch.where(m, ref_logprobs.float(), 0.0))
         losses = losses + opts.beta * torch.where(m, kl, 0.0)
     m = loss_mask.float()
-    if opts.aggregation == "grpo":
+    if opts.loss_type == "grpo":
         loss = grpo_aggregate(losses, m, num_sequences, world_size)
-    elif opts.aggregation == "bnpo":
+    elif opts.loss_type == "bnpo":
         loss = bnpo_aggregate(losses, m, num_micro_batches)
-    elif opts.aggregation == "dr_grpo":
+    elif opts.loss_type == "dr_grpo":
         loss = dr_grpo_aggregate(losses, m, num_sequences, opts.max_completion_length, world_size)
     else:
         loss = dapo_aggregate(losses, m, num_tokens, world_size)

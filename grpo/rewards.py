@@ -58,7 +58,7 @@ class RewardFunctionsEnv:
     def reward_batch(self, examples: list, trajectories: list) -> list[dict]:
         """One call per function for the whole batch; -> a dict of terms per trajectory (None: not
         applicable), the base env's own terms first."""
-        if hasattr(self.base, "reward"):  # concurrently, as score() calls env.reward (a term may wait on HTTP)
+        if hasattr(self.base, "reward"):  # concurrently, as assign_rewards() calls env.reward (a term may wait on HTTP)
             with ThreadPoolExecutor(16) as pool:
                 out = [dict(r) for r in pool.map(self.base.reward, examples, trajectories)]
         else:

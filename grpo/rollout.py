@@ -31,7 +31,7 @@ class Trajectory:
     observations: list[str] = field(default_factory=list)  # the env's answers
     rewards: dict = field(default_factory=dict)            # named terms from env.reward
     reward: float = 0.0           # their weighted sum
-    answered: bool = False        # cut at the token limit after it answered (score(): env.answered)
+    answered: bool = False        # cut at the token limit after it answered (assign_rewards(): env.answered)
 
 
 def render_prompt(tokenizer, messages: list[dict] | str, **chat_kwargs) -> list[int]:
@@ -185,7 +185,8 @@ def rollout(sampler: Sampler, tokenizer, env, examples: list[dict], params: Samp
     return trajectories
 
 
-def score(env, trajectories: list[Trajectory], weights: dict[str, float] | None = None, workers: int = 16):
+def assign_rewards(env, trajectories: list[Trajectory], weights: dict[str, float] | None = None,
+                   workers: int = 16):
     """env.reward for every trajectory, concurrently (a term may wait on an HTTP judge), or one
     env.reward_batch(examples, trajectories) call where the env has it (TRL-style batched reward
     functions: grpo.rewards); then the weighted sum. Terms missing from `weights` weigh 1; a term

@@ -31,7 +31,7 @@ from grpo.loss import group_advantages, overlong_penalty
 from grpo.metrics import Logger, credit_metrics, rollout_records, step_metrics
 from grpo.model import Transformer, _local_or_hub
 from grpo.report import check_reporters, open_trackers, reporters, write_summary
-from grpo.rollout import rollout, sampling_params, score
+from grpo.rollout import assign_rewards, rollout, sampling_params
 from grpo.sampler import Sampler
 from grpo.sft import warm_start
 from grpo.update import loss_options, policy_update
@@ -67,7 +67,7 @@ def scored_rollouts(sampler, tokenizer, env, params, chat_kwargs: dict, weights:
     """G scored trajectories per example; `offset`, the global index of examples[0], seeds them."""
     trajs = rollout(sampler, tokenizer, env, examples, params, prompt_offset=offset, chat_kwargs=chat_kwargs,
                     progress=dist.is_main())  # rank 0's bar: rows done, tokens/s
-    return score(env, trajs, weights)
+    return assign_rewards(env, trajs, weights)
 
 
 def final_rewards(trajs: list, cfg: Config) -> torch.Tensor:

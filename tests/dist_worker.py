@@ -63,7 +63,7 @@ class FaultEnv(ToyEnv):
         self.sigterm_call = first_call(sigterm_at) if RANK == 0 else -1
         self.raise_call = first_call(raise_at) if RANK == raise_rank else -1
         self.stall_call = first_call(stall_at) if RANK != raise_rank else -1
-        self.calls = itertools.count(1)  # score() calls reward from threads: next() on a count is atomic
+        self.calls = itertools.count(1)  # assign_rewards() calls reward from threads: next() on a count is atomic
 
     def reward(self, example, trajectory):
         call = next(self.calls)

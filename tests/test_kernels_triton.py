@@ -140,7 +140,7 @@ def test_policy_loss_triton_backend(aggregation):
     lp, old, A, mask, kw = token_loss_inputs(delta=4.0, dual_clip=3.0, kl=True, tis=True, eps_high=0.28)
     res = {}
     for backend in ("triton", "torch"):
-        opts = LossOptions(aggregation=aggregation, eps_high=0.28, delta=4.0, dual_clip=3.0, beta=0.05, tis_cap=2.0,
+        opts = LossOptions(loss_type=aggregation, eps_high=0.28, delta=4.0, dual_clip=3.0, beta=0.05, tis_cap=2.0,
                            max_completion_length=12, backend=backend)
         x = lp.clone().requires_grad_()
         loss, metrics = policy_loss(x, old, A, mask, opts, num_sequences=8, num_tokens=50,

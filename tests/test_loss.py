@@ -138,7 +138,7 @@ OPTIONS = list(itertools.product(["grpo", "bnpo", "dr_grpo", "dapo"], [None, 4.0
 def run_policy_loss(agg, delta, dual, kl, tis, eps_high, dtype=torch.float32):
     """(loss, gradient, metrics) of policy_loss on the active batch, and the float64 reference's."""
     lp, old, A, mask, ref, sampler = active_batch()
-    opts = LossOptions(aggregation=agg, eps_low=0.2, eps_high=eps_high, delta=delta, dual_clip=dual,
+    opts = LossOptions(loss_type=agg, eps_low=0.2, eps_high=eps_high, delta=delta, dual_clip=dual,
                        beta=0.05 if kl else 0.0, tis_cap=2.0 if tis else None, max_completion_length=13, backend="torch")
     x = lp.to(dtype).requires_grad_()
     loss, metrics = policy_loss(x, old.to(dtype), A.to(dtype), mask.to(dtype), opts, num_sequences=6, num_tokens=40,
@@ -210,7 +210,7 @@ def step_grad(parts, agg, num_sequences, num_tokens, world_size=1, num_micro_bat
     grads = []
     for lp, old, A, mask in parts:
         lp = lp.clone().requires_grad_()
-        opts = LossOptions(aggregation=agg, max_completion_length=16, backend="torch")
+        opts = LossOptions(loss_type=agg, max_completion_length=16, backend="torch")
         loss, _ = policy_loss(lp, old, A, mask, opts, num_sequences=num_sequences, num_tokens=num_tokens,
                               world_size=world_size, num_micro_batches=num_micro_batches)
         loss.backward()
@@ -265,7 +265,7 @@ def test_sequence_level_ratio_by_hand():
     lp = torch.tensor([[0.1, 0.3, 7.0], [-0.1, 0.1, 0.0]], dtype=torch.float64, requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
     A = torch.tensor([1.0, -1.0], dtype=torch.float64)
-    opts = LossOptions(aggregation="grpo", importance_sampling_level="sequence", backend="torch")
+    opts = LossOptions(loss_type="grpo", importance_sampling_level="sequence", backend="torch")
     loss, metrics = policy_loss(lp, old, A, mask, opts, num_sequences=2, num_tokens=5)
     loss.backward()
     # the loss is computed in fp32: a few ulps
@@ -311,7 +311,7 @@ def test_sequence_level_every_option(agg, delta, dual, kl, tis):
     lp, old, A, mask, ref, sampler = active_batch()
     # rows whose sequence ratios land on each side of the clip range and past delta and dual-clip
     lp = old + (lp - old) * torch.tensor([0.6, 1.0, 0.9, 0.4, 1.0], dtype=torch.float64)[:, None]
-    opts = LossOptions(aggregation=agg, eps_low=0.2, eps_high=0.28, delta=delta, dual_clip=dual,
+    opts = LossOptions(loss_type=agg, eps_low=0.2, eps_high=0.28, delta=delta, dual_clip=dual,
                        beta=0.05 if kl else 0.0, tis_cap=2.0 if tis else None, max_completion_length=13,
                        backend="torch", importance_sampling_level="sequence")
     x = lp.float().requires_grad_()

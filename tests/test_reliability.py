@@ -61,7 +61,7 @@ class CrashingEnv(ToyEnv):
         self.crash_gold = sft_step * cfg.sft_batch if sft_step >= 0 else -1
 
     def reward(self, example, trajectory):
-        self.rewards += 1  # score() calls this from threads; one step's calls all come after the last step's
+        self.rewards += 1  # assign_rewards() calls this from threads; one step's calls all come after the last step's
         if self.rewards - 1 == self.crash_reward:
             raise Crash("reward")
         return super().reward(example, trajectory)

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from grpo.envs.retool import CODE_INTERPRETER, REWARD_WEIGHTS, ReToolEnv, parse_calls
 from grpo.model import Transformer
-from grpo.rollout import Trajectory, continuation_ids, render_prompt, rollout, sampling_params, score
+from grpo.rollout import Trajectory, continuation_ids, render_prompt, rollout, sampling_params, assign_rewards
 from grpo.sampler import Sampler
 
 # Qwen3-2507's tool layout (its real template is not available offline)
@@ -98,7 +98,7 @@ def test_rollout_with_real_sandbox_calls(smollm2_path):
     env = TwoShotReTool(run_code=run_code, timeout=10.0)
     example = {"question": "What is 3 to the power 4?", "answer": "81"}
     params = sampling_params(env, tok, 8, 0.7, 160, seed=0, max_turns=3)
-    trajs = score(env, rollout(Sampler(model, tok, gen_batch=8), tok, env, [example], params))
+    trajs = assign_rewards(env, rollout(Sampler(model, tok, gen_batch=8), tok, env, [example], params))
     prompt = render_prompt(tok, env.prompt(example), tools=[CODE_INTERPRETER])
     assert '"name": "code_interpreter"' in tok.decode(prompt)            # the tools block, from the template
     called = [t for t in trajs if t.observations]

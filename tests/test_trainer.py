@@ -10,7 +10,7 @@ import torch
 from grpo import dist
 from grpo.config import Config, parse_args
 from grpo.model import Transformer
-from grpo.rollout import rollout, sampling_params, score
+from grpo.rollout import rollout, sampling_params, assign_rewards
 from grpo.sampler import Sampler
 from grpo.loss import LossOptions, group_advantages, policy_loss
 from grpo import sft, shared_prompt, trainer, update
@@ -87,7 +87,7 @@ def test_update_leaves_out_flat_groups_and_pads_micro_batches(tmp_path, monkeypa
     model = Transformer.from_pretrained(cfg.model_path)
     tok = AutoTokenizer.from_pretrained(cfg.model_path)
     params = sampling_params(ToyEnv(), tok, 4, cfg.temperature, cfg.max_completion_length, seed=1)
-    trajs = score(ToyEnv(), rollout(Sampler(model, tok, gen_batch=16), tok, ToyEnv(), EXAMPLES[:4], params))
+    trajs = assign_rewards(ToyEnv(), rollout(Sampler(model, tok, gen_batch=16), tok, ToyEnv(), EXAMPLES[:4], params))
     for t in trajs[4:8]:  # one flat group: reward 0.5 four times, mean exact, advantages exactly 0
         t.reward = 0.5
     truncated = [t.finish_reason == "length" for t in trajs]
@@ -99,7 +99,7 @@ def test_update_leaves_out_flat_groups_and_pads_micro_batches(tmp_path, monkeypa
     b = collate(trajs, "cpu")
     b["loss_mask"][torch.tensor(truncated)] = 0
     logprobs = model(b["input_ids"], labels=b["labels"], temperature=cfg.temperature)
-    opts = LossOptions(aggregation=loss_type, max_completion_length=cfg.max_completion_length)
+    opts = LossOptions(loss_type=loss_type, max_completion_length=cfg.max_completion_length)
     loss, _ = policy_loss(logprobs, logprobs.detach(), adv, b["loss_mask"], opts, num_sequences=len(trajs),
                           num_tokens=int(b["loss_mask"].sum()), sampler_logprobs=b["sampler_logprobs"])
     grads = torch.autograd.grad(loss, list(model.parameters()))
@@ -151,13 +151,13 @@ def test_truncated_answers_stay_in_the_loss_when_kept():
     }
     trajs = [Trajectory(example, 0, [1], [5] * 4, [1] * 4, [0.0] * 4, reason, 2, turns=turns,
                         observations=["<output>5</output>"]) for turns, reason, _ in cases.values()]
-    score(CalculatorEnv(), trajs)
+    assign_rewards(CalculatorEnv(), trajs)
     assert [t.answered for t in trajs] == [answered for _, _, answered in cases.values()]
     masked = lambda **kw: [update.masked_out(t, Config(**kw)) for t in trajs]  # noqa: E731
     assert masked() == [False, False, False, False]
     assert masked(mask_truncated_completions=True) == [True, True, True, False]
     assert masked(mask_truncated_completions=True, keep_truncated_answers=True) == [False, True, True, False]
-    score(ToyEnv(), trajs)  # an env that cannot tell an answer keeps every cut completion masked
+    assign_rewards(ToyEnv(), trajs)  # an env that cannot tell an answer keeps every cut completion masked
     assert not any(t.answered for t in trajs)
 
 
@@ -209,7 +209,7 @@ def test_first_of_mu_iterations_has_ratio_exactly_one(tmp_path, monkeypatch):
     model = Transformer.from_pretrained(cfg.model_path)
     tok = AutoTokenizer.from_pretrained(cfg.model_path)
     params = sampling_params(ToyEnv(), tok, 4, cfg.temperature, cfg.max_completion_length, seed=2)
-    trajs = score(ToyEnv(), rollout(Sampler(model, tok, gen_batch=16), tok, ToyEnv(), EXAMPLES[:4], params))
+    trajs = assign_rewards(ToyEnv(), rollout(Sampler(model, tok, gen_batch=16), tok, ToyEnv(), EXAMPLES[:4], params))
     adv = group_advantages(torch.tensor([t.reward for t in trajs]), 4)
     assert (adv != 0).any()
     ratios = []  # (iteration-ordered) rho of every mask token, per policy_loss call
@@ -404,7 +404,7 @@ def rollout_batch(tmp_path, **kw):
     cfg = toy_config(tmp_path, num_generations=4, max_grad_norm=0.0, loss_type="dr_grpo", temperature=0.7, **kw)
     model, tok = Transformer.from_pretrained(cfg.model_path), AutoTokenizer.from_pretrained(cfg.model_path)
     params = sampling_params(ToyEnv(), tok, 4, cfg.temperature, cfg.max_completion_length, seed=3)
-    trajs = score(ToyEnv(), rollout(Sampler(model, tok, gen_batch=16), tok, ToyEnv(), EXAMPLES[:4], params))
+    trajs = assign_rewards(ToyEnv(), rollout(Sampler(model, tok, gen_batch=16), tok, ToyEnv(), EXAMPLES[:4], params))
     adv = group_advantages(torch.tensor([t.reward for t in trajs]), 4)
     assert (adv[:8] != 0).any() and (adv[8:] != 0).any()
     return cfg, model, trajs, adv
@@ -416,7 +416,7 @@ def sgd_step(model, cfg, trajs, adv, old_logprobs=None):
     b = collate(trajs, "cpu")
     logprobs = model(b["input_ids"], labels=b["labels"], temperature=cfg.temperature)
     old = logprobs.detach() if old_logprobs is None else old_logprobs
-    opts = LossOptions(aggregation="dr_grpo", max_completion_length=cfg.max_completion_length)
+    opts = LossOptions(loss_type="dr_grpo", max_completion_length=cfg.max_completion_length)
     loss, _ = policy_loss(logprobs, old, adv, b["loss_mask"], opts, num_sequences=len(trajs),
                           num_tokens=int(b["loss_mask"].sum()), sampler_logprobs=b["sampler_logprobs"])
     grads = torch.autograd.grad(loss, list(model.parameters()))

@@ -15,7 +15,7 @@ from grpo.api import GRPOTrainer
 from grpo.config import Config, parse_args, print_help
 from grpo.cli.reward_funcs import import_functions
 from grpo.rewards import RewardFunctionsEnv
-from grpo.rollout import render_prompt, score
+from grpo.rollout import render_prompt, assign_rewards
 from toy import make_toy_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +89,7 @@ def test_the_weighted_sum_skips_none_and_calls_once_per_batch():
     ex = {"prompt": "w1 w2", "answer": "x"}
     trajs = [SimpleNamespace(example=ex, text=t, completion_ids=[1], finish_reason="stop", turns=[t],
                              observations=[]) for t in ("w1", "w2")]
-    score(env, trajs, {"a": 2.0, "b": 5.0})
+    assign_rewards(env, trajs, {"a": 2.0, "b": 5.0})
     assert calls == [2]
     assert [t.reward for t in trajs] == [2.0, 0.0] and trajs[1].rewards == {"a": None, "b": None}
 
