@@ -169,7 +169,7 @@ def test_retool_recipe_two_steps(tmp_path, smollm2_path):
     cmd = [sys.executable, str(ROOT / "recipes" / "retool_qwen3_4b.py"), *tiny_flags(model, out),
            f"--train_data={train_data}", "--question_field=problem", "--answer_field=answer",
            f"--eval_data={DATA / 'aime' / 'aime24.jsonl'}", "--eval_n=2", "--max_prompt_length=512",
-           "--gradient_checkpointing=false"]
+           "--gradient_checkpointing=false", "--steps_per_generation=2"]  # 2 prompts: one group a step
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=ONE_THREAD)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     check_run(out, "qwen3", eval_rows=8)
@@ -226,7 +226,8 @@ def test_processgrpo_recipe_two_steps(credit, tmp_path, smollm2_path, monkeypatc
     assert len(calls) == 2, calls                     # one credit call per step, over its 2 x 2 solutions
     assert len(shapes) == 2 and all(len(s) == 2 and s[0] == 4 for s in shapes), shapes
     for c in calls:
-        assert c["trajs"] == 4 and 4 <= c["boundaries"] <= 12 and c["continuations"] == 2 * c["boundaries"]
+        # 1 to 3 boundaries per solution, the prompt's own (p_0) once for its 2 solutions
+        assert c["trajs"] == 4 and 2 <= c["boundaries"] <= 10 and c["continuations"] == 2 * c["boundaries"]
         frozen = c["frozen"]               # the second Transformer: eval mode, no grad, fp32 on CPU
         assert not frozen.training and not any(p.requires_grad for p in frozen.parameters())
         assert next(frozen.parameters()).dtype == torch.float32
