@@ -74,14 +74,18 @@ def test_kl_and_tis_by_hand():
 
 
 def naive_policy_loss(lp, old, A, mask, agg, num_seq, num_tok, L, eps_low, eps_high, delta, dual, ref, beta,
-                      sampler, cap):
-    """Token by token in float64, written from the papers' equations without sharing code with grpo.loss."""
+                      sampler, cap, sequence: bool = False):
+    """Token by token in float64, written from the papers' equations without sharing code with grpo.loss.
+    `sequence`: TRL's sequence level (GSPO): s_b = exp(mean of the masked log-ratios), differentiated
+    through that mean, in place of every token's ratio; KL on the real log-probs."""
     B, T = lp.shape
     total = 0.0
     for b in range(B):
+        n = max(mask[b].sum(), 1)
+        seq_rho = torch.exp(sum((lp[b, t] - old[b, t]) * mask[b, t] for t in range(T)) / n) if sequence else None
         seq = []
         for t in range(T):
-            rho = torch.exp(lp[b, t] - old[b, t])
+            rho = seq_rho if sequence else torch.exp(lp[b, t] - old[b, t])
             r1 = torch.clamp(rho, max=delta) if delta is not None else rho
             lt = -torch.minimum(r1 * A[b], torch.clamp(rho, 1 - eps_low, 1 + eps_high) * A[b])
             if dual is not None and A[b] < 0:
@@ -93,7 +97,7 @@ def naive_policy_loss(lp, old, A, mask, agg, num_seq, num_tok, L, eps_low, eps_h
                 lt = lt + beta * (torch.exp(d) - d - 1)
             seq.append(lt * mask[b, t])
         s = torch.stack(seq).sum()
-        total = total + (s / max(mask[b].sum(), 1) / num_seq if agg == "grpo" else s)
+        total = total + (s / n / num_seq if agg == "grpo" else s)
     return {"grpo": total, "dr_grpo": total / (num_seq * L), "dapo": total / num_tok,
             "bnpo": total / mask.sum()}[agg]
 
@@ -278,31 +282,9 @@ def test_sequence_level_ratio_by_hand():
     assert metrics["clip_high"].item() == 2 and metrics["clip_low"].item() == 0
 
 
-def naive_gspo_loss(lp, old, A, mask, agg, num_seq, num_tok, L, eps_low, eps_high, delta, dual, ref, beta,
-                    sampler, cap):
-    """TRL's sequence level in float64, token by token: s_b = exp(mean of the masked log-ratios),
-    differentiated through that mean, in place of every token's ratio; KL on the real log-probs."""
-    B, T = lp.shape
-    total = 0.0
-    for b in range(B):
-        n = max(mask[b].sum(), 1)
-        rho = torch.exp(sum((lp[b, t] - old[b, t]) * mask[b, t] for t in range(T)) / n)
-        seq = []
-        for t in range(T):
-            r1 = torch.clamp(rho, max=delta) if delta is not None else rho
-            lt = -torch.minimum(r1 * A[b], torch.clamp(rho, 1 - eps_low, 1 + eps_high) * A[b])
-            if dual is not None and A[b] < 0:
-                lt = torch.minimum(lt, -dual * A[b])
-            if sampler is not None:
-                lt = lt * min(math.exp(old[b, t] - sampler[b, t]), cap)
-            if ref is not None:
-                d = ref[b, t] - lp[b, t]
-                lt = lt + beta * (torch.exp(d) - d - 1)
-            seq.append(lt * mask[b, t])
-        s = torch.stack(seq).sum()
-        total = total + (s / n / num_seq if agg == "grpo" else s)
-    return {"grpo": total, "dr_grpo": total / (num_seq * L), "dapo": total / num_tok,
-            "bnpo": total / mask.sum()}[agg]
+def naive_gspo_loss(*args):
+    """The float64 reference at TRL's sequence level (GSPO)."""
+    return naive_policy_loss(*args, sequence=True)
 
 
 @pytest.mark.parametrize("agg,delta,dual,kl,tis", list(itertools.product(

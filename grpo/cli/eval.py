@@ -94,9 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     r = evaluate(model, tokenizer, env, examples, n=n, temperature=temperature,
                  max_tokens=args.max_completion_length, max_turns=args.max_turns,
                  chat_kwargs={"enable_thinking": bool(args.enable_thinking)})
-    out = args.out or f"eval_{args.task}.jsonl"
-    with open(out, "w") as f:
-        f.writelines(json.dumps(rec) + "\n" for rec in r["records"])
+    out = write_records(args.out or f"eval_{args.task}.jsonl", r["records"])
     print(f"| task | questions | n | mean@{n} | 95% CI | pass@{n} |")
     print(f"| {args.task} | {r['questions']} | {n} | {r['mean']:.4f} | ± {r['ci95']:.4f} "
           f"| {r['pass']:.4f} |")
@@ -153,11 +151,16 @@ def evaluate_run(run_dir: str, out: str | None = None) -> dict:
     setting = getattr(cfg, "autocast_bf16", "false") if chosen is None else chosen
     print(set_autocast(model, setting) + ("" if chosen is None else " (as the run chose)"))
     r = evaluate(model, AutoTokenizer.from_pretrained(export), env, examples, **run_eval_settings(cfg))
-    out = out or os.path.join(run_dir, "eval_rerun.jsonl")
-    with open(out, "w") as f:
-        f.writelines(json.dumps(rec) + "\n" for rec in r["records"])
+    out = write_records(out or os.path.join(run_dir, "eval_rerun.jsonl"), r["records"])
     print(f"| run | questions | n | T | mean@{cfg.eval_n} | 95% CI | pass@{cfg.eval_n} |")
     print(f"| {run_dir} | {r['questions']} | {cfg.eval_n} | {cfg.eval_temperature} | {r['mean']:.4f} | "
           f"± {r['ci95']:.4f} | {r['pass']:.4f} |")
     print(f"per-sample records: {out}")
     return r
+
+
+def write_records(path: str, records: list[dict]) -> str:
+    """Per-sample records, one JSON line each; returns the path."""
+    with open(path, "w") as f:
+        f.writelines(json.dumps(rec) + "\n" for rec in records)
+    return path
