@@ -371,7 +371,7 @@ def test_blocks_get_fp32_rope_tables_under_fsdp_mixed_precision(tmp_path):
     then saw fp32 rope tables where the forward had seen bf16, and checkpoint raised (found on an H200).
     The blocks take their inputs uncast: q/k in bf16, tables fp32, in the forward and in the recompute,
     and the gradients equal those without checkpointing."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
     r = subprocess.run([sys.executable, "-c", ROPE_DTYPES, str(tmp_path)], capture_output=True, text=True,
                        env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
