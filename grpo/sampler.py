@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from grpo.decode import DecodeWeights, decode
 from grpo.kv_cache import KVCache
 from grpo.sampling import request_key, sample
 
@@ -89,6 +90,7 @@ class _Call:
     tool_stops: set[int]            # token ids that end a turn with a tool call
     is_stop: Tensor                 # (V,) bool on device: both kinds, for decode_step
     tail: int                       # tokens decoded per stop-string check (0 = no stop strings)
+    string_end: list | None         # (V,) bool: the tokens that can complete a stop string
     unadmitted: list[int]           # per prompt: samples still waiting (its logits are kept till 0)
     members: dict                   # document -> [(prompt index, prompt length)]
     bar: object = None              # progress bar (or a do-nothing one)
@@ -96,47 +98,56 @@ class _Call:
     live: dict = field(default_factory=dict)       # slot -> _Seq, decoding or in a tool call
     pending: dict = field(default_factory=dict)    # tool future -> _Seq
     prompt_logits: dict = field(default_factory=dict)  # prompt index -> (V,) logits of its last token
-    graphs: dict = field(default_factory=dict)     # cache_len bucket -> CUDA graph of one decode window
-    graph_pool: tuple | None = None                # their memory pool, freed with them at the call's end
 
 
 class _State:
     """Per-slot decode state on device: the next token to feed (at `pos`, not yet cached),
     tokens so far (the RNG counter), the row's max_tokens (the request's, capped by the cache),
-    and whether it is decoding."""
-    def __init__(self, slots: int, window: int, device):
+    and whether it is decoding; the call's stop ids (V,) and the window's outputs. It lives as
+    long as the cache, so CUDA graphs that read it replay in every call."""
+    def __init__(self, slots: int, window: int, vocab: int, device):
         z = lambda dtype=torch.int64: torch.zeros(slots, dtype=dtype, device=device)
         self.tok, self.pos, self.ntok, self.max_tokens, self.key = z(), z(), z(), z(), z()
         self.active = z(torch.bool)
+        self.is_stop = torch.zeros(vocab, dtype=torch.bool, device=device)  # stop and tool-stop ids
         self.out_tok = torch.zeros(slots, window, dtype=torch.int64, device=device)  # (slots, window)
         self.out_lp = torch.zeros(slots, window, device=device)
         self.out_ok = torch.zeros(slots, window, dtype=torch.bool, device=device)
 
 
-def decode_step(model, cache: KVCache, state: _State, is_stop: Tensor, params: SamplingParams, num_slots: int,
+def decode_step(weights: DecodeWeights, cache: KVCache, state: _State, params: SamplingParams, num_slots: int,
                 cache_len: int, column: int):
     """One token for slots [0, num_slots): feed each row's last token (attending to cache
     positions [0, cache_len)), sample the next, record it in window column `column`, and retire
     rows that hit a stop id or their max_tokens. No host sync."""
     st, p, rows = state, params, slice(0, num_slots)
     active, pos = st.active[rows], st.pos[rows]
-    cache.rows(rows, pos, 1, cache_len)
-    logits = model(st.tok[rows, None], pos[:, None], cache=cache)[:, 0]  # (num_slots, V)
+    logits = decode(weights, cache, st.tok[rows], pos, num_slots, cache_len)  # (num_slots, V)
     tok, lp = sample(logits, st.key[rows], st.ntok[rows], p.temperature, p.top_k, p.top_p, p.min_p)
     st.out_tok[rows, column], st.out_lp[rows, column], st.out_ok[rows, column] = tok, lp, active
     st.tok[rows] = torch.where(active, tok, st.tok[rows])
     st.pos[rows] += active
     st.ntok[rows] += active
-    st.active[rows] = active & ~is_stop[tok] & (st.ntok[rows] < st.max_tokens[rows])
+    st.active[rows] = active & ~st.is_stop[tok] & (st.ntok[rows] < st.max_tokens[rows])
+
+
+def bucket(n: int, slots: int) -> int:
+    """The batch a graphed window decodes for n occupied slots: the next power of two, capped at
+    `slots` (log2(slots) + 1 graphs per cache bucket, each at most twice the live rows' work)."""
+    return min(slots, 1 << max(n - 1, 0).bit_length())
 
 
 class Sampler:
     """`max_seq_len`: a fixed cache of rows of that length, allocated now (a longer prompt is
-    refused); without it, each call sizes the cache, growing it within `kv_budget_bytes` when
-    needed. `release()` frees it until the next call."""
+    refused); without it, the first call sizes the cache, and a later one grows it within
+    `kv_budget_bytes` when needed. The cache, the decode state, the decode weights and the CUDA
+    graphs stay for the next call; `release()` frees the cache and the graphs until then.
+    `buckets`: decode the occupied slots rounded up to a power of two (the graphs' batch sizes;
+    default: with graphs), instead of exactly the occupied ones."""
     def __init__(self, model, tokenizer=None, gen_batch: int = 64, max_seq_len: int | None = None,
                  kv_budget_bytes: int | None = None, prefill_tokens: int | None = None,
-                 sync_every: int | None = None, cuda_graphs: bool = True, tool_workers: int = 8):
+                 sync_every: int | None = None, cuda_graphs: bool = True, tool_workers: int = 8,
+                 buckets: bool | None = None):
         p = next(model.parameters())
         self.model, self.tokenizer, self.dtype, self.device = model, tokenizer, p.dtype, p.device
         self.gen_batch, self.fixed_len = gen_batch, max_seq_len
@@ -147,8 +158,13 @@ class Sampler:
             kv_budget_bytes = torch.cuda.mem_get_info(p.device)[0] // 2 if p.is_cuda else 2 << 30
         self.kv_budget_bytes, self.window = kv_budget_bytes, sync_every or (8 if p.is_cuda else 1)
         self.use_graphs = cuda_graphs and p.is_cuda
+        self.buckets = self.use_graphs if buckets is None else buckets
         self.pool = cf.ThreadPoolExecutor(tool_workers)
         self.tokens_prefilled = 0  # tokens through prefill forwards since construction (costs, benches)
+        self.capture_seconds = 0.0  # CUDA graph capture (warm-up included) since construction
+        self.weights = DecodeWeights(model)  # refreshed at the start of every call
+        self.graphs, self.graph_pool = {}, None  # (batch bucket, cache bucket, sampling) -> one window's graph
+        self._string_end = {}  # stop strings -> (V,) bool: tokens that can complete one of them
         self.cache = None
         if max_seq_len:
             self._allocate(max_seq_len)
@@ -158,13 +174,14 @@ class Sampler:
         slots = min(self.gen_batch, slots)
         if slots < 1:
             raise ValueError(f"kv_budget_bytes={self.kv_budget_bytes} holds no row of {max_seq_len} tokens")
+        self.release()  # the graphs read the old cache and state
         self.cache = KVCache(self.model.args, slots, max_seq_len, self.dtype, self.device)
-        self.state = _State(slots, self.window, self.device)
+        self.state = _State(slots, self.window, self.model.args.vocab_size, self.device)
 
     def release(self):
-        """Free the KV cache (the trainer's update and a differently sized eval want the memory);
-        the next call allocates one sized to itself."""
-        self.cache, self.state = None, None
+        """Free the KV cache and the graphs that read it (the trainer's update wants the memory,
+        where it is short); the next call allocates one sized to itself."""
+        self.cache, self.state, self.graphs, self.graph_pool = None, None, {}, None
 
     # ------------------------------------------------------------------------- the loop
 
@@ -231,6 +248,9 @@ class Sampler:
         if self.cache is None or (self.fixed_len is None and self.cache.max_seq_len < need):
             # sized to this call; grown only if a later one needs more
             self._allocate(self.fixed_len or min(-(-need // 64) * 64, fits))
+        if not self.weights.matches(self.model):  # autocast_bf16 switched since the last call
+            self.weights, self.graphs, self.graph_pool = DecodeWeights(self.model), {}, None
+        self.weights.refresh(self.model)  # this call samples from the weights as they are now
         S, V, n = self.cache.max_seq_len, self.model.args.vocab_size, p.n
         stops = set(self.model.eos_token_ids() if p.stop_token_ids is None else p.stop_token_ids)
         is_stop = torch.zeros(V, dtype=torch.bool, device=self.device)
@@ -242,8 +262,8 @@ class Sampler:
         members = {}
         for i, (d, x) in enumerate(zip(docs, prompts)):
             members.setdefault(d, []).append((i, len(x)))
-        call = _Call(p, tool, out, stops, set(p.tool_stop_token_ids), is_stop, tail, [n] * len(prompts),
-                     members)
+        call = _Call(p, tool, out, stops, set(p.tool_stop_token_ids), is_stop, tail,
+                     self._string_ends(strings) if strings else None, [n] * len(prompts), members)
         # longest prompt first within a document: while such a row lives, its cache holds the
         # prefixes of all the document's later (shorter) prompts, which then fork it with no prefill
         for i in sorted(range(len(prompts)), key=lambda i: (docs[i], -len(prompts[i]), i)):
@@ -258,7 +278,30 @@ class Sampler:
                     call.waiting.append(_Seq(i * n + j, i, j, list(prompt), key, max_tokens, docs[i]))
         call.bar = _progress(sum(c is None for c in out), progress)
         self.state.active.zero_()
+        self.state.is_stop.copy_(is_stop)
         return call
+
+    def _string_ends(self, strings: list[str]) -> list[bool]:
+        """(V,) whether token v can complete one of `strings`: the text it adds after a plain
+        character holds a string's last character, or is partial UTF-8 (U+FFFD: its characters
+        appear only beside its neighbours), or is empty. A string first appears at the token that
+        adds its last character, so checking only these tokens finds every stop the per-token
+        check found, with a tokenizer decode on a few tokens in a hundred instead of on every one.
+        Computed once per set of strings (one batch decode of the vocabulary)."""
+        key = tuple(sorted(set(strings)))
+        if key not in self._string_end:
+            tk, V = self.tokenizer, self.model.args.vocab_size
+            known = min(V, len(tk)) if hasattr(tk, "__len__") else V  # padded rows past its ids stay candidates
+            # after a plain token, so that a SentencePiece word start keeps its space (a tokenizer
+            # with decode() alone, as the sampler needs, decodes each token by itself)
+            anchor = tk.encode("a", add_special_tokens=False)[:1] if hasattr(tk, "encode") else []
+            base = tk.decode(anchor)
+            lasts = {x[-1] for x in key if x}
+            ids = [anchor + [v] for v in range(known)]
+            texts = tk.batch_decode(ids) if hasattr(tk, "batch_decode") else [tk.decode(x) for x in ids]
+            self._string_end[key] = [not t.startswith(base) or not (added := t[len(base):]) or "\ufffd" in added
+                                     or any(c in added for c in lasts) for t in texts] + [True] * (V - known)
+        return self._string_end[key]
 
     def _check(self, prompt: list[int], V: int, S: int) -> str | None:
         if len(prompt) == 0:
@@ -393,7 +436,7 @@ class Sampler:
         steps = torch.tensor([len(s.token_ids) for s in seqs], device=self.device)
         tok, lp = sample(logits, keys, steps, p.temperature, p.top_k, p.top_p, p.min_p)
         tok, lp = tok.tolist(), lp.tolist()  # host sync
-        go = [s for s, t, l in zip(seqs, tok, lp) if not self._accept(call, s, t, l)]
+        go = [s for s, t, l in zip(seqs, tok, lp) if not self._accept(call, s, [t], [l])]
         if go:
             idx = torch.tensor([s.slot for s in go], device=self.device)
             cpu = torch.tensor([[s.token_ids[-1], len(s.prompt) + len(s.token_ids) - 1, len(s.token_ids),
@@ -405,14 +448,13 @@ class Sampler:
 
     def _decode(self, call: _Call):
         st, W = self.state, self.window
-        # A CUDA graph replays the shapes it was captured with, so the graphed window decodes
-        # every slot (free and tool-waiting ones compute too; `active` keeps them from moving):
-        # one graph per cache_len bucket. Capturing per occupied-slot count as well would
-        # multiply the graphs, their capture time and memory, by up to `slots`. Eager decode
-        # computes the occupied slots only: _compact keeps them at [0, len(live)).
-        if not self.use_graphs:
-            self._compact(call)
-        num_slots = self.cache.slots if self.use_graphs else max(call.live) + 1
+        # The live rows sit in slots [0, len(live)) (_compact). Eager decode computes exactly those;
+        # a CUDA graph replays the shapes it was captured with, so a graphed window decodes the
+        # smallest power-of-two bucket that holds them (free and tool-waiting slots in it compute
+        # too; `active` keeps them from moving): one graph per (bucket, cache bucket, sampling
+        # settings), captured once and replayed by every later call.
+        self._compact(call)
+        num_slots = bucket(len(call.live), self.cache.slots) if self.buckets else len(call.live)
         longest = max(len(s.prompt) + len(s.token_ids) for s in call.live.values())
         cache_len = min(self.cache.max_seq_len, longest + W)  # keys a window reads: [0, cache_len)
         if self.use_graphs:
@@ -420,16 +462,15 @@ class Sampler:
             self._graph(call, num_slots, cache_len).replay()
         else:
             for column in range(W):
-                decode_step(self.model, self.cache, st, call.is_stop, call.params, num_slots, cache_len,
-                            column)
-        # host sync: once per window
+                decode_step(self.weights, self.cache, st, call.params, num_slots, cache_len, column)
+        # host sync: once per window. A row's accepted tokens are a prefix of the window (once
+        # retired on device it stays retired), so a row takes its first `ok` columns at once
         toks, lps, oks = (t[:num_slots].tolist() for t in (st.out_tok, st.out_lp, st.out_ok))
         stopped = []
         for slot, s in list(call.live.items()):
-            for column in range(W):
-                if oks[slot][column] and self._accept(call, s, toks[slot][column], lps[slot][column]):
-                    stopped.append(slot)
-                    break
+            k = sum(oks[slot])
+            if k and self._accept(call, s, toks[slot][:k], lps[slot][:k]):
+                stopped.append(slot)
         if stopped:  # stop strings are found here, not on device: retire those rows there too
             st.active[torch.tensor(stopped, device=self.device)] = False
 
@@ -452,12 +493,16 @@ class Sampler:
             s.slot, call.live[dst] = dst, s
 
     def _graph(self, call: _Call, num_slots: int, cache_len: int):
-        """A CUDA graph of one decode window; state tensors are static, so replay reads them.
-        Warm-up runs on a copy of the state, which is then restored (capture runs nothing)."""
-        if cache_len not in call.graphs:
-            st = self.state
-            window = lambda: [decode_step(self.model, self.cache, st, call.is_stop, call.params, num_slots,
-                                          cache_len, column) for column in range(self.window)]
+        """The CUDA graph of one decode window over slots [0, num_slots) and keys [0, cache_len),
+        captured on first use and kept (with the cache, the state and the decode weights it
+        reads, all at fixed addresses) for every later call. Warm-up runs on a copy of the
+        state, which is then restored (capture runs nothing)."""
+        p = call.params
+        key = (num_slots, cache_len, p.temperature, p.top_k, p.top_p, p.min_p)
+        if key not in self.graphs:
+            t0, st = time.time(), self.state
+            window = lambda: [decode_step(self.weights, self.cache, st, p, num_slots, cache_len, column)
+                              for column in range(self.window)]
             saved = [t.clone() for t in (st.tok, st.pos, st.ntok, st.active)]
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
@@ -467,30 +512,42 @@ class Sampler:
             for t, v in zip((st.tok, st.pos, st.ntok, st.active), saved):
                 t.copy_(v)
             g = torch.cuda.CUDAGraph()
-            # buckets replay in turn, so they share one memory pool. The pool lives and dies with the
-            # call's graphs: capturing into a pool whose graphs were freed trips an assert in the
-            # caching allocator (seen on an H200, torch 2.11). Graphs are not kept across calls: under
-            # FSDP the gathered weights they read may sit at other addresses in the next call
-            call.graph_pool = call.graph_pool or torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(g, pool=call.graph_pool):
+            # the graphs replay in turn, so they share one memory pool; it lives and dies with them
+            # (release(), a new cache): capturing into a pool whose graphs were freed trips an assert
+            # in the caching allocator (seen on an H200, torch 2.11)
+            self.graph_pool = self.graph_pool or torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(g, pool=self.graph_pool):
                 window()
-            call.graphs[cache_len] = g
-        return call.graphs[cache_len]
+            torch.cuda.synchronize()
+            self.graphs[key] = g
+            self.capture_seconds += time.time() - t0
+        return self.graphs[key]
 
     # ------------------------------------------------------------------------- 4. finish
 
-    def _accept(self, call: _Call, s: _Seq, tok: int, lp: float) -> bool:
-        """Append one sampled token; True when the row stops decoding (finished or in a tool call)."""
-        p = call.params
-        s.token_ids.append(tok)
-        s.loss_mask.append(1)
-        s.logprobs.append(lp)
-        is_tool = tok in call.tool_stops
-        is_stop = tok in call.stops
-        if call.tail and not (is_tool or is_stop):  # stop strings: decode this turn's tail
-            text = self.tokenizer.decode(s.token_ids[max(s.turn_start, len(s.token_ids) - call.tail):])
-            is_tool = any(x in text for x in p.tool_stop_strings)
-            is_stop = any(x in text for x in p.stop_strings)
+    def _accept(self, call: _Call, s: _Seq, toks: list[int], lps: list[float]) -> bool:
+        """Append a row's sampled tokens (one window's, in order); True when the row stops decoding
+        (finished, or in a tool call). The device retires a row at a stop id and at max_tokens, so
+        only the last token can end it that way; a stop string can end it earlier, found at the
+        tokens that can complete one (call.string_end), and the tokens after it are dropped."""
+        p, start = call.params, len(s.token_ids)
+        s.token_ids += toks
+        s.loss_mask += [1] * len(toks)
+        s.logprobs += lps
+        is_tool = is_stop = False
+        if call.tail:  # stop strings: decode this turn's tail at each token that may complete one
+            for j in range(start, len(s.token_ids)):
+                tok = s.token_ids[j]
+                if tok in call.tool_stops or tok in call.stops or not call.string_end[tok]:
+                    continue
+                text = self.tokenizer.decode(s.token_ids[max(s.turn_start, j + 1 - call.tail): j + 1])
+                is_tool = any(x in text for x in p.tool_stop_strings)
+                is_stop = any(x in text for x in p.stop_strings)
+                if is_tool or is_stop:
+                    del s.token_ids[j + 1:], s.loss_mask[j + 1:], s.logprobs[j + 1:]
+                    break
+        last = s.token_ids[-1]
+        is_tool, is_stop = is_tool or last in call.tool_stops, is_stop or last in call.stops
         full = len(s.token_ids) >= s.max_tokens
         if is_stop or (is_tool and call.tool is None):
             self._finish(call, s, "stop")

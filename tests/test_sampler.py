@@ -155,24 +155,49 @@ def test_seeded_sampling_independent_of_batch(tiny_dir):
     assert other[0].token_ids != big[0].token_ids
 
 
-def test_decode_computes_only_live_rows(tiny_dir):
+def _decoded_rows(monkeypatch) -> list[int]:
+    """The batch of every decode step from here on (grpo.sampler.decode wrapped)."""
+    import grpo.sampler as sampler_module
+    rows, inner = [], sampler_module.decode
+    monkeypatch.setattr(sampler_module, "decode", lambda w, cache, tok, pos, n, span: rows.append(n)
+                        or inner(w, cache, tok, pos, n, span))
+    return rows
+
+
+def test_decode_computes_only_live_rows(tiny_dir, monkeypatch):
     """Finished rows leave the decode batch (compaction): with one step per sync on CPU, the
-    rows a decode forward computes sum to one per token after each row's first; before
+    rows a decode step computes sum to one per token after each row's first; before
     compaction, rows that stopped early were computed until the highest occupied slot stopped."""
     path, _ = tiny_dir("llama", vocab_size=1000)
     model = Transformer.from_pretrained(path)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 1000, (int(torch.randint(2, 30, (), generator=g)),), generator=g).tolist() for _ in range(6)]
     p = SamplingParams(n=3, temperature=0.9, max_tokens=40, stop_token_ids=list(range(3, 43)), seed=5)
-    rows = []
-    hook = model.register_forward_hook(lambda m, args, out: rows.append(len(args[0])) if args[0].shape[1] == 1 else None)
-    try:
-        out = Sampler(model, gen_batch=8).generate(prompts, p)
-    finally:
-        hook.remove()
+    rows = _decoded_rows(monkeypatch)
+    out = Sampler(model, gen_batch=8).generate(prompts, p)
     assert len({len(c.token_ids) for c in out}) > 3, "rows should stop at different lengths"
     assert sum(rows) == sum(len(c.token_ids) - 1 for c in out)
     assert [c.token_ids for c in out] == [c.token_ids for c in Sampler(model, gen_batch=64).generate(prompts, p)]
+
+
+def test_batch_buckets(tiny_dir, monkeypatch):
+    """buckets=True (what CUDA graphs decode): each step computes the live rows' count rounded up
+    to a power of two (capped at the slots), the extra slots idle, and the tokens and log-probs
+    are those of exact batches."""
+    from grpo.sampler import bucket
+    assert [bucket(n, 48) for n in (1, 2, 3, 5, 17, 33, 48)] == [1, 2, 4, 8, 32, 48, 48]
+    path, _ = tiny_dir("qwen2", vocab_size=1000)
+    model = Transformer.from_pretrained(path)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 1000, (int(torch.randint(2, 30, (), generator=g)),), generator=g).tolist() for _ in range(5)]
+    p = SamplingParams(n=3, temperature=1.0, max_tokens=30, stop_token_ids=list(range(3, 33)), seed=7)
+    exact = Sampler(model, gen_batch=12).generate(prompts, p)
+    rows = _decoded_rows(monkeypatch)
+    bucketed = Sampler(model, gen_batch=12, buckets=True).generate(prompts, p)
+    assert set(rows) <= {1, 2, 4, 8, 12} and len(set(rows)) >= 3, rows
+    assert [c.token_ids for c in bucketed] == [c.token_ids for c in exact]
+    flat = lambda out: [lp for c in out for lp in c.logprobs]
+    assert flat(bucketed) == pytest.approx(flat(exact), abs=1e-5)
 
 
 def test_filter_masks_exact():
@@ -400,20 +425,23 @@ def test_model_left_as_found(tiny_dir):
     assert model.training and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def test_autocast_casts_each_weight_once_per_call_and_never_a_stale_one(tiny_dir):
-    """Under autocast_bf16 a call casts each block weight to bf16 once, not once per forward (the
-    autocast cache, kept alive for the call); after the weights change in place the next call
-    sees the new ones, also inside a caller's autocast, where torch would keep the cache."""
+def test_autocast_casts_each_weight_once_per_call_and_never_a_stale_one(tiny_dir, monkeypatch):
+    """Under autocast_bf16 a call casts each block weight to bf16 once for its prefills (the
+    autocast cache, kept alive for the call) and copies it once into the decode weights (bf16),
+    not once per forward or decode step; after the weights change in place the next call sees
+    the new ones, also inside a caller's autocast, where torch would keep the cache."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class CountWeightCasts(TorchDispatchMode):
         def __init__(self, params):
             super().__init__()
-            self.ptrs, self.casts = {p.data_ptr() for p in params}, 0
+            self.ptrs, self.casts, self.copies = {p.data_ptr() for p in params}, 0, 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.ptrs:
                 self.casts += 1
+            if func is torch.ops.aten.copy_.default and args[1].data_ptr() in self.ptrs:
+                self.copies += 1  # DecodeWeights.refresh
             return func(*args, **(kwargs or {}))
 
     path, _ = tiny_dir("llama", vocab_size=1000)
@@ -422,13 +450,13 @@ def test_autocast_casts_each_weight_once_per_call_and_never_a_stale_one(tiny_dir
     weights = [p for blk in model.layers for n, p in blk.named_parameters() if p.dim() == 2]
     p = SamplingParams(n=2, temperature=0, max_tokens=12, stop_token_ids=[])
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    forwards = []
+    forwards = _decoded_rows(monkeypatch)  # one entry per decode step
     hook = model.register_forward_hook(lambda *a: forwards.append(1))
     counter = CountWeightCasts(weights)
     with counter:
         first = Sampler(model).generate(prompts, p)
     hook.remove()
-    assert len(forwards) > 5 and counter.casts == len(weights)
+    assert len(forwards) > 5 and counter.casts == len(weights) and counter.copies == len(weights)
     with torch.autocast("cpu", enabled=False):  # a caller's autocast: torch would keep the cache on exit
         Sampler(model).generate(prompts, p)
         with torch.no_grad():

@@ -1,0 +1,140 @@
+"""Decode: one new token per row over the sampler's KV cache, from a resident copy of the weights.
+
+    weights = DecodeWeights(model)      # allocated once per sampler
+    weights.refresh(model)              # in place, at the start of every sampler call
+    logits = decode(weights, cache, tok, pos, n, span)   # (n,) tokens at (n,) positions -> (n, V)
+
+Why a second forward beside Transformer.forward (which still runs every prefill and tool
+observation; this file is the decode step only):
+- Fixed addresses. A CUDA graph replays the pointers it captured. Under FSDP2 the gathered
+  weights live at new addresses in each sampler call, so graphs used to be captured anew in
+  every call (~0.5 s per cache bucket). The copy here lives as long as the sampler, is refreshed
+  with copy_ (the weights change after every optimizer step), and graphs captured once replay in
+  every later call.
+- Fused layouts. q, k and v projections are one (qd + 2 kd, H) matrix and gate and up one (2F, H):
+  one GEMM each instead of three and two.
+- Few kernels. A layer is add+RMSNorm, the QKV GEMM, qk-norm + rotary + KV write, attention, the O
+  GEMM, add+RMSNorm, the gate-up GEMM, silu*mul and the down GEMM: grpo.kernels' Triton kernels on
+  CUDA (inference only, no autograd), their PyTorch references elsewhere. The attention mask is
+  built once per step, not once per layer.
+Precision follows the model's: matmuls in bf16 under autocast_bf16 (CPU), the residual stream, the
+norms, the embedding and the LM head in the model's dtype; attention in fp32 on a CPU. The tests
+check the logits against Transformer.forward over the same cache (tests/test_decode.py).
+"""
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from grpo.kernels.layers import add_rmsnorm, decode_attention, qkv_rope_write, silu_mul
+
+try:  # optional: flash-attn's KV-cache kernel, where installed (CUDA)
+    from flash_attn import flash_attn_with_kvcache
+except ImportError:
+    flash_attn_with_kvcache = None
+
+
+class DecodeWeights:
+    """The weights decode reads, stacked per layer: wqkv (L, qd + 2kd, H) [q | k | v rows], bqkv
+    (L, qd + 2kd) (Qwen2), wo (L, H, qd), w13 (L, 2F, H) [gate | up], w2 (L, H, F), norms (L, H) and
+    (L, D) (Qwen3's q/k norms), embed (V, H), lm_head (V, H) (the same tensor when tied)."""
+
+    def __init__(self, model):
+        a, p = model.args, next(model.parameters())
+        self.args, self.device = a, p.device
+        self.act_dtype = p.dtype  # the residual stream's: fp32 on CPU, the FSDP compute dtype on GPU
+        self.mm_dtype = torch.bfloat16 if getattr(model, "autocast_bf16", False) else p.dtype
+        L, H, D, F_, V = a.n_layers, a.dim, a.head_dim, a.ffn_dim, a.vocab_size
+        qkv = (a.n_heads + 2 * a.n_kv_heads) * D
+        mm = lambda *shape: torch.empty(*shape, dtype=self.mm_dtype, device=self.device)
+        act = lambda *shape: torch.empty(*shape, dtype=self.act_dtype, device=self.device)
+        self.wqkv, self.wo, self.w13, self.w2 = mm(L, qkv, H), mm(L, H, a.n_heads * D), mm(L, 2 * F_, H), mm(L, H, F_)
+        self.bqkv = mm(L, qkv) if a.qkv_bias else None
+        self.ln1, self.ln2, self.norm = act(L, H), act(L, H), act(H)
+        self.q_norm, self.k_norm = (act(L, D), act(L, D)) if a.qk_norm else (None, None)
+        self.embed = act(V, H)
+        self.lm_head = self.embed if a.tie_embeddings else act(V, H)
+        self.inv_freq = model.inv_freq.detach().clone().float()  # (D/2,), fixed by the config
+
+    def matches(self, model) -> bool:
+        """Whether this copy's layout and dtypes still fit the model (autocast may be switched)."""
+        p = next(model.parameters())
+        mm = torch.bfloat16 if getattr(model, "autocast_bf16", False) else p.dtype
+        return (p.dtype, p.device, mm) == (self.act_dtype, self.device, self.mm_dtype)
+
+    @torch.no_grad()
+    def refresh(self, model):
+        """Copy the model's current weights in (casting to this copy's dtypes): after an optimizer
+        step the next decode reads the new ones. Always a full copy: a version counter would miss
+        writes through .data, and under FSDP2 the gathered tensors are new in every call (a 0.5B
+        model in bf16 is 1 GB: ~0.3 ms on an H200; SmolLM2-135M on 2 CPU cores ~0.1 s a call)."""
+        a = self.args
+        qd, kd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        for i, b in enumerate(model.layers):
+            at, mlp = b.self_attn, b.mlp
+            for w, lo, hi in ((at.q_proj, 0, qd), (at.k_proj, qd, qd + kd), (at.v_proj, qd + kd, qd + 2 * kd)):
+                self.wqkv[i, lo:hi].copy_(w.weight)
+                if self.bqkv is not None:
+                    self.bqkv[i, lo:hi].copy_(w.bias)
+            self.wo[i].copy_(at.o_proj.weight)
+            self.w13[i, : a.ffn_dim].copy_(mlp.gate_proj.weight)
+            self.w13[i, a.ffn_dim:].copy_(mlp.up_proj.weight)
+            self.w2[i].copy_(mlp.down_proj.weight)
+            self.ln1[i].copy_(b.input_layernorm.weight)
+            self.ln2[i].copy_(b.post_attention_layernorm.weight)
+            if self.q_norm is not None:
+                self.q_norm[i].copy_(at.q_norm.weight)
+                self.k_norm[i].copy_(at.k_norm.weight)
+        self.norm.copy_(model.norm.weight)
+        self.embed.copy_(model.embed_tokens.weight)
+        if self.lm_head is not self.embed:
+            self.lm_head.copy_(model.lm_head.weight)
+
+
+def decode(w: DecodeWeights, cache, tok: Tensor, pos: Tensor, n: int, span: int) -> Tensor:
+    """Rows [0, n) of the cache each take one token: tok (n,) at positions pos (n,), attending
+    to cache positions [0, span) up to their own. Their k, v are written at pos. -> logits (n, V),
+    in the LM head's dtype. No host sync, static shapes: a CUDA graph can hold it."""
+    a = w.args
+    slot = torch.arange(n, device=tok.device)
+    freqs = pos[:, None].float() * w.inv_freq  # (n, D/2) fp32
+    cos, sin = freqs.cos(), freqs.sin()
+    bias = _key_bias(pos, span, torch.float32 if not cache.k.is_cuda else cache.k.dtype)  # (n, 1, 1, span)
+    x, res = w.embed[tok], None  # (n, H); res: the residual stream
+    for i in range(a.n_layers):
+        y, res = add_rmsnorm(x, res, w.ln1[i], a.norm_eps)
+        qkv = _linear(y, w.wqkv[i], None if w.bqkv is None else w.bqkv[i])  # (n, qd + 2kd)
+        q = qkv_rope_write(qkv, cos, sin, cache.k[i], cache.v[i], slot, pos, a.n_heads, a.n_kv_heads, a.head_dim,
+                           None if w.q_norm is None else w.q_norm[i], None if w.k_norm is None else w.k_norm[i],
+                           a.norm_eps)  # (n, nh, D), rotary applied; k, v now cached at pos
+        o = _attend(q, cache.k[i], cache.v[i], slot, pos, span, bias)  # (n, nh, D)
+        x = _linear(o.reshape(n, -1), w.wo[i]).to(res.dtype)
+        y, res = add_rmsnorm(x, res, w.ln2[i], a.norm_eps)
+        x = _linear(silu_mul(_linear(y, w.w13[i])), w.w2[i]).to(res.dtype)
+    y, _ = add_rmsnorm(x, res, w.norm, a.norm_eps)
+    return _linear(y, w.lm_head)
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    return F.linear(x.to(weight.dtype), weight, bias)
+
+
+def _key_bias(pos: Tensor, span: int, dtype) -> Tensor:  # (n,) -> (n, 1, 1, span): 0 = may attend, -inf not
+    keys = torch.arange(span, device=pos.device)
+    return torch.zeros(len(pos), 1, 1, span, dtype=dtype, device=pos.device).masked_fill_(
+        (keys > pos[:, None])[:, None, None], float("-inf"))
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, slot: Tensor, pos: Tensor, span: int, bias: Tensor) -> Tensor:
+    """q (n, nh, D) of rows in slots [0, n) against one layer's cache k, v (slots, S, nkv, D) up to
+    each row's pos (< span) -> (n, nh, D)."""
+    n = len(q)
+    if q.is_cuda and flash_attn_with_kvcache is not None:
+        return flash_attn_with_kvcache(q[:, None], k[:n], v[:n], cache_seqlens=(pos + 1).to(torch.int32),
+                                       causal=True)[:, 0]
+    if q.is_cuda:
+        return decode_attention(q, k, v, slot, pos + 1)
+    k, v = k[:n, :span], v[:n, :span]
+    # CPU: fp32 attention (its bf16 kernels are the slower ones there; see Attention.forward)
+    y = F.scaled_dot_product_attention(q.float()[:, :, None], k.transpose(1, 2).float(), v.transpose(1, 2).float(),
+                                       attn_mask=bias, enable_gqa=q.shape[1] != k.shape[2])
+    return y[:, :, 0].to(q.dtype)

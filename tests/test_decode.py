@@ -1,0 +1,100 @@
+"""The decode step (grpo/decode.py) against Transformer.forward over the same KV cache, for each
+family; the decode weights after an optimizer step; the stop-string candidate tokens."""
+import pytest
+import torch
+
+from grpo.decode import DecodeWeights, decode
+from grpo.kv_cache import KVCache
+from grpo.model import Transformer
+from grpo.sampler import Sampler, SamplingParams
+
+
+def _both_ways(model, prompts: list[list[int]], steps: int):
+    """Prefill the prompts into a cache, then decode `steps` tokens (each row's argmax) twice from
+    copies of it: through the model's forward and through decode(). -> the two (steps, n, V)
+    logits and the two caches."""
+    n, S = len(prompts), max(map(len, prompts)) + steps + 3
+    cache = KVCache(model.args, n, S, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        for i, x in enumerate(prompts):  # one prompt a forward, its KV into slot i
+            cache.packed(torch.full((len(x),), i), torch.arange(len(x)))
+            model(torch.tensor([x]), torch.arange(len(x))[None], cache=cache)
+        caches = [cache, KVCache(model.args, n, S, torch.float32, torch.device("cpu"))]
+        caches[1].k.copy_(cache.k), caches[1].v.copy_(cache.v)
+        w = DecodeWeights(model)
+        w.refresh(model)
+        tok = torch.tensor([x[-1] for x in prompts])
+        pos = torch.tensor([len(x) - 1 for x in prompts])
+        # the last prompt token is fed again (rewritten at its own position): both paths alike
+        out = [[], []]
+        for _ in range(steps):
+            span = int(pos.max()) + 1
+            caches[0].rows(slice(0, n), pos, 1, span)
+            out[0].append(model(tok[:, None], pos[:, None], cache=caches[0])[:, 0].float())
+            out[1].append(decode(w, caches[1], tok, pos, n, span).float())
+            tok, pos = out[0][-1].argmax(-1), pos + 1
+    return torch.stack(out[0]), torch.stack(out[1]), caches
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_decode_equals_model_forward(tiny_dir, family):
+    path, _ = tiny_dir(family)
+    model = Transformer.from_pretrained(path).eval()
+    prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
+    ref, ours, (c0, c1) = _both_ways(model, prompts, steps=6)
+    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(c1.k, c0.k, atol=1e-6, rtol=1e-6)  # the same keys and values written
+    torch.testing.assert_close(c1.v, c0.v, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_decode_under_autocast_bf16(tiny_dir, family):
+    """autocast_bf16: the decode weights are bf16 matmuls over an fp32 residual stream, as the
+    model's autocast computes; bf16 rounding alone separates them."""
+    path, _ = tiny_dir(family)
+    model = Transformer.from_pretrained(path).eval()
+    model.autocast_bf16 = True
+    w = DecodeWeights(model)
+    assert w.wqkv.dtype == torch.bfloat16 and w.ln1.dtype == torch.float32 and w.embed.dtype == torch.float32
+    ref, ours, _ = _both_ways(model, [[3, 4, 5, 6], [7, 8, 9]], steps=4)
+    scale = ref.abs().max()
+    assert (ours - ref).abs().max() < 0.03 * scale, ((ours - ref).abs().max(), scale)
+
+
+def test_decode_weights_follow_the_optimizer(tiny_dir):
+    """One sampler across an optimizer step: its next call reads the new weights (its decode
+    copy is refreshed in place, at the same addresses), giving a fresh sampler's tokens."""
+    path, _ = tiny_dir("qwen2", vocab_size=300)
+    model = Transformer.from_pretrained(path)
+    sampler = Sampler(model, gen_batch=8)
+    p = SamplingParams(n=2, temperature=1.0, max_tokens=16, stop_token_ids=[], seed=3)
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    before = sampler.generate(prompts, p)
+    addresses = sampler.weights.wqkv.data_ptr(), sampler.weights.w13.data_ptr()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model.train()
+    loss = model(torch.tensor([[5, 6, 7, 8]]), labels=torch.tensor([[6, 7, 8, -100]])).sum()
+    loss.backward()
+    opt.step()
+    model.eval()
+    after = sampler.generate(prompts, p)
+    assert (sampler.weights.wqkv.data_ptr(), sampler.weights.w13.data_ptr()) == addresses
+    assert [c.token_ids for c in after] == [c.token_ids for c in Sampler(model, gen_batch=8).generate(prompts, p)]
+    assert [c.token_ids for c in after] != [c.token_ids for c in before]
+
+
+def test_stop_string_candidates_on_smollm2(smollm2_path):
+    """The tokens that can complete a stop string: every token whose text holds the string's last
+    character, none of the others but partial-UTF-8 and empty ones, and few of the vocabulary."""
+    from transformers import AutoTokenizer
+    tk = AutoTokenizer.from_pretrained(smollm2_path)
+    model = Transformer.from_pretrained(smollm2_path)
+    ends = Sampler(model, tk, gen_batch=1)._string_ends(["</calc>", "\n\nUser:"])
+    V = model.args.vocab_size
+    assert len(ends) == V and sum(ends) < V // 5
+    for v in range(0, len(tk), 7):
+        piece = tk.decode([v])
+        if ">" in piece or ":" in piece:
+            assert ends[v], (v, piece)
+        elif piece and "\ufffd" not in piece and piece.strip() == piece:
+            assert not ends[v], (v, piece)
