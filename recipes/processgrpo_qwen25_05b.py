@@ -56,6 +56,7 @@ the output folder (read back on --resume); each process filters (meant for one G
 """
 import json
 import os
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,7 +66,8 @@ from grpo import dist
 from grpo.config import Config, parse_args
 from grpo.checkpoint import refuse_used_dir
 from grpo.data import DataError
-from grpo.envs.processgrpo import DEFAULT_WEIGHTS, OneShotMathEnv, filter_by_solve_rate, load_sources
+from grpo.envs.processgrpo import (DEFAULT_WEIGHTS, TRAIN_SOURCES, VALIDATION_SOURCES, OneShotMathEnv,
+                                   filter_by_solve_rate, load_sources, without)
 from grpo.model import Transformer
 from grpo.process import ProcessCredit
 from grpo.sampler import Sampler
@@ -78,8 +80,8 @@ CREDITS = ("process", "outcome", "shuffled")
 class ProcessGRPOQwen(Config):
     model_path: str = "Qwen/Qwen2.5-0.5B-Instruct"  # a local HF folder, or a hub id fetched once
     output_dir: str = "runs/processgrpo_qwen25_05b"
-    train_data: str = "openai/gsm8k:main:train"  # comma-separated: files, dataset ids, multistep:train:N
-    eval_data: str = "multistep:validation:50"   # checkpoint choice: 50 problems per operation count 2..8
+    train_data: str = TRAIN_SOURCES   # comma-separated: files, dataset ids, multistep:train:N
+    eval_data: str = VALIDATION_SOURCES  # checkpoint choice: held-out GSM8K + MATH, not the benchmark's generator
     credit: str = "process"           # process | outcome (final-answer only) | shuffled (control)
     num_continuations: int = 16       # K: continuations of the frozen copy per step boundary
     progress_weight: float = 3.0      # token advantage = A + weight x its step's progress
@@ -88,7 +90,7 @@ class ProcessGRPOQwen(Config):
     max_continuation_total: int = 0   # cap on a step's boundaries x K x length; over it the longest
                                       # solutions get the outcome advantage only; 0 = no cap
     continuation_batch: int = 256     # the frozen copy's sampler slots (rows decoded together)
-    filter_solve_rate: bool = False   # keep problems the base model solves 1-7 times in 8 (a rollout pass)
+    filter_solve_rate: bool = True    # keep problems the base model solves 1-7 times in 8 (a rollout pass)
     max_steps: int = 400
     prompts_per_step: int = 8
     num_generations: int = 8
@@ -127,37 +129,59 @@ def filtered(cfg: Config, sampler, tokenizer, env, examples: list[dict]) -> list
     if cfg.resume and path.exists():
         print(f"filter: reading {path} (--resume)")
         return [json.loads(line) for line in open(path)]
-    kept, solved = filter_by_solve_rate(sampler, tokenizer, env, examples, temperature=cfg.temperature,
-                                        max_tokens=cfg.max_completion_length, seed=cfg.seed,
-                                        chat_kwargs=dict(enable_thinking=cfg.enable_thinking))
+    samples = 8 * len(examples)   # the estimate: ~300 tokens is a 0.5B model's typical solution
+    print(f"filter: {len(examples)} candidate problems x 8 samples = {samples:,} samples; at most "
+          f"{samples * cfg.max_completion_length / 1e6:.1f}M sampled tokens ({cfg.max_completion_length} "
+          f"each), ~{samples * 300 / 1e6:.1f}M at ~300 a solution (--filter_solve_rate=false skips it)")
+    kept, solved, cost = filter_by_solve_rate(sampler, tokenizer, env, examples, temperature=cfg.temperature,
+                                              max_tokens=cfg.max_completion_length, seed=cfg.seed,
+                                              chat_kwargs=dict(enable_thinking=cfg.enable_thinking))
     print(f"filter: kept {len(kept)} of {len(examples)} problems (solved 1-7 times in 8); "
           f"{solved.count(0)} never solved, {solved.count(8)} always")
+    print(f"filter cost: {cost['samples']:,} samples, {cost['completion_tokens']:,} sampled tokens "
+          f"({cost['completion_tokens'] / max(cost['samples'], 1):.0f} a sample), {cost['prompt_tokens']:,} "
+          f"prompt tokens, {cost['seconds']:.0f} s")
+    if not kept:  # training on nothing is no run
+        raise SystemExit(f"error: the filter kept none of {len(examples)} problems: the model solves them "
+                         f"all or never (--filter_solve_rate=false trains on them unfiltered)")
     if os.environ.get("RANK", "0") == "0":   # before the process group: torchrun's rank
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(json.dumps(ex) + "\n" for ex in kept))
     return kept
 
 
-def load(sources: str, *fields) -> list[dict]:
+def load(sources: str, flag: str, *fields) -> list[dict]:
     try:
         return load_sources(sources, *fields)
     except DataError as e:  # one line, not a traceback: the usual cause is a missing file or no network
-        raise SystemExit(f"processgrpo recipe: {e} (offline: --train_data=gsm8k/train.jsonl,... local "
+        raise SystemExit(f"processgrpo recipe: {e} (offline: {flag}=FILE,... local JSONL, CSV or Parquet "
                          f"files with question and answer columns, or multistep:train:300 for generated "
                          f"problems)") from None
 
 
 def eval_setup(cfg: ProcessGRPOQwen) -> tuple:
-    """The one-shot boxed env and the validation problems (also `python -m grpo.eval --run`)."""
-    return OneShotMathEnv(), load(cfg.eval_data) if cfg.eval_data else []
+    """The one-shot boxed env and the validation problems, shuffled so that any eval_limit takes
+    every source (also `python -m grpo.eval --run`)."""
+    examples = load(cfg.eval_data, "--eval_data") if cfg.eval_data else []
+    random.Random(0).shuffle(examples)
+    return OneShotMathEnv(), examples
+
+
+def data(cfg: ProcessGRPOQwen) -> tuple[list[dict], object, list[dict]]:
+    """(training problems, env, validation problems): training less every validation question."""
+    train_examples = load(cfg.train_data, "--train_data", cfg.question_field, cfg.answer_field)
+    env, eval_examples = eval_setup(cfg)
+    kept = without(train_examples, eval_examples)
+    print(f"data: {len(kept)} training problems ({len(train_examples) - len(kept)} held out for "
+          f"validation), {len(eval_examples)} validation problems (the first {cfg.eval_limit} evaluated)")
+    return kept, env, eval_examples
 
 
 def main(cls=ProcessGRPOQwen):
     cfg = parse_args(cls)
     if cfg.credit not in CREDITS:
         raise SystemExit(f"error: --credit={cfg.credit!r}: one of {', '.join(CREDITS)}")
-    train_examples = load(cfg.train_data, cfg.question_field, cfg.answer_field)
-    env, eval_examples = eval_setup(cfg)
+    train_examples, env, eval_examples = data(cfg)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
     sampler = None   # the outcome control needs no frozen copy (unless it filters the data)
