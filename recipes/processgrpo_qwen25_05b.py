@@ -172,8 +172,8 @@ def filtered(cfg: Config, sampler, tokenizer, env, examples: list[dict]) -> list
         return [json.loads(line) for line in open(path)]
     samples = 8 * len(examples)   # the estimate: ~300 tokens is a 0.5B model's typical solution
     print(f"filter: {len(examples)} candidate problems x 8 samples = {samples:,} samples; at most "
-          f"{samples * cfg.max_completion_length / 1e6:.1f}M sampled tokens ({cfg.max_completion_length} "
-          f"each), ~{samples * 300 / 1e6:.1f}M at ~300 a solution (--filter_solve_rate=false skips it)")
+          f"{samples * cfg.max_completion_length:,} sampled tokens ({cfg.max_completion_length} each), "
+          f"~{samples * 300:,} at ~300 a solution (--filter_solve_rate=false skips it)")
     kept, solved, cost = filter_by_solve_rate(sampler, tokenizer, env, examples, temperature=cfg.temperature,
                                               max_tokens=cfg.max_completion_length, seed=cfg.seed,
                                               chat_kwargs=dict(enable_thinking=cfg.enable_thinking))

@@ -237,7 +237,7 @@ def test_processgrpo_recipe_two_steps(credit, tmp_path, smollm2_path, monkeypatc
         return
     printed = capsys.readouterr().out
     assert filtered == [14] and len(open(out / "train_filtered.jsonl").readlines()) == 14
-    assert "filter: 14 candidate problems x 8 samples = 112 samples" in printed
+    assert "filter: 14 candidate problems x 8 samples = 112 samples; at most 2,688 sampled tokens (24 each)" in printed
     assert "filter cost: 112 samples, 5 sampled tokens" in printed
     assert len(calls) == 2, calls                     # one credit call per step, over its 2 x 2 solutions
     assert len(shapes) == 2 and all(len(s) == 2 and s[0] == 4 for s in shapes), shapes
