@@ -187,3 +187,18 @@ def test_card_task_errors_are_one_line(tmp_path):
         load_task("svamp", write_jsonl(tmp_path / "s.jsonl", [{"Body": "A story.", "Answer": 3}]))
     with pytest.raises(DataError, match="none of its 1 answers is a number"):
         load_task("math500_numeric", write_jsonl(tmp_path / "m.jsonl", [{"problem": "p", "answer": "x^2"}]))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_card_task_through_the_eval_command(tmp_path, smollm2_path):
+    """`python -m grpo.eval --task svamp --data FILE`: the task is a choice of the command, its
+    records carry SVAMP's joined question and its numeric answer (a tiny random model: plumbing)."""
+    from grpo.cli.eval import main
+    from test_recipes import make_tiny_chat_model
+    model = make_tiny_chat_model(tmp_path / "tiny", "qwen2", smollm2_path)
+    data, out = write_jsonl(tmp_path / "svamp.jsonl", TASK_ROWS["svamp"]), tmp_path / "out.jsonl"
+    r = main(["--model_path", model, "--task", "svamp", "--data", data, "--max_completion_length", "6",
+              "--out", str(out)])
+    [record] = [json.loads(line) for line in open(out)]
+    assert r["questions"] == 1 and record["question"] == QUESTIONS["svamp"] and record["answer"] == "24.0"
+    assert record["correct"] == 0.0 and record["finish_reason"] in ("stop", "length")
