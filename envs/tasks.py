@@ -3,17 +3,27 @@
 Default data are Hugging Face dataset ids, read through the optional `datasets` library (one
 download into its cache); offline, pass a local JSONL, CSV or Parquet file as `data` (`--data`).
 A task's rows go through grpo.data.load_examples plus that task's own rules below.
+
+The ProcessGRPO card's table (zaydsyed/TactLM-Math-ProcessGRPO-Qwen2.5-0.5B) is `gsm_symbolic`,
+`svamp` and `math500_numeric`: its one-shot prompt and exact-number score
+(grpo.envs.processgrpo.OneShotMathEnv), greedy, 3,072 new tokens (--max_completion_length 3072).
+A local file for one of them has the dataset's own columns: GSM-Symbolic `question` and an
+`answer` ending '#### n' (as GSM8K); SVAMP `Body`, `Question` and a numeric `Answer`;
+MATH-500 `problem` and `answer` (rows whose answer is not a number are dropped, counted).
 """
-from grpo.data import load_examples
+from grpo.data import DataError, load_examples
 from grpo.envs import calculator, gsm8k
 from grpo.envs import math as math_env
 
-TASKS = ("gsm8k", "math500", "aime24", "aime25", "calculator")
+TASKS = ("gsm8k", "math500", "aime24", "aime25", "calculator", "gsm_symbolic", "svamp", "math500_numeric")
 SOURCES = {  # name[:config[:split]]
     "gsm8k": "openai/gsm8k:main:test",
     "math500": "HuggingFaceH4/MATH-500::test",
     "aime24": "HuggingFaceH4/aime_2024::train",  # the 30 problems of 2024 AIME I and II
     "aime25": "math-ai/aime25::test",            # the same rows as the math-evaluation-harness file
+    "gsm_symbolic": "apple/GSM-Symbolic:main:test",   # 5,000: 50 variants of 100 GSM8K test questions
+    "svamp": "ChilleD/SVAMP::test",                   # 300 of SVAMP's 1,000 (700 train)
+    "math500_numeric": "HuggingFaceH4/MATH-500::test",  # the rows whose answer is a number
 }
 GSM8K_TRAIN = "openai/gsm8k:main:train"  # where the k-shot prompt's examples come from
 
@@ -25,6 +35,15 @@ def gsm8k_example(example: dict) -> dict:
     if answer is None or "####" not in answer:  # a file that already holds the bare number
         return example
     return {**example, "solution": answer, "answer": answer.split("####")[-1].strip().replace(",", "")}
+
+
+def svamp_example(example: dict) -> dict:
+    """SVAMP's story (`Body`) and its question (`Question`) as one question; `Answer` is a float
+    ('27.0'), read as the exact number it states."""
+    body, question = (str(example.get(k) or "").strip() for k in ("Body", "Question"))
+    if not question:
+        raise ValueError("missing column 'Question' (SVAMP rows have Body, Question and Answer)")
+    return {**example, "question": f"{body} {question}".strip()}
 
 
 def calculator_example(example: dict) -> dict:
@@ -56,6 +75,19 @@ def load_task(task: str, data: str | None = None, shots: int = 0, question_field
     if task in ("math500", "aime24", "aime25"):
         prepare = math_env.aime_example if task.startswith("aime") else None
         return math_env.MathEnv(), load_examples(data or SOURCES[task], prepare=prepare, **fields)
+    if task in ("gsm_symbolic", "svamp", "math500_numeric"):  # the ProcessGRPO card's protocol
+        from grpo.envs.processgrpo import OneShotMathEnv, parse_number
+        if task == "svamp":   # its own columns: Body + Question, Answer
+            examples = load_examples(data or SOURCES[task], question_field="Body", answer_field="Answer",
+                                     prepare=svamp_example)
+        else:
+            examples = load_examples(data or SOURCES[task], prepare=gsm8k_example, **fields)
+        numeric = [ex for ex in examples if parse_number(ex["answer"]) is not None]
+        if len(numeric) < len(examples):
+            print(f"{task}: kept {len(numeric)} of {len(examples)} problems (the others' answers are not numbers)")
+        if not numeric:
+            raise DataError(f"{data or SOURCES[task]}: none of its {len(examples)} answers is a number")
+        return OneShotMathEnv(), numeric
     if task == "calculator":  # generated questions unless a file is given: no public data set exists
         examples = (load_examples(data, prepare=calculator_example, **fields) if data
                     else calculator.generate_questions(200, seed=0, split="eval"))

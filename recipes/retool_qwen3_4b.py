@@ -32,6 +32,30 @@ gradient checkpointing) is small next to the sampling of ~3M tokens a step.
 Data: DAPO-Math-17k from the hub (open-r1/DAPO-Math-17k-Processed, config en: `prompt` and
 `solution` columns) or a local file with --train_data/--question_field/--answer_field; eval
 during training: AIME 2024 (HuggingFaceH4/aime_2024), 16 samples each.
+On CPU, SmolLM2-135M with real sandbox calls, a few steps: bench/e2e_retool_smollm2.py and
+docs/runs.md (2026-12-02).
+
+Where this differs from the card, all of it:
+- Infrastructure: the card ran slime (Megatron training on 2 B200, SGLang rollouts on 6, async
+  RL); here the same GPUs sample and train, one rollout after the other: each rollout comes from
+  the weights after the previous one's 4 optimizer steps (slime's async mode can sample from
+  older weights; the card does not say how stale).
+- Data: open-r1/DAPO-Math-17k-Processed, config `en` (~14.1k problems, ~221 rollouts for the
+  epoch), not the card's dapo-math-17k copy (17.4k, 271 rollouts); the card does not say what it
+  did with DAPO's "Answer: $Answer" instruction, which we strip. Data order: our seed-42 shuffle,
+  not slime's.
+- Loss details the card leaves out, ours: loss_type `grpo` (each sequence's token mean, then the
+  mean over sequences), clip epsilon 0.2 both sides, truncated importance sampling between the
+  sampler's and the trainer's log-probs capped at tis_cap = 2 (grpo.config), gradient clipping 1.0,
+  AdamW betas (0.9, 0.99), no warmup; tool responses masked out of the loss (as ReTool).
+- Tool: our sandbox (grpo.envs.sandbox: isolated workers, 10 s a call) for the card's
+  unnamed one; at most 16 assistant turns (tool calls and the answer) a problem, in training and
+  eval (the card gives no limit); a call's output as the sandbox returns it (stdout, or the error).
+- Eval: AIME 2024 during training (30 problems x 16 samples every 50 steps, 16,384 tokens, ours);
+  the card's table through `python -m grpo.eval` as above, MATH-500 scored by math-verify
+  equivalence (grpo.envs.math; the card does not name its scorer).
+- Prompt length: 512 tokens sizes the KV cache (the card gives none).
+- Not yet run on a GPU with the real weights: the sizing above is an estimate.
 """
 from dataclasses import dataclass
 

@@ -3,6 +3,7 @@ scorer and data (grpo.envs.processgrpo): determinism, splits, exact answers reco
 chain, ASCII-only numbers, the worked-example layout, the sources and the solve-rate filter."""
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -29,7 +30,8 @@ def test_deterministic_under_a_seed_in_any_process():
     # str seeds and SHA-256 routing: the same set whatever the interpreter's hash seed
     here = hashlib.sha256(json.dumps(multistep.test_set()).encode()).hexdigest()
     there = subprocess.run([sys.executable, "-c", DIGEST], capture_output=True, text=True, check=True,
-                           env={"PYTHONHASHSEED": "12345", "PATH": ""}).stdout.strip()
+                           env={"PYTHONHASHSEED": "12345", "PATH": "",   # PYTHONPATH kept: where grpo is
+                                **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}}).stdout.strip()
     assert here == there
 
 
@@ -86,6 +88,9 @@ def test_scorer_reads_exact_ascii_numbers_only():
     assert parse_number("3/4") == parse_number("\\frac{3}{4}") == parse_number("0.75") == Fraction(3, 4)
     assert parse_number("-\\dfrac{3}{4}") == Fraction(-3, 4) and parse_number("\u22125") == -5
     assert parse_number("13 \\text{ boxes}") == 13 and parse_number("78 / 6 = 13") == 13
+    # MATH's brace-less \frac43 and degrees (MATH-500 answers such as '90^\circ')
+    assert parse_number("\\frac43") == Fraction(4, 3) and parse_number("-\\dfrac12") == Fraction(-1, 2)
+    assert parse_number("90^\\circ") == parse_number("90^{\\circ}") == 90 and parse_number("\\frac{4}3") is None
     for bad in ("١٢", "１２", "12²", "1,23", "5 or 6", "12 + 3", "2/0", "", "x"):   # not digits we read
         assert parse_number(bad) is None, bad
     assert score("\\boxed{١٣}", "13") == 0.0 and score("\\boxed{１３}", "13") == 0.0
@@ -150,6 +155,12 @@ def test_filter_keeps_problems_solved_1_to_7_times_in_8(smollm2_path):
     solves = [0, 1, 4, 7, 8, 3, 8, 0, 2, 6]
     sampler = ScriptedSampler(tok, examples, solves)
     # chunks of 4: the prompt offsets carry across chunks
-    kept, solved = filter_by_solve_rate(sampler, tok, OneShotMathEnv(), examples, chunk=4)
+    kept, solved, cost = filter_by_solve_rate(sampler, tok, OneShotMathEnv(), examples, chunk=4)
     assert solved == solves
     assert kept == [ex for ex, s in zip(examples, solves) if 1 <= s <= 7]
+    assert [s for s in solves if 1 <= s <= 7] == [1, 4, 7, 3, 2, 6]     # 0 and 8 dropped, 1 and 7 kept
+    # its cost: 8 samples a problem, every sampled token counted, one prompt prefill a problem
+    ids = lambda answer: tok.encode(f"Step.\n\nSo \\boxed{{{answer}}}.", add_special_tokens=False)
+    want = sum(len(ids(ex["answer"])) * s + len(ids("-1")) * (8 - s) for ex, s in zip(examples, solves))
+    assert cost["samples"] == 80 and cost["completion_tokens"] == want
+    assert cost["prompt_tokens"] > 10 * 50 and cost["seconds"] >= 0

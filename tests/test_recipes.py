@@ -196,10 +196,13 @@ def test_bad_recipe_flag_fails_before_any_work():
 # ----------------------------------------------------------------------------- ProcessGRPO (Qwen2.5)
 
 @pytest.mark.parametrize("credit", ["process", "outcome"])
-def test_processgrpo_recipe_two_steps(credit, tmp_path, smollm2_path, monkeypatch):
+def test_processgrpo_recipe_two_steps(credit, tmp_path, smollm2_path, monkeypatch, capsys):
     """Two steps on generated problems (no network), run in this process so that a spy on the
     frozen copy's continuations sees them: one call per step with --credit=process, none with
-    --credit=outcome (plain GRPO: no frozen copy is even loaded)."""
+    --credit=outcome (plain GRPO: no frozen copy is even loaded). The solve-rate filter is on by
+    default (process: a stub keeps every problem, its file and cost lines checked); the outcome
+    run turns it off."""
+    import grpo.envs.processgrpo
     import grpo.process
     model = make_tiny_chat_model(tmp_path / "tiny-qwen2", "qwen2", smollm2_path)
     out, calls = tmp_path / "run", []
@@ -214,15 +217,28 @@ def test_processgrpo_recipe_two_steps(credit, tmp_path, smollm2_path, monkeypatc
     shapes, update = [], grpo.trainer.policy_update     # what reaches the update: (N,) or per-token (N, C)
     monkeypatch.setattr(grpo.trainer, "policy_update",
                         lambda *a, **kw: shapes.append(tuple(a[5].shape)) or update(*a, **kw))
+    filtered = []
+    monkeypatch.setattr(grpo.envs.processgrpo, "filter_by_solve_rate", lambda s, t, e, examples, **kw: (
+        filtered.append(len(examples)) or (examples, [4] * len(examples),
+                                           dict(samples=8 * len(examples), completion_tokens=5, prompt_tokens=3,
+                                                seconds=0.0))))
+    val = tmp_path / "val.jsonl"   # GSM8K's columns: validation from another distribution than the generator's
+    val.write_text("".join(json.dumps({"question": f"Ana has {i} pens and buys 3. How many?",
+                                       "answer": f"{i} + 3 = {i + 3}\n#### {i + 3}"}) + "\n" for i in range(4)))
     argv = [*tiny_flags(model, out), "--train_data=multistep:train:2", f"--credit={credit}",
             "--num_continuations=2", "--max_continuation_length=8", "--max_process_steps=3",
-            "--continuation_batch=8"]
+            "--continuation_batch=8", f"--eval_data={val}"]
+    argv += ["--filter_solve_rate=false"] if credit == "outcome" else []
     monkeypatch.setattr(sys, "argv", ["processgrpo_qwen25_05b.py", *argv])
     runpy.run_path(str(ROOT / "recipes" / "processgrpo_qwen25_05b.py"), run_name="__main__")
     check_run(out, "qwen2")
     if credit == "outcome":
-        assert calls == [] and shapes == [(4,), (4,)], (calls, shapes)
+        assert calls == [] and shapes == [(4,), (4,)] and filtered == [], (calls, shapes, filtered)
         return
+    printed = capsys.readouterr().out
+    assert filtered == [14] and len(open(out / "train_filtered.jsonl").readlines()) == 14
+    assert "filter: 14 candidate problems x 8 samples = 112 samples; at most 2,688 sampled tokens (24 each)" in printed
+    assert "filter cost: 112 samples, 5 sampled tokens" in printed
     assert len(calls) == 2, calls                     # one credit call per step, over its 2 x 2 solutions
     assert len(shapes) == 2 and all(len(s) == 2 and s[0] == 4 for s in shapes), shapes
     for c in calls:
@@ -249,7 +265,7 @@ def test_processgrpo_filter_refuses_another_runs_folder(tmp_path, smollm2_path, 
     monkeypatch.setattr(grpo.envs.processgrpo, "filter_by_solve_rate",
                         lambda *a, **k: pytest.fail("filtered into another run's folder"))
     argv = [*tiny_flags(model, out), "--train_data=multistep:train:2", "--credit=outcome",
-            "--filter_solve_rate=true", "--continuation_batch=8"]
+            "--eval_data=multistep:validation:1", "--continuation_batch=8"]   # the filter: on by default
     monkeypatch.setattr(sys, "argv", ["processgrpo_qwen25_05b.py", *argv])
     with pytest.raises(SystemExit, match="holds another run"):
         runpy.run_path(str(ROOT / "recipes" / "processgrpo_qwen25_05b.py"), run_name="__main__")

@@ -1,0 +1,92 @@
+"""A few real GRPO steps of the ReTool recipe on the packaged SmolLM2-135M on CPU, with real
+sandboxed code_interpreter calls: the recipe's config, its DAPO row rule and its trainer, on a
+model 30x smaller than the card's. Prints seconds, samples and tokens per step.
+
+    python bench/e2e_retool_smollm2.py --output_dir=/tmp/retool_e2e [any recipe flag]
+
+What differs from the recipe, and why: SmolLM2 has no tool-call template and never writes the
+format from a tools block alone, so its folder gets a stand-in of Qwen3-2507's tool template and
+the env puts two solved tool episodes before the question (tests/test_retool.py's TwoShotReTool);
+the problems are "a to the power b" rows in DAPO-Math's columns (prompt with DAPO's "Answer:"
+instruction, solution), written here, so that a 135M model calls the tool and sometimes succeeds.
+"""
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "recipes"), str(ROOT / "tests")]
+
+from retool_qwen3_4b import ReToolQwen3, load   # noqa: E402  (the recipe's config and loader)
+from test_retool import QWEN3_TOOLS_TEMPLATE, TwoShotReTool   # noqa: E402
+
+from grpo.config import parse_args   # noqa: E402
+from grpo.envs.math import aime_example   # noqa: E402
+from grpo.envs.retool import REWARD_WEIGHTS, dapo_example   # noqa: E402
+from grpo.envs.sandbox import run_code   # noqa: E402
+from grpo.smollm2 import local_path   # noqa: E402
+from grpo.trainer import train   # noqa: E402
+
+DAPO = ("Solve the following math problem step by step. The last line of your response should be of the form "
+        "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{q}\n\n"
+        'Remember to put your answer on its own line after "Answer:".')
+
+
+def smollm2_with_tools(folder: Path) -> str:
+    """SmolLM2's files with the stand-in tool template (weights linked, not copied)."""
+    src = Path(local_path())
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "chat_template.jinja" and not (folder / f.name).exists():
+            (folder / f.name).symlink_to(f) if f.suffix == ".safetensors" else shutil.copy(f, folder / f.name)
+    (folder / "chat_template.jinja").write_text(QWEN3_TOOLS_TEMPLATE)
+    return str(folder)
+
+
+def problems(path: Path, pairs: list[tuple[int, int]], dapo: bool) -> str:
+    rows = [{"prompt": DAPO.format(q=f"What is {a} to the power {b}?") if dapo else f"What is {a} to the power {b}?",
+             "solution": str(a ** b)} for a, b in pairs]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def main():
+    work = Path(tempfile.mkdtemp(prefix="retool_e2e_"))
+    model = smollm2_with_tools(work / "smollm2-tools")
+    train_file = problems(work / "train.jsonl", [(a, b) for a in (3, 4, 6, 7, 9, 11) for b in (2, 3, 4)], dapo=True)
+    eval_file = problems(work / "eval.jsonl", [(2, 7), (5, 4), (8, 3), (12, 2)], dapo=False)
+    defaults = [f"--model_path={model}", f"--train_data={train_file}", f"--eval_data={eval_file}",
+                "--eval_question_field=prompt", "--profile=none", "--dtype=float32"]
+    sys.argv = [sys.argv[0], *defaults, *sys.argv[1:]]
+    cfg = parse_args(ReToolQwen3)
+    train_set = load(cfg.train_data, question_field=cfg.question_field, answer_field=cfg.answer_field,
+                     prepare=dapo_example)
+    assert not any("Answer:" in ex["question"] for ex in train_set), "DAPO's instruction was not stripped"
+    eval_set = load(cfg.eval_data, question_field=cfg.eval_question_field, answer_field="solution",
+                    prepare=aime_example)
+    calls = []   # (seconds, output) of every call that reached the sandbox
+
+    def counted(code: str, timeout: float) -> str:
+        start = time.perf_counter()
+        out = run_code(code, timeout)
+        calls.append((time.perf_counter() - start, out))
+        return out
+
+    env = TwoShotReTool(run_code=counted, timeout=cfg.tool_timeout, max_turns=cfg.max_turns)   # the real sandbox
+    train(cfg, env, train_set, eval_set, reward_weights=REWARD_WEIGHTS)
+    print(f"e2e sandbox: {len(calls)} calls ran, {sum(t for t, _ in calls):.1f} s in all; outputs "
+          f"{[out[:40] for _, out in calls[:8]]}")
+    rows = [json.loads(line) for line in open(Path(cfg.output_dir) / "metrics.jsonl") if '"reward/mean"' in line]
+    samples = cfg.prompts_per_step * cfg.num_generations
+    for r in rows:
+        seconds = r.get("time/generate", 0) + r.get("time/update", 0)
+        print(f"e2e step {r['step']}: {seconds:.1f} s (generate {r.get('time/generate', 0):.1f}, update "
+              f"{r.get('time/update', 0):.1f}), {samples} samples, {r['completion/len'] * samples:.0f} completion "
+              f"tokens, tool calls {r['reward/tool_calls']:.2f} a sample, correct {r['reward/correct']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
