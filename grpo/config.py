@@ -67,6 +67,8 @@ class Config:
     enable_thinking: bool = True      # passed to the chat template (Qwen3: False = non-thinking mode)
     gen_batch: int = 64               # sampler slots (rows decoded together)
     kv_budget_gb: float = 0.0         # sampler KV-cache budget; 0 = sized from gen_batch
+    keep_kv_cache: bool = True        # GPU: the sampler's cache, state and CUDA graphs stay through the update
+                                      # (graphs captured once per run); false frees them for the update each step
     # ---- GRPO
     num_iterations: int = 1           # mu: policy updates per batch of rollouts
     steps_per_generation: int = 1     # S: each batch of rollouts split into S mini-batches of whole groups, each an
@@ -231,7 +233,7 @@ HELP_GROUPS = {
                                       "eval_temperature", "eval_max_completion_length", "eval_greedy", "eval_before_limit", "save_steps",
                                       "save_total_limit", "time_budget_min", "run_budget_min", "min_rl_steps"),
     "hardware": ("dtype", "autocast_bf16", "num_threads", "profile", "gen_batch", "kv_budget_gb",
-                 "micro_batch_tokens", "gradient_checkpointing", "share_prompt", "dist_timeout_min"),
+                 "keep_kv_cache", "micro_batch_tokens", "gradient_checkpointing", "share_prompt", "dist_timeout_min"),
 }
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 

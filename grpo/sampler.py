@@ -10,14 +10,18 @@ One loop over four moves, each a short function:
              prefilled once, up to its longest cut, and each cut's rows fork that KV truncated
              at the cut (a causal prefix's keys and values do not depend on what follows);
   2. resume  rows whose tool call returned get the observation appended to their cache;
-  3. decode  a window of steps over all slots on device (`decode_step`: stop and length
-             checks on device too), then one host sync to read the tokens back;
+  3. decode  a window of steps over the occupied slots on device (`decode_step` over the
+             resident decode weights of grpo/decode.py; stop and length checks on device too),
+             then one host sync to read the tokens back;
   4. finish  stops, stop strings, tool calls (run in a thread pool, so the other rows keep
              decoding) and length; a finished row frees its slot for the next request
              (continuous batching).
 Randomness is per request (grpo/sampling.py), so results do not depend on the batch.
-On CUDA a decode window is one CUDA graph, and flash-attn's KV-cache kernel is used when
-importable; on CPU the window is a single eager step over the occupied slots.
+Live rows are kept in the lowest slots (`_compact`). On CUDA a decode window is one CUDA graph
+over the smallest power-of-two batch bucket that holds them; the graphs, the cache, the decode
+state and the decode weights stay for the sampler's life, so each graph is captured once per run
+and replayed by every later call (flash-attn's KV-cache kernel is used when importable). On CPU
+the window is a single eager step over exactly the occupied slots.
 Multi-turn tool calls (resume) and prefix continuations (continue_from) share the
 admit/decode/finish loop with plain sampling; the sampling rule is its own file.
 """

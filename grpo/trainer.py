@@ -333,7 +333,7 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
             trajs = rollouts(examples[rank * share:(rank + 1) * share], first + rank * share)
             if cfg.drop_flat_groups:
                 trajs = refill(trajs, share, G, step, cfg, rollouts, train_examples)
-            if device.type == "cuda":  # the update's activations get the KV cache's memory
+            if device.type == "cuda" and not cfg.keep_kv_cache:  # the update's activations get its memory
                 sampler.release()
         t1 = time.time()
         # 3b. rewards -> advantages
