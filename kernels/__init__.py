@@ -1,15 +1,19 @@
-"""Fused kernels for the log-prob, advantage and loss path: a leaf that imports torch and
-triton, never `grpo.*`.
+"""Fused kernels for the log-prob, advantage and loss path and for decode sampling: a leaf
+that imports torch, numpy and triton, never `grpo.*`.
 
 - linear_logprobs: LM head + log-softmax + gather without the (N, V) logits; Triton on CUDA,
   the same chunked algorithm in PyTorch elsewhere (the CPU training path).
 - grpo_token_loss, group_advantages: Triton only. Their PyTorch references are the plain
   functions of grpo/loss.py, which calls these kernels on CUDA and the references elsewhere.
+- fused_sample: grpo.sampling's unfiltered Gumbel-max draw and the token's log-prob in one
+  pass over the logits, bit-identical tokens; grpo/sampling.py calls it for CUDA logits.
+  Inference only.
 Naive versions for tests and benches: grpo.kernels.reference.
 """
 from .advantages import group_advantages
 from .grpo_loss import grpo_token_loss
 from .logprobs import linear_logprobs
+from .sampling import fused_sample
 
 try:
     import triton  # noqa: F401
@@ -17,4 +21,4 @@ try:
 except ImportError:  # CPU-only installs: grpo/loss.py and the torch log-prob path still work
     HAS_TRITON = False
 
-__all__ = ["linear_logprobs", "grpo_token_loss", "group_advantages", "HAS_TRITON"]
+__all__ = ["linear_logprobs", "grpo_token_loss", "group_advantages", "fused_sample", "HAS_TRITON"]

@@ -1,7 +1,9 @@
-"""The naive log-prob path, for tests and benches: readable, and as memory-hungry as it looks.
+"""The naive versions of the kernels, for tests, benches and the torch backends: readable, and
+as memory-hungry as they look.
 
 The GRPO loss and advantage references are the plain functions of grpo/loss.py (kernels/ is
-a leaf and does not import grpo): tests import them from there.
+a leaf and does not import grpo): tests import them from there. sample_ref is a copy of
+grpo.sampling's unfiltered rule for the same reason; a test checks the two agree bit for bit.
 """
 import torch
 from torch import Tensor
@@ -22,3 +24,38 @@ def entropy_ref(hidden: Tensor, weight: Tensor, temperature: float = 1.0) -> Ten
     dt = torch.promote_types(hidden.dtype, torch.float32)
     logprobs = (hidden.to(dt) @ weight.to(dt).T / temperature).log_softmax(-1)
     return -(logprobs.exp() * logprobs).sum(-1)
+
+
+# -----------------------------------------------------------------------------
+# sampling: grpo/sampling.py's sample with no top-k/top-p/min-p
+
+MASK32, GOLDEN = 0xFFFFFFFF, 0x9E3779B9
+
+
+def _mix32(x: Tensor) -> Tensor:  # murmur3's 32-bit finalizer on int64 tensors (low 32 bits kept)
+    x = x & MASK32
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & MASK32
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & MASK32
+    return x ^ (x >> 16)
+
+
+def gumbel_ref(key: Tensor, step: Tensor, V: int) -> Tensor:  # (B,), (B,) int64 -> (B, V) fp32
+    """grpo.sampling.gumbel: -log(-log u_v), u_v a 23-bit hash of (key, step, v)."""
+    seed = _mix32((key >> 32) ^ _mix32(key ^ _mix32(step * GOLDEN + 0x165667B1)))  # (B,)
+    x = seed[:, None] ^ (torch.arange(V, device=key.device) * GOLDEN & MASK32)     # (B, V) int64
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & MASK32
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) >> 9 & 0x7FFFFF  # bits 9..31 of the finalizer's product
+    u = (x.float() + 0.5) * 2.0**-23                     # exact in fp32: 0 < u < 1
+    return -(-u.log()).log()
+
+
+def sample_ref(logits: Tensor, key: Tensor, step: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """(B, V) logits, (B,) keys, (B,) steps -> tokens (B,) int64, logprobs (B,) fp32 of the token
+    under softmax(logits / T); T 0 is greedy with the T-1 log-prob. Inference only."""
+    logits = logits.float()
+    if temperature == 0.0:
+        tokens = logits.argmax(-1)
+        return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+    z = logits / temperature                                   # (B, V) fp32
+    tokens = (gumbel_ref(key, step, z.shape[-1]) + z).argmax(-1)
+    return tokens, z.gather(-1, tokens[:, None])[:, 0] - z.logsumexp(-1)
