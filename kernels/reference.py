@@ -59,3 +59,46 @@ def sample_ref(logits: Tensor, key: Tensor, step: Tensor, temperature: float) ->
     z = logits / temperature                                   # (B, V) fp32
     tokens = (gumbel_ref(key, step, z.shape[-1]) + z).argmax(-1)
     return tokens, z.gather(-1, tokens[:, None])[:, 0] - z.logsumexp(-1)
+
+# -----------------------------------------------------------------------------
+# decode layers: grpo/model.py's eager ops, one decode token per row; inference only
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """grpo.model.RMSNorm: normalize in fp32, round to x's dtype, scale; returned in x's dtype."""
+    xf = x.float()
+    return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)).to(x.dtype)
+
+
+def add_rmsnorm_ref(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(N, H), (N, H) or None, (H,) -> y = RMSNorm(h) (N, H), h = x + residual (N, H)."""
+    h = x if residual is None else x + residual
+    return _rms_norm(h, weight, eps), h
+
+
+def silu_mul_ref(gu: Tensor) -> Tensor:
+    """(N, 2F) gate|up -> silu(gate) * up (N, F), in fp32, returned in gu's dtype."""
+    gate, up = gu.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(gu.dtype)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """grpo.model.apply_rope ("rotate half"): x (..., D), cos, sin (..., D/2), in fp32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+def qkv_rope_write_ref(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor,
+                       pos: Tensor, n_heads: int, n_kv_heads: int, head_dim: int, q_norm: Tensor | None = None,
+                       k_norm: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    """qkv (B, (nh + 2 nkv) D), cos, sin (B, D/2) -> q (B, nh, D) rotated; writes rotated k and
+    raw v into k_cache, v_cache (slots, S, nkv, D) at [slot, pos] in the cache dtype."""
+    B, D = qkv.shape[0], head_dim
+    q, k, v = qkv.split([n_heads * D, n_kv_heads * D, n_kv_heads * D], dim=-1)
+    q, k, v = q.reshape(B, n_heads, D), k.reshape(B, n_kv_heads, D), v.reshape(B, n_kv_heads, D)
+    if q_norm is not None:  # Qwen3: RMSNorm over each head's channels, before rotary
+        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
+    cos, sin = cos.float()[:, None], sin.float()[:, None]       # (B, 1, D/2): every head
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    k_cache[slot, pos] = k.to(k_cache.dtype)                     # (B, nkv, D) into (slots, S, nkv, D)
+    v_cache[slot, pos] = v.to(v_cache.dtype)
+    return q

@@ -1,0 +1,196 @@
+"""Decode-step layer kernels: the small elementwise and per-row work between the matmuls of
+one decoder layer, fused so a decode step launches fewer kernels (eager PyTorch: ~54 a layer).
+
+- qkv_rope_write: split the fused q|k|v projection, Qwen3's per-head RMSNorm, rotary on q and
+  k, and the KV-cache write of this token's k and v: one kernel for ~15 eager ones.
+- add_rmsnorm: the residual add and the next RMSNorm, returning both (the residual stream
+  continues from h): one kernel for ~8.
+- silu_mul: SwiGLU's silu(gate) * up from one (N, 2F) gate|up matmul output: one kernel for 3.
+Each has a PyTorch reference in kernels/reference.py (the `backend="torch"` path) with the
+model's rounding steps (grpo/model.py: RMSNorm, apply_rope, KVCache.update), which the
+kernels reproduce: fp32 math inside, rounded to the activation dtype where the model rounds.
+Inference only: no autograd (the sampler's forward runs without a graph).
+"""
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch backends still work
+    triton = None
+
+from .reference import add_rmsnorm_ref, qkv_rope_write_ref, silu_mul_ref
+
+# -----------------------------------------------------------------------------
+# Triton kernels
+
+if triton is not None:
+    @triton.jit
+    def _norm_rope(ptr, w_ptr, cos, sin, heads, n_heads, cols, half, D, eps,
+                   HAS_NORM: tl.constexpr):
+        # one row's heads as two (BLOCK_HEADS, BLOCK_HALF) tiles, the halves of each head's D
+        # channels ("rotate half"); returns the rotated halves in the input dtype, and where they go
+        ok = (heads[:, None] < n_heads) & (cols[None, :] < half)
+        at = heads[:, None] * D + cols[None, :]
+        raw1 = tl.load(ptr + at, mask=ok, other=0.0)
+        x1 = raw1.to(tl.float32)
+        x2 = tl.load(ptr + at + half, mask=ok, other=0.0).to(tl.float32)
+        if HAS_NORM:  # RMSNorm over the head's D channels: normalized, rounded, scaled, rounded (as RMSNorm)
+            r = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)  # (BLOCK_HEADS,)
+            w1 = tl.load(w_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)
+            w2 = tl.load(w_ptr + half + cols, mask=cols < half, other=0.0).to(tl.float32)
+            x1 = ((x1 * r[:, None]).to(raw1.dtype).to(tl.float32) * w1[None, :]).to(raw1.dtype).to(tl.float32)
+            x2 = ((x2 * r[:, None]).to(raw1.dtype).to(tl.float32) * w2[None, :]).to(raw1.dtype).to(tl.float32)
+        y1 = x1 * cos[None, :] - x2 * sin[None, :]
+        y2 = x2 * cos[None, :] + x1 * sin[None, :]
+        return y1.to(raw1.dtype), y2.to(raw1.dtype), at, ok
+
+    @triton.jit
+    def _qkv_rope_write_kernel(
+        qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,   # (B, (nh + 2 nkv) D), (B, D/2) fp32 x2, (D,) x2
+        kc_ptr, vc_ptr, slot_ptr, pos_ptr, q_ptr,    # (slots, S, nkv, D) x2, (B,) x2, (B, nh, D) out
+        NH, NKV, D, half, eps, stride_qkv, stride_cs,
+        stride_cslot, stride_cpos, stride_chead,
+        HAS_NORM: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    ):
+        b = tl.program_id(0)                           # one decode token per program
+        cols = tl.arange(0, BLOCK_HALF)
+        heads = tl.arange(0, BLOCK_HEADS)
+        cos = tl.load(cos_ptr + b * stride_cs + cols, mask=cols < half, other=0.0)
+        sin = tl.load(sin_ptr + b * stride_cs + cols, mask=cols < half, other=0.0)
+        row = qkv_ptr + b * stride_qkv
+        q1, q2, at, ok = _norm_rope(row, qn_ptr, cos, sin, heads, NH, cols, half, D, eps, HAS_NORM)
+        tl.store(q_ptr + b * NH * D + at, q1, mask=ok)
+        tl.store(q_ptr + b * NH * D + at + half, q2, mask=ok)
+        k1, k2, at, ok = _norm_rope(row + NH * D, kn_ptr, cos, sin, heads, NKV, cols, half, D, eps, HAS_NORM)
+        # cache[slot, pos] (int64 offsets: one layer's cache can pass 2^31 elements)
+        base = tl.load(slot_ptr + b) * stride_cslot + tl.load(pos_ptr + b) * stride_cpos
+        c_at = base + heads[:, None] * stride_chead + cols[None, :]
+        tl.store(kc_ptr + c_at, k1.to(kc_ptr.dtype.element_ty), mask=ok)
+        tl.store(kc_ptr + c_at + half, k2.to(kc_ptr.dtype.element_ty), mask=ok)
+        v_row = row + (NH + NKV) * D                   # v: no norm, no rotary, only the cast
+        v1 = tl.load(v_row + at, mask=ok, other=0.0)
+        v2 = tl.load(v_row + at + half, mask=ok, other=0.0)
+        tl.store(vc_ptr + c_at, v1.to(vc_ptr.dtype.element_ty), mask=ok)
+        tl.store(vc_ptr + c_at + half, v2.to(vc_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _add_rmsnorm_kernel(
+        x_ptr, res_ptr, w_ptr, y_ptr, h_ptr,         # (N, H) x, residual, (H,), (N, H) y, h
+        H, eps, stride_x, stride_r,
+        HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):
+        n = tl.program_id(0)                           # one row per program: H fits in registers
+        cols = tl.arange(0, BLOCK_H)
+        ok = cols < H
+        raw = tl.load(x_ptr + n * stride_x + cols, mask=ok, other=0.0)
+        h = raw
+        if HAS_RES:  # h = x + residual, rounded to x's dtype as the eager add is
+            r = tl.load(res_ptr + n * stride_r + cols, mask=ok, other=0.0)
+            h = (raw.to(tl.float32) + r.to(tl.float32)).to(raw.dtype)
+            tl.store(h_ptr + n * H + cols, h, mask=ok)
+        hf = h.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / H + eps)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        y = (hf * rstd).to(raw.dtype).to(tl.float32) * w  # normalize in fp32, round, scale (RMSNorm)
+        tl.store(y_ptr + n * H + cols, y.to(raw.dtype), mask=ok)
+
+    @triton.jit
+    def _silu_mul_kernel(
+        gu_ptr, out_ptr,                             # (N, 2F) gate|up -> (N, F)
+        F, stride_gu,
+        BLOCK: tl.constexpr,
+    ):
+        n = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < F
+        g_raw = tl.load(gu_ptr + n * stride_gu + cols, mask=ok, other=0.0)
+        g = g_raw.to(tl.float32)
+        u = tl.load(gu_ptr + n * stride_gu + F + cols, mask=ok, other=0.0).to(tl.float32)
+        y = g / (1.0 + tl.exp(-g)) * u                 # silu(g) = g * sigmoid(g), in fp32
+        tl.store(out_ptr + n * F + cols, y.to(g_raw.dtype), mask=ok)
+
+# -----------------------------------------------------------------------------
+# public entries: backend "triton" | "torch" (the reference) | None (triton on CUDA when importable)
+
+def _use_triton(t: Tensor, backend: str | None) -> bool:
+    if backend is None:
+        return t.is_cuda and triton is not None
+    assert backend in ("triton", "torch"), f"{backend=}"
+    assert backend == "torch" or triton is not None, "backend='triton' but triton is not importable"
+    return backend == "triton"
+
+
+def qkv_rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor,
+                   pos: Tensor, n_heads: int, n_kv_heads: int, head_dim: int, q_norm: Tensor | None = None,
+                   k_norm: Tensor | None = None, eps: float = 1e-6, backend: str | None = None) -> Tensor:
+    """One decode token per row: split q|k|v, per-head RMSNorm (Qwen3, if q_norm/k_norm), rotary,
+    and the cache write; returns the rotated q.
+
+    qkv (B, (nh + 2 nkv) D) = [q heads | k heads | v heads]; cos, sin (B, D/2) fp32 at each row's
+    position; k_cache, v_cache (slots, S, nkv, D) of one layer, written in place at [slot, pos]
+    (rotated k and raw v, cast to the cache dtype); slot, pos (B,) int64; q_norm, k_norm (D,).
+    -> q (B, nh, D) in qkv's dtype. Inference only (no autograd).
+    """
+    B = qkv.shape[0]
+    nh, nkv, D = n_heads, n_kv_heads, head_dim
+    assert qkv.shape == (B, (nh + 2 * nkv) * D) and D % 2 == 0, f"{qkv.shape=} {nh=} {nkv=} {D=}"
+    assert cos.shape == sin.shape == (B, D // 2), f"{cos.shape=} {sin.shape=}"
+    assert k_cache.shape[2:] == (nkv, D) and v_cache.shape == k_cache.shape, f"{k_cache.shape=} {v_cache.shape=}"
+    assert (q_norm is None) == (k_norm is None), "q_norm and k_norm come together (Qwen3)"
+    if not _use_triton(qkv, backend):
+        return qkv_rope_write_ref(qkv, cos, sin, k_cache, v_cache, slot, pos, nh, nkv, D, q_norm, k_norm, eps)
+    assert k_cache.stride(3) == 1 and v_cache.stride() == k_cache.stride(), "caches: rows of D contiguous, same layout"
+    qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    q = torch.empty(B, nh, D, dtype=qkv.dtype, device=qkv.device)
+    has_norm = q_norm is not None
+    _qkv_rope_write_kernel[(B,)](
+        qkv, cos, sin, q_norm if has_norm else cos, k_norm if has_norm else cos,  # dummies when no norm
+        k_cache, v_cache, slot, pos, q,
+        nh, nkv, D, D // 2, float(eps), qkv.stride(0), cos.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HAS_NORM=has_norm, BLOCK_HEADS=triton.next_power_of_2(max(nh, nkv)),
+        BLOCK_HALF=triton.next_power_of_2(D // 2), num_warps=4 if qkv.is_cuda else 1)
+    return q
+
+
+def add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
+                backend: str | None = None) -> tuple[Tensor, Tensor]:
+    """h = x + residual (x's dtype; h = x when residual is None), y = RMSNorm(h) * weight.
+
+    x, residual (N, H), weight (H,) -> y (N, H) in x's dtype, h (N, H): grpo.model's RMSNorm
+    on h (normalized in fp32, rounded to x's dtype, then scaled). Inference only (no autograd).
+    """
+    N, H = x.shape
+    assert residual is None or (residual.shape == x.shape and residual.dtype == x.dtype), f"{x.shape=}"
+    assert weight.shape == (H,), f"{weight.shape=} {H=}"
+    if not _use_triton(x, backend):
+        return add_rmsnorm_ref(x, residual, weight, eps)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    y = torch.empty(N, H, dtype=x.dtype, device=x.device)
+    h = torch.empty_like(y) if residual is not None else x
+    _add_rmsnorm_kernel[(N,)](
+        x, residual if residual is not None else x, weight, y, h, H, float(eps), x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        HAS_RES=residual is not None, BLOCK_H=triton.next_power_of_2(H),
+        num_warps=(4 if H <= 2048 else 8) if x.is_cuda else 1)
+    return y, h
+
+
+def silu_mul(gu: Tensor, backend: str | None = None) -> Tensor:
+    """SwiGLU's activation from the concatenated gate|up projection: gu (N, 2F) -> silu(gate) * up
+    (N, F) in gu's dtype, computed in fp32. Inference only (no autograd)."""
+    N, F2 = gu.shape
+    assert F2 % 2 == 0, f"{gu.shape=}"
+    if not _use_triton(gu, backend):
+        return silu_mul_ref(gu)
+    F = F2 // 2
+    gu = gu if gu.stride(1) == 1 else gu.contiguous()
+    out = torch.empty(N, F, dtype=gu.dtype, device=gu.device)
+    BLOCK = 1024 if gu.is_cuda else 64
+    _silu_mul_kernel[(N, triton.cdiv(F, BLOCK))](gu, out, F, gu.stride(0), BLOCK=BLOCK)
+    return out
