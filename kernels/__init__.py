@@ -8,10 +8,14 @@ that imports torch, numpy and triton, never `grpo.*`.
 - fused_sample: grpo.sampling's unfiltered Gumbel-max draw and the token's log-prob in one
   pass over the logits, bit-identical tokens; grpo/sampling.py calls it for CUDA logits.
   Inference only.
+- add_rmsnorm, silu_mul, qkv_rope_write (kernels/layers.py): a decode layer's elementwise work
+  in three kernels (residual add + RMSNorm; SwiGLU; q|k|v split + q/k norm + rotary + KV-cache
+  write). Triton on CUDA, their references elsewhere. Inference only.
 Naive versions for tests and benches: grpo.kernels.reference.
 """
 from .advantages import group_advantages
 from .grpo_loss import grpo_token_loss
+from .layers import add_rmsnorm, qkv_rope_write, silu_mul
 from .logprobs import linear_logprobs
 from .sampling import fused_sample
 
@@ -21,4 +25,5 @@ try:
 except ImportError:  # CPU-only installs: grpo/loss.py and the torch log-prob path still work
     HAS_TRITON = False
 
-__all__ = ["linear_logprobs", "grpo_token_loss", "group_advantages", "fused_sample", "HAS_TRITON"]
+__all__ = ["linear_logprobs", "grpo_token_loss", "group_advantages", "fused_sample", "add_rmsnorm", "silu_mul",
+           "qkv_rope_write", "HAS_TRITON"]
