@@ -1,6 +1,8 @@
 """Benchmark: the decode kernels (grpo.kernels: fused_sample, add_rmsnorm, silu_mul,
-qkv_rope_write) against their eager PyTorch references (grpo.kernels.reference), at
-Qwen2.5-0.5B decode shapes: B 256 rows, H 896, 14 heads, 2 KV heads, D 64, F 4864, V 151936.
+qkv_rope_write, decode_attention) against their eager PyTorch references
+(grpo.kernels.reference), at Qwen2.5-0.5B decode shapes: B 256 rows, H 896, 14 heads,
+2 KV heads, D 64, F 4864, V 151936; the cache holds S 1024 positions a slot, rows filled to
+random lengths (the reference attends over all S under a mask, as the sampler's SDPA does).
 
     python bench/decode_kernels.py              # CUDA only: on a CPU it says so and exits
     python bench/decode_kernels.py --iters 50
@@ -20,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from table import print_table  # noqa: E402
 
-from grpo.kernels import add_rmsnorm, fused_sample, qkv_rope_write, silu_mul  # noqa: E402
+from grpo.kernels import add_rmsnorm, decode_attention, fused_sample, qkv_rope_write, silu_mul  # noqa: E402
 
 B, H, NH, NKV, D, F, V = 256, 896, 14, 2, 64, 4864, 151936
 S = 1024  # cache positions per slot
@@ -67,6 +69,10 @@ def cases(dtype: torch.dtype, dev: str = "cuda"):
         out.append((f"qkv_rope_write{' +qk_norm' if norm else ''}", f"({B}, {qkv.shape[1]})",
                     lambda be, n=norm: qkv_rope_write(qkv, cos, sin, k_cache, v_cache, slot, pos, NH, NKV, D,
                                                       qn if n else None, kn if n else None, backend=be)))
+    q = rand(B, NH, D)
+    length = torch.randint(1, S + 1, (B,), generator=g, device=dev)
+    out.append(("decode_attention", f"({B}, {NH}, {D}) x {S}",
+                lambda be: decode_attention(q, k_cache, v_cache, slot, length, backend=be)))
     return out
 
 

@@ -11,11 +11,13 @@ that imports torch, numpy and triton, never `grpo.*`.
 - add_rmsnorm, silu_mul, qkv_rope_write (kernels/layers.py): a decode layer's elementwise work
   in three kernels (residual add + RMSNorm; SwiGLU; q|k|v split + q/k norm + rotary + KV-cache
   write). Triton on CUDA, their references elsewhere. Inference only.
+- decode_attention (kernels/layers.py): one query per row over its KV-cache slot, GQA,
+  split-KV online softmax (flash-decoding) in fp32. Inference only.
 Naive versions for tests and benches: grpo.kernels.reference.
 """
 from .advantages import group_advantages
 from .grpo_loss import grpo_token_loss
-from .layers import add_rmsnorm, qkv_rope_write, silu_mul
+from .layers import add_rmsnorm, decode_attention, qkv_rope_write, silu_mul
 from .logprobs import linear_logprobs
 from .sampling import fused_sample
 
@@ -26,4 +28,4 @@ except ImportError:  # CPU-only installs: grpo/loss.py and the torch log-prob pa
     HAS_TRITON = False
 
 __all__ = ["linear_logprobs", "grpo_token_loss", "group_advantages", "fused_sample", "add_rmsnorm", "silu_mul",
-           "qkv_rope_write", "HAS_TRITON"]
+           "qkv_rope_write", "decode_attention", "HAS_TRITON"]

@@ -6,6 +6,9 @@ one decoder layer, fused so a decode step launches fewer kernels (eager PyTorch:
 - add_rmsnorm: the residual add and the next RMSNorm, returning both (the residual stream
   continues from h): one kernel for ~8.
 - silu_mul: SwiGLU's silu(gate) * up from one (N, 2F) gate|up matmul output: one kernel for 3.
+- decode_attention: one query per row against its cache slot's first length[b] keys, GQA,
+  split over KV blocks (flash-decoding) with an online softmax in fp32, then a combine kernel:
+  no (B, S) gather of the slot's keys, no mask tensor, no repeat of the KV heads.
 Each has a PyTorch reference in kernels/reference.py (the `backend="torch"` path) with the
 model's rounding steps (grpo/model.py: RMSNorm, apply_rope, KVCache.update), which the
 kernels reproduce: fp32 math inside, rounded to the activation dtype where the model rounds.
@@ -20,7 +23,7 @@ try:
 except ImportError:  # CPU-only installs: the torch backends still work
     triton = None
 
-from .reference import add_rmsnorm_ref, qkv_rope_write_ref, silu_mul_ref
+from .reference import add_rmsnorm_ref, decode_attention_ref, qkv_rope_write_ref, silu_mul_ref
 
 # -----------------------------------------------------------------------------
 # Triton kernels
@@ -111,6 +114,72 @@ if triton is not None:
         y = g / (1.0 + tl.exp(-g)) * u                 # silu(g) = g * sigmoid(g), in fp32
         tl.store(out_ptr + n * F + cols, y.to(g_raw.dtype), mask=ok)
 
+    @triton.jit
+    def _decode_attention_kernel(
+        q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr,      # (B, nh, D), (slots, S, nkv, D) x2, (B,) x2
+        acc_ptr, ml_ptr,                             # (B, nh, splits, D) fp32, (2, B, nh, splits) fp32
+        NH, G, D, n_per_split, scale, stride_qb, stride_qh,
+        stride_cslot, stride_cpos, stride_chead,
+        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        # program (b, kv head, split): the G query heads sharing that KV head, over positions
+        # [split * n_per_split, +n_per_split) of the row's first length[b]
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        sp = tl.program_id(2)
+        SPLITS = tl.num_programs(2)
+        length = tl.load(len_ptr + b)
+        start = sp * n_per_split
+        end = tl.minimum(start + n_per_split, length)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        heads = kvh * G + g
+        qd_ok = (g[:, None] < G) & (d[None, :] < D)
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=qd_ok, other=0.0)
+        q = q.to(tl.float32) * scale                     # (BLOCK_G, BLOCK_D)
+        base = tl.load(slot_ptr + b) * stride_cslot + kvh * stride_chead
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)   # running max score
+        l = tl.zeros([BLOCK_G], tl.float32)                 # sum exp(score - m)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)      # sum exp(score - m) v
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            nd_ok = (n[:, None] < end) & (d[None, :] < D)
+            at = base + n[:, None] * stride_cpos + d[None, :]
+            k = tl.load(k_ptr + at, mask=nd_ok, other=0.0).to(tl.float32)     # (BLOCK_N, BLOCK_D)
+            v = tl.load(v_ptr + at, mask=nd_ok, other=0.0).to(tl.float32)
+            # fp32 products ("ieee": no tf32), as the fp32 accumulation the reference gets
+            score = tl.dot(q, tl.trans(k), input_precision="ieee")               # (BLOCK_G, BLOCK_N)
+            score = tl.where(n[None, :] < end, score, float("-inf"))
+            m_new = tl.maximum(m, tl.max(score, axis=1))     # finite: n0 < end, one key at least
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(score - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            m = m_new
+        out = (b * NH + heads) * SPLITS + sp                 # (BLOCK_G,) index into (B, nh, splits)
+        g_ok = g < G
+        tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=qd_ok)
+        tl.store(ml_ptr + out, m, mask=g_ok)
+        tl.store(ml_ptr + NH * SPLITS * tl.num_programs(0) + out, l, mask=g_ok)
+
+    @triton.jit
+    def _decode_attention_combine_kernel(
+        acc_ptr, ml_ptr, o_ptr,                      # (B, nh, splits, D), (2, B, nh, splits) -> (B, nh, D)
+        BNH, D, SPLITS,
+        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        row = tl.program_id(0)                           # one (b, head)
+        j = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        j_ok = j < SPLITS
+        m = tl.load(ml_ptr + row * SPLITS + j, mask=j_ok, other=float("-inf"))
+        l = tl.load(ml_ptr + BNH * SPLITS + row * SPLITS + j, mask=j_ok, other=0.0)
+        acc = tl.load(acc_ptr + (row * SPLITS + j[:, None]) * D + d[None, :],
+                      mask=j_ok[:, None] & (d[None, :] < D), other=0.0)
+        w = tl.exp(m - tl.max(m, axis=0))                # empty splits (past the length): m -inf, weight 0
+        y = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
+        tl.store(o_ptr + row * D + d, y.to(o_ptr.dtype.element_ty), mask=d < D)
+
 # -----------------------------------------------------------------------------
 # public entries: backend "triton" | "torch" (the reference) | None (triton on CUDA when importable)
 
@@ -193,4 +262,46 @@ def silu_mul(gu: Tensor, backend: str | None = None) -> Tensor:
     out = torch.empty(N, F, dtype=gu.dtype, device=gu.device)
     BLOCK = 1024 if gu.is_cuda else 64
     _silu_mul_kernel[(N, triton.cdiv(F, BLOCK))](gu, out, F, gu.stride(0), BLOCK=BLOCK)
+    return out
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor, length: Tensor,
+                     scale: float | None = None, backend: str | None = None) -> Tensor:
+    """One query per row over its cache slot: softmax(q k^T * scale) v over cache[slot, :length].
+
+    q (B, nh, D); k_cache, v_cache (slots, S, nkv, D) of one layer, q's dtype; slot (B,) int64;
+    length (B,) int64, 1 <= length <= S (this step's key already written); GQA: head h reads
+    KV head h // (nh // nkv); scale defaults to D^-0.5. -> (B, nh, D) in q's dtype, accumulated
+    in fp32. Inference only (no autograd).
+    """
+    B, nh, D = q.shape
+    slots, S, nkv, Dc = k_cache.shape
+    assert Dc == D and nh % nkv == 0 and v_cache.shape == k_cache.shape, f"{q.shape=} {k_cache.shape=}"
+    assert k_cache.dtype == v_cache.dtype == q.dtype, f"{q.dtype=} {k_cache.dtype=} {v_cache.dtype=}"
+    scale = D ** -0.5 if scale is None else scale
+    if not _use_triton(q, backend):
+        return decode_attention_ref(q, k_cache, v_cache, slot, length, scale)
+    assert k_cache.stride(3) == 1 and v_cache.stride() == k_cache.stride(), "caches: rows of D contiguous, same layout"
+    q = q if q.stride(2) == 1 else q.contiguous()
+    G = nh // nkv
+    if q.is_cuda:
+        BLOCK_N, warps = 64, 4
+        # split the keys when B * nkv programs would leave SMs idle (flash-decoding)
+        programs = 4 * torch.cuda.get_device_properties(q.device).multi_processor_count
+        splits = max(1, min(triton.cdiv(programs, B * nkv), triton.cdiv(S, 4 * BLOCK_N)))
+    else:  # interpreter: small blocks, 3 splits so the combine (and an empty split) is tested
+        BLOCK_N, warps, splits = 16, 1, 3
+    n_per_split = triton.cdiv(triton.cdiv(S, splits), BLOCK_N) * BLOCK_N
+    splits = triton.cdiv(S, n_per_split)
+    acc = torch.empty(B, nh, splits, D, dtype=torch.float32, device=q.device)
+    ml = torch.empty(2, B, nh, splits, dtype=torch.float32, device=q.device)
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    _decode_attention_kernel[(B, nkv, splits)](
+        q, k_cache, v_cache, slot, length, acc, ml, nh, G, D, n_per_split, float(scale),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, num_warps=warps)
+    out = torch.empty(B, nh, D, dtype=q.dtype, device=q.device)
+    _decode_attention_combine_kernel[(B * nh,)](acc, ml, out, B * nh, D, splits,
+                                               BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=BLOCK_D,
+                                               num_warps=1)
     return out

@@ -102,3 +102,15 @@ def qkv_rope_write_ref(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v
     k_cache[slot, pos] = k.to(k_cache.dtype)                     # (B, nkv, D) into (slots, S, nkv, D)
     v_cache[slot, pos] = v.to(v_cache.dtype)
     return q
+
+
+def decode_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor, length: Tensor,
+                         scale: float | None = None) -> Tensor:
+    """q (B, nh, D) over cache[slot, :length] (slots, S, nkv, D) -> (B, nh, D): SDPA with an
+    explicit mask, on the gathered (B, nkv, S, D) slots, GQA by enable_gqa."""
+    S = k_cache.shape[1]
+    k, v = k_cache[slot].transpose(1, 2), v_cache[slot].transpose(1, 2)    # (B, nkv, S, D) copies
+    mask = (torch.arange(S, device=q.device) < length[:, None])[:, None, None]  # (B, 1, 1, S)
+    y = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=scale,
+                                                         enable_gqa=q.shape[1] != k.shape[1])
+    return y[:, :, 0]                                                     # (B, nh, D)

@@ -16,8 +16,9 @@ import torch
 
 import grpo.sampling as sampling
 from grpo import kernels
-from grpo.kernels.layers import add_rmsnorm, qkv_rope_write, silu_mul
-from grpo.kernels.reference import add_rmsnorm_ref, qkv_rope_write_ref, sample_ref, silu_mul_ref
+from grpo.kernels.layers import add_rmsnorm, decode_attention, qkv_rope_write, silu_mul
+from grpo.kernels.reference import (add_rmsnorm_ref, decode_attention_ref, qkv_rope_write_ref, sample_ref,
+                                    silu_mul_ref)
 from grpo.kernels.sampling import fused_sample
 from grpo.kv_cache import KVCache
 from grpo.model import RMSNorm, apply_rope
@@ -252,3 +253,51 @@ def test_silu_mul_triton(dtype):
     ours = silu_mul(gu, backend="triton")
     assert ours.shape == (7, 333) and ours.dtype == dtype
     assert_close_rounded(ours, silu_mul_ref(gu), dtype, 1)
+
+
+def attention_inputs(B, nh, nkv, D, S, dtype, slots=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, nh, D, generator=g) * 2).to(dtype)            # scores of size ~2: a peaked softmax
+    k_cache = torch.randn(slots, S, nkv, D, generator=g).to(dtype)
+    v_cache = torch.randn(slots, S, nkv, D, generator=g).to(dtype)
+    slot = torch.randperm(slots, generator=g)[:B]
+    length = torch.randint(1, S + 1, (B,), generator=g)
+    length[0], length[-1] = 1, S                                      # one key; the whole slot
+    return q, k_cache, v_cache, slot, length
+
+
+def attention_float64(q, k_cache, v_cache, slot, length, scale):  # row by row, GQA by repeat
+    out = []
+    for b in range(len(q)):
+        k = k_cache[slot[b], :length[b]].double().transpose(0, 1)    # (nkv, L, D)
+        v = v_cache[slot[b], :length[b]].double().transpose(0, 1)
+        rep = q.shape[1] // k.shape[0]
+        k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)  # (nh, L, D)
+        p = (q[b].double()[:, None] @ k.transpose(1, 2))[:, 0] * scale   # (nh, L)
+        out.append((p.softmax(-1)[:, None] @ v)[:, 0])
+    return torch.stack(out)                                           # (B, nh, D)
+
+
+@reference
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_ref_against_float64(dtype):
+    q, k_cache, v_cache, slot, length = attention_inputs(5, 6, 2, 20, 37, dtype)
+    exact = attention_float64(q, k_cache, v_cache, slot, length, 20 ** -0.5)
+    ours = decode_attention_ref(q, k_cache, v_cache, slot, length)   # scale None: D^-0.5
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)  # bf16 SDPA rounds
+    torch.testing.assert_close(ours.double(), exact, **tol)
+    assert ours.dtype == dtype and torch.equal(decode_attention(q, k_cache, v_cache, slot, length), ours)  # torch backend
+
+
+@interpreted
+@pytest.mark.parametrize("B,nh,nkv,D,S", [(5, 6, 2, 20, 37), (3, 14, 2, 64, 50), (4, 4, 4, 24, 19)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_triton(B, nh, nkv, D, S, dtype):
+    q, k_cache, v_cache, slot, length = attention_inputs(B, nh, nkv, D, S, dtype, seed=S)
+    ours = decode_attention(q, k_cache, v_cache, slot, length, scale=0.3, backend="triton")
+    exact = attention_float64(q, k_cache, v_cache, slot, length, 0.3)
+    assert ours.shape == (B, nh, D) and ours.dtype == dtype
+    if dtype == torch.float32:  # fp32 accumulation in another order than float64's
+        torch.testing.assert_close(ours.double(), exact, atol=1e-5, rtol=1e-5)
+    else:                       # fp32 inside, one rounding (truncated by the interpreter) at the end
+        assert_close_rounded(ours, exact.to(dtype), dtype, 2, floor=0.25)
