@@ -16,12 +16,16 @@ check the guarantee: identical SmolLM2 tokens at T 1 over 128 positions whether 
 requests run in batches of 8, of 1, or mixed with other prompts.
 
 No generator state is carried: a request draws the same tokens in any batch, slot or rank,
-and the whole step stays on device with no host sync.
+and the whole step stays on device with no host sync. On CUDA with no filter set, the same
+rule runs as one fused Triton pass over the logits (grpo.kernels.fused_sample: the same
+tokens, without the (B, V) int64 noise buffer).
 """
 import math
 
 import torch
 from torch import Tensor
+
+from grpo import kernels
 
 MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: the Weyl-sequence step of SplitMix-style counters
@@ -95,18 +99,33 @@ def sample(logits: Tensor, key: Tensor, step: Tensor, temperature: float, top_k:
     filtering: the quantity the trainer recomputes (every log-prob in the loss is of the
     temperature-scaled full distribution, never the top-k/top-p filtered one). Greedy
     (temperature 0) reports the temperature-1 logprob."""
+    filtered = top_k > 0 or top_p < 1.0 or min_p > 0.0
+    if not filtered and _fused(logits):
+        return kernels.fused_sample(logits, key, step, temperature, backend="triton")
     logits = logits.float()
     if temperature == 0.0:
         tokens = logits.argmax(-1)
         return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
     z = logits / temperature  # (B, V) fp32
-    keep = filter_mask(z, top_k, top_p, min_p) if top_k > 0 or top_p < 1.0 or min_p > 0.0 else None
+    keep = filter_mask(z, top_k, top_p, min_p) if filtered else None
     # CPU: the race a few rows at a time (~4 MiB of int64), so the hash's passes stay in cache
     # instead of faulting in a fresh (B, V) int64 buffer for each (2-3x faster at V 49k); CUDA: one piece
     n = len(z) if z.is_cuda else max(1, (1 << 19) // z.shape[-1])
     pieces = [slice(r, r + n) for r in range(0, len(z), n)]
     tokens = torch.cat([_race(z[r], key[r], step[r], None if keep is None else keep[r]) for r in pieces])
     return tokens, z.gather(-1, tokens[:, None])[:, 0] - z.logsumexp(-1)
+
+
+_warned = []
+
+
+def _fused(logits: Tensor) -> bool:
+    """Sample with the fused kernel? On CUDA when triton imports (said once when it does not:
+    the eager path draws the same tokens, but a silent fallback would hide a slow path)."""
+    if logits.is_cuda and not kernels.HAS_TRITON and not _warned:
+        _warned.append(True)
+        print("grpo.sampling: triton is not importable, sampling runs its PyTorch path on CUDA")
+    return logits.is_cuda and kernels.HAS_TRITON
 
 
 def _race(z: Tensor, key: Tensor, step: Tensor, keep: Tensor | None) -> Tensor:  # (b, V) -> (b,) int64

@@ -1,15 +1,25 @@
-"""Fused kernels for the log-prob, advantage and loss path: a leaf that imports torch and
-triton, never `grpo.*`.
+"""Fused kernels for the log-prob, advantage and loss path and for decode sampling: a leaf
+that imports torch, numpy and triton, never `grpo.*`.
 
 - linear_logprobs: LM head + log-softmax + gather without the (N, V) logits; Triton on CUDA,
   the same chunked algorithm in PyTorch elsewhere (the CPU training path).
 - grpo_token_loss, group_advantages: Triton only. Their PyTorch references are the plain
   functions of grpo/loss.py, which calls these kernels on CUDA and the references elsewhere.
+- fused_sample: grpo.sampling's unfiltered Gumbel-max draw and the token's log-prob in one
+  pass over the logits, bit-identical tokens; grpo/sampling.py calls it for CUDA logits.
+  Inference only.
+- add_rmsnorm, silu_mul, qkv_rope_write (kernels/layers.py): a decode layer's elementwise work
+  in three kernels (residual add + RMSNorm; SwiGLU; q|k|v split + q/k norm + rotary + KV-cache
+  write). Triton on CUDA, their references elsewhere. Inference only.
+- decode_attention (kernels/layers.py): one query per row over its KV-cache slot, GQA,
+  split-KV online softmax (flash-decoding) in fp32. Inference only.
 Naive versions for tests and benches: grpo.kernels.reference.
 """
 from .advantages import group_advantages
 from .grpo_loss import grpo_token_loss
+from .layers import add_rmsnorm, decode_attention, qkv_rope_write, silu_mul
 from .logprobs import linear_logprobs
+from .sampling import fused_sample
 
 try:
     import triton  # noqa: F401
@@ -17,4 +27,5 @@ try:
 except ImportError:  # CPU-only installs: grpo/loss.py and the torch log-prob path still work
     HAS_TRITON = False
 
-__all__ = ["linear_logprobs", "grpo_token_loss", "group_advantages", "HAS_TRITON"]
+__all__ = ["linear_logprobs", "grpo_token_loss", "group_advantages", "fused_sample", "add_rmsnorm", "silu_mul",
+           "qkv_rope_write", "decode_attention", "HAS_TRITON"]

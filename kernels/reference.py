@@ -1,7 +1,9 @@
-"""The naive log-prob path, for tests and benches: readable, and as memory-hungry as it looks.
+"""The naive versions of the kernels, for tests, benches and the torch backends: readable, and
+as memory-hungry as they look.
 
 The GRPO loss and advantage references are the plain functions of grpo/loss.py (kernels/ is
-a leaf and does not import grpo): tests import them from there.
+a leaf and does not import grpo): tests import them from there. sample_ref is a copy of
+grpo.sampling's unfiltered rule for the same reason; a test checks the two agree bit for bit.
 """
 import torch
 from torch import Tensor
@@ -22,3 +24,93 @@ def entropy_ref(hidden: Tensor, weight: Tensor, temperature: float = 1.0) -> Ten
     dt = torch.promote_types(hidden.dtype, torch.float32)
     logprobs = (hidden.to(dt) @ weight.to(dt).T / temperature).log_softmax(-1)
     return -(logprobs.exp() * logprobs).sum(-1)
+
+
+# -----------------------------------------------------------------------------
+# sampling: grpo/sampling.py's sample with no top-k/top-p/min-p
+
+MASK32, GOLDEN = 0xFFFFFFFF, 0x9E3779B9
+
+
+def _mix32(x: Tensor) -> Tensor:  # murmur3's 32-bit finalizer on int64 tensors (low 32 bits kept)
+    x = x & MASK32
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & MASK32
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & MASK32
+    return x ^ (x >> 16)
+
+
+def gumbel_ref(key: Tensor, step: Tensor, V: int) -> Tensor:  # (B,), (B,) int64 -> (B, V) fp32
+    """grpo.sampling.gumbel: -log(-log u_v), u_v a 23-bit hash of (key, step, v)."""
+    seed = _mix32((key >> 32) ^ _mix32(key ^ _mix32(step * GOLDEN + 0x165667B1)))  # (B,)
+    x = seed[:, None] ^ (torch.arange(V, device=key.device) * GOLDEN & MASK32)     # (B, V) int64
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & MASK32
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) >> 9 & 0x7FFFFF  # bits 9..31 of the finalizer's product
+    u = (x.float() + 0.5) * 2.0**-23                     # exact in fp32: 0 < u < 1
+    return -(-u.log()).log()
+
+
+def sample_ref(logits: Tensor, key: Tensor, step: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """(B, V) logits, (B,) keys, (B,) steps -> tokens (B,) int64, logprobs (B,) fp32 of the token
+    under softmax(logits / T); T 0 is greedy with the T-1 log-prob. Inference only."""
+    logits = logits.float()
+    if temperature == 0.0:
+        tokens = logits.argmax(-1)
+        return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+    z = logits / temperature                                   # (B, V) fp32
+    tokens = (gumbel_ref(key, step, z.shape[-1]) + z).argmax(-1)
+    return tokens, z.gather(-1, tokens[:, None])[:, 0] - z.logsumexp(-1)
+
+# -----------------------------------------------------------------------------
+# decode layers: grpo/model.py's eager ops, one decode token per row; inference only
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """grpo.model.RMSNorm: normalize in fp32, round to x's dtype, scale; returned in x's dtype."""
+    xf = x.float()
+    return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)).to(x.dtype)
+
+
+def add_rmsnorm_ref(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(N, H), (N, H) or None, (H,) -> y = RMSNorm(h) (N, H), h = x + residual (N, H)."""
+    h = x if residual is None else x + residual
+    return _rms_norm(h, weight, eps), h
+
+
+def silu_mul_ref(gu: Tensor) -> Tensor:
+    """(N, 2F) gate|up -> silu(gate) * up (N, F), in fp32, returned in gu's dtype."""
+    gate, up = gu.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(gu.dtype)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """grpo.model.apply_rope ("rotate half"): x (..., D), cos, sin (..., D/2), in fp32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+def qkv_rope_write_ref(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor,
+                       pos: Tensor, n_heads: int, n_kv_heads: int, head_dim: int, q_norm: Tensor | None = None,
+                       k_norm: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    """qkv (B, (nh + 2 nkv) D), cos, sin (B, D/2) -> q (B, nh, D) rotated; writes rotated k and
+    raw v into k_cache, v_cache (slots, S, nkv, D) at [slot, pos] in the cache dtype."""
+    B, D = qkv.shape[0], head_dim
+    q, k, v = qkv.split([n_heads * D, n_kv_heads * D, n_kv_heads * D], dim=-1)
+    q, k, v = q.reshape(B, n_heads, D), k.reshape(B, n_kv_heads, D), v.reshape(B, n_kv_heads, D)
+    if q_norm is not None:  # Qwen3: RMSNorm over each head's channels, before rotary
+        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
+    cos, sin = cos.float()[:, None], sin.float()[:, None]       # (B, 1, D/2): every head
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    k_cache[slot, pos] = k.to(k_cache.dtype)                     # (B, nkv, D) into (slots, S, nkv, D)
+    v_cache[slot, pos] = v.to(v_cache.dtype)
+    return q
+
+
+def decode_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor, length: Tensor,
+                         scale: float | None = None) -> Tensor:
+    """q (B, nh, D) over cache[slot, :length] (slots, S, nkv, D) -> (B, nh, D): SDPA with an
+    explicit mask, on the gathered (B, nkv, S, D) slots, GQA by enable_gqa."""
+    S = k_cache.shape[1]
+    k, v = k_cache[slot].transpose(1, 2), v_cache[slot].transpose(1, 2)    # (B, nkv, S, D) copies
+    mask = (torch.arange(S, device=q.device) < length[:, None])[:, None, None]  # (B, 1, 1, S)
+    y = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=scale,
+                                                         enable_gqa=q.shape[1] != k.shape[1])
+    return y[:, :, 0]                                                     # (B, nh, D)
