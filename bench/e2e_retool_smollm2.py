@@ -2,7 +2,7 @@
 sandboxed code_interpreter calls: the recipe's config, its DAPO row rule and its trainer, on a
 model 30x smaller than the card's. Prints seconds, samples and tokens per step.
 
-    python bench/e2e_retool_smollm2.py --output_dir=/tmp/retool_e2e [any recipe flag]
+    python bench/e2e_retool_smollm2.py --output_dir=/tmp/retool_e2e [any recipe flag]   # ~3 min on 2 cores
 
 What differs from the recipe, and why: SmolLM2 has no tool-call template and never writes the
 format from a tools block alone, so its folder gets a stand-in of Qwen3-2507's tool template and
@@ -58,8 +58,15 @@ def main():
     model = smollm2_with_tools(work / "smollm2-tools")
     train_file = problems(work / "train.jsonl", [(a, b) for a in (3, 4, 6, 7, 9, 11) for b in (2, 3, 4)], dapo=True)
     eval_file = problems(work / "eval.jsonl", [(2, 7), (5, 4), (8, 3), (12, 2)], dapo=False)
+    # the run of docs/runs.md: 4 steps of 2 prompts x 8 (the recipe's 64 x 16 and its one-epoch
+    # max_steps=0, which its main() resolves, are a GPU run's); any flag given overrides these
     defaults = [f"--model_path={model}", f"--train_data={train_file}", f"--eval_data={eval_file}",
-                "--eval_question_field=prompt", "--profile=none", "--dtype=float32"]
+                "--eval_question_field=prompt", "--profile=none", "--dtype=float32", "--max_steps=4",
+                "--prompts_per_step=2", "--num_generations=8", "--steps_per_generation=1",
+                "--max_completion_length=160", "--eval_max_completion_length=160", "--max_turns=3",
+                "--eval_limit=4", "--eval_n=1", "--eval_temperature=0", "--gradient_checkpointing=false",
+                "--gen_batch=16", "--save_steps=0", "--export=false", "--learning_rate=1e-6", "--report_to=none",
+                "--micro_batch_tokens=4096"]
     sys.argv = [sys.argv[0], *defaults, *sys.argv[1:]]
     cfg = parse_args(ReToolQwen3)
     train_set = load(cfg.train_data, question_field=cfg.question_field, answer_field=cfg.answer_field,
@@ -76,7 +83,10 @@ def main():
         return out
 
     env = TwoShotReTool(run_code=counted, timeout=cfg.tool_timeout, max_turns=cfg.max_turns)   # the real sandbox
-    train(cfg, env, train_set, eval_set, reward_weights=REWARD_WEIGHTS)
+    try:
+        train(cfg, env, train_set, eval_set, reward_weights=REWARD_WEIGHTS)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the model folder and problem files written here
     print(f"e2e sandbox: {len(calls)} calls ran, {sum(t for t, _ in calls):.1f} s in all; outputs "
           f"{[out[:40] for _, out in calls[:8]]}")
     rows = [json.loads(line) for line in open(Path(cfg.output_dir) / "metrics.jsonl") if '"reward/mean"' in line]

@@ -53,7 +53,7 @@ HELDOUT_PERCENT = 5   # of a source's questions, by hash: ~370 of GSM8K train, ~
 _NUMBER = r"[-+]?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|[-+]?\.[0-9]+"
 _FRACTION = r"[-+]?[0-9]+\s*/\s*[0-9]+"
 _TEX_FRACTION = re.compile(r"([-+]?)\\[dt]?frac\s*\{\s*([-+]?[0-9]+)\s*\}\s*\{\s*([0-9]+)\s*\}")
-_TEX_SHORT_FRACTION = re.compile(r"([-+]?)\\[dt]?frac([0-9])([0-9])")   # TeX's \frac43: one digit each
+_TEX_SHORT_FRACTION = re.compile(r"([-+]?)\\[dt]?frac([0-9])([0-9])(?![0-9])")   # TeX's \frac43: one digit each
 _DEGREES = re.compile(r"\^\s*(?:\\circ|\{\s*\\circ\s*\})")            # 90^\circ is the number 90
 # a number, then at most unit words ('12 apples', '4.5 km.'): no other expression is an answer
 _ANSWER = re.compile(rf"\s*(?P<n>{_FRACTION}|{_NUMBER})\s*(?:[A-Za-z][A-Za-z ]*)?\.?\s*")
@@ -124,6 +124,9 @@ def load_sources(spec: str, question_field: str = "question", answer_field: str 
     with a count; a source left with none is an error."""
     out = []
     for source in filter(None, (s.strip() for s in spec.split(","))):
+        if source.startswith("heldout:multistep:"):
+            raise DataError(f"{source}: the generator has no held-out slice (its splits are disjoint by seed: "
+                            f"multistep:SPLIT:N)")
         if source.startswith("multistep:"):
             _, split, n, *seed = source.split(":")
             if split not in multistep.SPLITS or not n.isdigit() or len(seed) > 1:
@@ -135,16 +138,20 @@ def load_sources(spec: str, question_field: str = "question", answer_field: str 
         name = source.removeprefix("heldout:")
         rows = load_examples(name, question_field=question_field, answer_field=answer_field,
                              prepare=gsm8k_example)   # '#### 72' -> '72'; other answers as they are
-        rows = [r for r in rows if heldout(r["question"])] if held else rows
-        numeric = [r for r in rows if parse_number(r["answer"]) is not None]
-        if not numeric:
-            raise DataError(f"{source}: none of its {len(rows)} answers is a number")
-        if len(numeric) < len(rows):
-            print(f"{source}: kept {len(numeric)} of {len(rows)} rows (the others' answers are not numbers)")
-        out += numeric
+        out += numeric_only([r for r in rows if heldout(r["question"])] if held else rows, source)
     if not out:
         raise DataError(f"{spec!r} names no source")
     return out
+
+
+def numeric_only(rows: list[dict], source: str) -> list[dict]:
+    """The rows whose answer is a number (exact-number scoring), saying how many were dropped."""
+    numeric = [r for r in rows if parse_number(r["answer"]) is not None]
+    if not numeric:
+        raise DataError(f"{source}: none of its {len(rows)} answers is a number")
+    if len(numeric) < len(rows):
+        print(f"{source}: kept {len(numeric)} of {len(rows)} rows (the others' answers are not numbers)")
+    return numeric
 
 
 def without(examples: list[dict], others: list[dict]) -> list[dict]:

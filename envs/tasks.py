@@ -11,7 +11,7 @@ A local file for one of them has the dataset's own columns: GSM-Symbolic `questi
 `answer` ending '#### n' (as GSM8K); SVAMP `Body`, `Question` and a numeric `Answer`;
 MATH-500 `problem` and `answer` (rows whose answer is not a number are dropped, counted).
 """
-from grpo.data import DataError, load_examples
+from grpo.data import load_examples
 from grpo.envs import calculator, gsm8k
 from grpo.envs import math as math_env
 
@@ -76,18 +76,13 @@ def load_task(task: str, data: str | None = None, shots: int = 0, question_field
         prepare = math_env.aime_example if task.startswith("aime") else None
         return math_env.MathEnv(), load_examples(data or SOURCES[task], prepare=prepare, **fields)
     if task in ("gsm_symbolic", "svamp", "math500_numeric"):  # the ProcessGRPO card's protocol
-        from grpo.envs.processgrpo import OneShotMathEnv, parse_number
+        from grpo.envs.processgrpo import OneShotMathEnv, numeric_only
         if task == "svamp":   # its own columns: Body + Question, Answer
             examples = load_examples(data or SOURCES[task], question_field="Body", answer_field="Answer",
                                      prepare=svamp_example)
         else:
             examples = load_examples(data or SOURCES[task], prepare=gsm8k_example, **fields)
-        numeric = [ex for ex in examples if parse_number(ex["answer"]) is not None]
-        if len(numeric) < len(examples):
-            print(f"{task}: kept {len(numeric)} of {len(examples)} problems (the others' answers are not numbers)")
-        if not numeric:
-            raise DataError(f"{data or SOURCES[task]}: none of its {len(examples)} answers is a number")
-        return OneShotMathEnv(), numeric
+        return OneShotMathEnv(), numeric_only(examples, data or SOURCES[task])
     if task == "calculator":  # generated questions unless a file is given: no public data set exists
         examples = (load_examples(data, prepare=calculator_example, **fields) if data
                     else calculator.generate_questions(200, seed=0, split="eval"))

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from grpo.kernels.layers import add_rmsnorm, decode_attention, qkv_rope_write, silu_mul
+from grpo.kernels import HAS_TRITON, add_rmsnorm, decode_attention, qkv_rope_write, silu_mul
 
 try:  # optional: flash-attn's KV-cache kernel, where installed (CUDA)
     from flash_attn import flash_attn_with_kvcache
@@ -90,27 +90,31 @@ class DecodeWeights:
             self.lm_head.copy_(model.lm_head.weight)
 
 
-def decode(w: DecodeWeights, cache, tok: Tensor, pos: Tensor, n: int, span: int) -> Tensor:
+def decode(w: DecodeWeights, cache, tok: Tensor, pos: Tensor, n: int, span: int,
+           backend: str | None = None) -> Tensor:
     """Rows [0, n) of the cache each take one token: tok (n,) at positions pos (n,), attending
     to cache positions [0, span) up to their own. Their k, v are written at pos. -> logits (n, V),
-    in the LM head's dtype. No host sync, static shapes: a CUDA graph can hold it."""
+    in the LM head's dtype. No host sync, static shapes: a CUDA graph can hold it. `backend`:
+    the kernels' ("triton" on CUDA when importable, else "torch"; tests force "triton" on a CPU
+    under TRITON_INTERPRET)."""
     a = w.args
+    kb = backend or ("triton" if tok.is_cuda and HAS_TRITON else "torch")
     slot = torch.arange(n, device=tok.device)
     freqs = pos[:, None].float() * w.inv_freq  # (n, D/2) fp32
     cos, sin = freqs.cos(), freqs.sin()
     bias = _key_bias(pos, span, torch.float32 if not cache.k.is_cuda else cache.k.dtype)  # (n, 1, 1, span)
     x, res = w.embed[tok], None  # (n, H); res: the residual stream
     for i in range(a.n_layers):
-        y, res = add_rmsnorm(x, res, w.ln1[i], a.norm_eps)
+        y, res = add_rmsnorm(x, res, w.ln1[i], a.norm_eps, backend=kb)
         qkv = _linear(y, w.wqkv[i], None if w.bqkv is None else w.bqkv[i])  # (n, qd + 2kd)
         q = qkv_rope_write(qkv, cos, sin, cache.k[i], cache.v[i], slot, pos, a.n_heads, a.n_kv_heads, a.head_dim,
                            None if w.q_norm is None else w.q_norm[i], None if w.k_norm is None else w.k_norm[i],
-                           a.norm_eps)  # (n, nh, D), rotary applied; k, v now cached at pos
-        o = _attend(q, cache.k[i], cache.v[i], slot, pos, span, bias)  # (n, nh, D)
+                           a.norm_eps, backend=kb)  # (n, nh, D), rotary applied; k, v now cached at pos
+        o = _attend(q, cache.k[i], cache.v[i], slot, pos, span, bias, kb)  # (n, nh, D)
         x = _linear(o.reshape(n, -1), w.wo[i]).to(res.dtype)
-        y, res = add_rmsnorm(x, res, w.ln2[i], a.norm_eps)
-        x = _linear(silu_mul(_linear(y, w.w13[i])), w.w2[i]).to(res.dtype)
-    y, _ = add_rmsnorm(x, res, w.norm, a.norm_eps)
+        y, res = add_rmsnorm(x, res, w.ln2[i], a.norm_eps, backend=kb)
+        x = _linear(silu_mul(_linear(y, w.w13[i]), backend=kb), w.w2[i]).to(res.dtype)
+    y, _ = add_rmsnorm(x, res, w.norm, a.norm_eps, backend=kb)
     return _linear(y, w.lm_head)
 
 
@@ -124,15 +128,16 @@ def _key_bias(pos: Tensor, span: int, dtype) -> Tensor:  # (n,) -> (n, 1, 1, spa
         (keys > pos[:, None])[:, None, None], float("-inf"))
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, slot: Tensor, pos: Tensor, span: int, bias: Tensor) -> Tensor:
+def _attend(q: Tensor, k: Tensor, v: Tensor, slot: Tensor, pos: Tensor, span: int, bias: Tensor,
+            backend: str) -> Tensor:
     """q (n, nh, D) of rows in slots [0, n) against one layer's cache k, v (slots, S, nkv, D) up to
     each row's pos (< span) -> (n, nh, D)."""
     n = len(q)
     if q.is_cuda and flash_attn_with_kvcache is not None:
         return flash_attn_with_kvcache(q[:, None], k[:n], v[:n], cache_seqlens=(pos + 1).to(torch.int32),
                                        causal=True)[:, 0]
-    if q.is_cuda:
-        return decode_attention(q, k, v, slot, pos + 1)
+    if backend == "triton" and k.dtype == q.dtype:
+        return decode_attention(q, k, v, slot, pos + 1, backend=backend)
     k, v = k[:n, :span], v[:n, :span]
     # CPU: fp32 attention (its bf16 kernels are the slower ones there; see Attention.forward)
     y = F.scaled_dot_product_attention(q.float()[:, :, None], k.transpose(1, 2).float(), v.transpose(1, 2).float(),

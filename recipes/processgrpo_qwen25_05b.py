@@ -29,14 +29,16 @@ GSM8K (openai/gsm8k:main:train, its '#### n' answers), MATH (nlile/hendrycks-MAT
 MATH's 12,000 problems outside MATH-500; rows whose answer is not a number dropped, counted) and
 the generator (multistep:train:300, 2,100 problems of 2-8 operations), each id fetched once by
 `datasets`. Offline, a local JSONL, CSV or Parquet file in the dataset's columns takes an id's
-place: --train_data=gsm8k_train.jsonl,math_train.parquet,multistep:train:300 (and --eval_data the
-same way); a missing id is a one-line error naming the flag. Then the card's filter, on by
+place: --train_data=gsm8k_train.jsonl,math_train.parquet,multistep:train:300 and
+--eval_data=heldout:gsm8k_train.jsonl,heldout:math_train.parquet (keep `heldout:`: every eval
+question is dropped from training, so a whole file there would leave its source out of training);
+a missing id is a one-line error naming the flag. Then the card's filter, on by
 default (--filter_solve_rate=false turns it off): the problems the frozen base model solves 1 to
 7 times in 8 samples (temperature 1, up to 3,072 tokens), written to train_filtered.jsonl in the
 output folder (read back on --resume; each process filters: meant for one GPU).
 What the filter costs: 8 samples per candidate problem. The defaults give ~18,000 candidates
-(GSM8K ~7,100, MATH's numeric rows ~8,500 (estimated from MATH-500's 79% numeric), the
-generator's 2,100; the validation slice left out), so ~144,000 samples: at ~300 tokens a 0.5B
+(GSM8K ~7,100, MATH's numeric rows ~9,000 (79% of 12,000, as in MATH-500, less the 5% held
+out), the generator's 2,100), so ~145,000 samples: at ~300 tokens a 0.5B
 solution ~43M sampled tokens (at most 442M at the 3,072 cap), ~40 training steps' worth of
 continuations, all before step 1. It prints its estimate at start and the measured samples,
 sampled and prompt tokens and seconds at the end. A cheaper pass takes fewer candidates (e.g.
@@ -195,9 +197,9 @@ def load(sources: str, flag: str, *fields) -> list[dict]:
     try:
         return load_sources(sources, *fields)
     except DataError as e:  # one line, not a traceback: the usual cause is a missing file or no network
-        raise SystemExit(f"processgrpo recipe: {e} (offline: {flag}=FILE,... local JSONL, CSV or Parquet "
-                         f"files with question and answer columns, or multistep:train:300 for generated "
-                         f"problems)") from None
+        example = ("heldout:gsm8k_train.jsonl,heldout:math_train.parquet" if flag == "--eval_data"
+                   else "gsm8k_train.jsonl,math_train.parquet,multistep:train:300")
+        raise SystemExit(f"processgrpo recipe: {e} (offline: {flag}={example})") from None
 
 
 def eval_setup(cfg: ProcessGRPOQwen) -> tuple:

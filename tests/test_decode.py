@@ -98,3 +98,41 @@ def test_stop_string_candidates_on_smollm2(smollm2_path):
             assert ends[v], (v, piece)
         elif piece and "\ufffd" not in piece and piece.strip() == piece:
             assert not ends[v], (v, piece)
+
+
+def test_decode_with_triton_kernels_under_the_interpreter(tiny_dir):
+    """decode() through the Triton kernels (what CUDA runs), interpreted on the CPU, against its
+    torch path: the kernels' wiring (layouts, strides, the cache writes), not only each kernel."""
+    path, _ = tiny_dir("qwen3", vocab_size=97)
+    code = f"""
+import torch
+from grpo.decode import DecodeWeights, decode
+from grpo.kv_cache import KVCache
+from grpo.model import Transformer
+model = Transformer.from_pretrained({path!r}).eval()
+w = DecodeWeights(model)
+w.refresh(model)
+g = torch.Generator().manual_seed(0)
+caches = [KVCache(model.args, 3, 24, torch.float32, torch.device("cpu")) for _ in range(2)]
+for c in caches[1:]:
+    c.k.copy_(torch.randn(c.k.shape, generator=g)), c.v.copy_(torch.randn(c.v.shape, generator=g))
+caches[0].k.copy_(caches[1].k), caches[0].v.copy_(caches[1].v)
+tok, pos = torch.tensor([5, 17, 60]), torch.tensor([3, 11, 0])
+with torch.no_grad():
+    ref = decode(w, caches[0], tok, pos, 3, 12, backend="torch")
+    out = decode(w, caches[1], tok, pos, 3, 12, backend="triton")
+torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+torch.testing.assert_close(caches[1].k, caches[0].k, atol=1e-5, rtol=1e-5)
+torch.testing.assert_close(caches[1].v, caches[0].v)
+print("ok", (out - ref).abs().max().item())
+"""
+    import os
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+test_decode_with_triton_kernels_under_the_interpreter = pytest.mark.slow(
+    test_decode_with_triton_kernels_under_the_interpreter)

@@ -133,9 +133,9 @@ def test_offline_default_data_is_one_line_naming_the_local_file_flag(monkeypatch
         recipe().main()
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("processgrpo recipe: openai/gsm8k:main:train: could not load")
-    assert "offline: --train_data=FILE" in msg, msg
+    assert "offline: --train_data=gsm8k_train.jsonl," in msg, msg
     cfg = recipe().ProcessGRPOQwen(train_data="multistep:train:1")   # the training data found, validation not
-    with pytest.raises(SystemExit, match="offline: --eval_data=FILE") as e:
+    with pytest.raises(SystemExit, match="offline: --eval_data=heldout:gsm8k_train.jsonl,heldout:") as e:
         recipe().data(cfg)
     assert "\n" not in str(e.value)
 
@@ -172,7 +172,7 @@ def test_card_task_prompt_and_score(task, tmp_path, capsys):
     env, examples = load_task(task, write_jsonl(tmp_path / f"{task}.jsonl", TASK_ROWS[task]))
     assert isinstance(env, OneShotMathEnv) and len(examples) == 1   # MATH-500's '(3, 4)' dropped, counted
     if task == "math500_numeric":
-        assert "kept 1 of 2 problems" in capsys.readouterr().out
+        assert "kept 1 of 2 rows" in capsys.readouterr().out
     ex = examples[0]
     assert ex["question"] == QUESTIONS[task]
     messages = env.prompt(ex)   # the card's prompt: the worked example, then the question + suffix
@@ -202,3 +202,8 @@ def test_card_task_through_the_eval_command(tmp_path, smollm2_path):
     [record] = [json.loads(line) for line in open(out)]
     assert r["questions"] == 1 and record["question"] == QUESTIONS["svamp"] and record["answer"] == "24.0"
     assert record["correct"] == 0.0 and record["finish_reason"] in ("stop", "length")
+
+
+def test_heldout_generator_is_a_clear_error():
+    with pytest.raises(DataError, match="no held-out slice"):
+        load_sources("heldout:multistep:train:10")
