@@ -221,7 +221,8 @@ def qkv_rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cac
         nh, nkv, D, D // 2, float(eps), qkv.stride(0), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HAS_NORM=has_norm, BLOCK_HEADS=triton.next_power_of_2(max(nh, nkv)),
-        BLOCK_HALF=triton.next_power_of_2(D // 2), num_warps=4 if qkv.is_cuda else 1)
+        BLOCK_HALF=triton.next_power_of_2(D // 2), num_warps=4 if qkv.is_cuda else 1,
+        enable_fp_fusion=False)  # x1 cos - x2 sin rounded per product, as apply_rope's eager ops: no FMA
     return q
 
 

@@ -72,7 +72,8 @@ def test_sample_ref_equals_grpo_sampling(temperature):
         tokens, logprobs = sample_ref(logits, key, step, temperature)
         expected = sample(logits, key, step, temperature)
         assert torch.equal(tokens, expected[0]) and torch.equal(logprobs, expected[1])
-        torch.testing.assert_close(fused_sample(logits, key, step, temperature), expected, atol=0, rtol=0)  # torch backend
+        # and fused_sample's torch backend is that reference
+        torch.testing.assert_close(fused_sample(logits, key, step, temperature), expected, atol=0, rtol=0)
 
 
 @interpreted
@@ -286,7 +287,8 @@ def test_decode_attention_ref_against_float64(dtype):
     ours = decode_attention_ref(q, k_cache, v_cache, slot, length)   # scale None: D^-0.5
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)  # bf16 SDPA rounds
     torch.testing.assert_close(ours.double(), exact, **tol)
-    assert ours.dtype == dtype and torch.equal(decode_attention(q, k_cache, v_cache, slot, length), ours)  # torch backend
+    assert ours.dtype == dtype
+    assert torch.equal(decode_attention(q, k_cache, v_cache, slot, length), ours)   # the torch backend
 
 
 @interpreted
