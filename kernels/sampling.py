@@ -185,7 +185,7 @@ def fused_sample(logits: Tensor, key: Tensor, step: Tensor, temperature: float,
     assert logits.dim() == 2 and key.shape == step.shape == logits.shape[:1], \
         f"{logits.shape=} {key.shape=} {step.shape=}"
     assert temperature >= 0.0, f"{temperature=}"
-    if backend == "torch":
+    if backend == "torch" or len(logits) == 0:  # an empty batch: nothing to launch over
         return sample_ref(logits, key, step, temperature)
     if logits.stride(1) != 1:
         logits = logits.contiguous()

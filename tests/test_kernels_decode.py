@@ -303,3 +303,15 @@ def test_decode_attention_triton(B, nh, nkv, D, S, dtype):
         torch.testing.assert_close(ours.double(), exact, atol=1e-5, rtol=1e-5)
     else:                       # fp32 inside, one rounding (truncated by the interpreter) at the end
         assert_close_rounded(ours, exact.to(dtype), dtype, 2, floor=0.25)
+
+
+@interpreted
+def test_empty_batch():
+    """A decode step with no live rows (the sampler may have none left) launches nothing."""
+    tokens, logprobs = fused_sample(torch.zeros(0, 301), torch.zeros(0, dtype=torch.int64),
+                                    torch.zeros(0, dtype=torch.int64), 0.7, backend="triton")
+    assert tokens.shape == logprobs.shape == (0,) and tokens.dtype == torch.int64
+    y, h = add_rmsnorm(torch.zeros(0, 40), None, torch.ones(40), 1e-6, backend="triton")
+    assert y.shape == (0, 40) and silu_mul(torch.zeros(0, 48), backend="triton").shape == (0, 24)
+    q, k_cache, v_cache, slot, length = attention_inputs(1, 4, 2, 8, 5, torch.float32)
+    assert decode_attention(q[:0], k_cache, v_cache, slot[:0], length[:0], backend="triton").shape == (0, 4, 8)
