@@ -94,7 +94,8 @@ def main():
             # microseconds in the table: its floats print with 2 decimals
             rows.append(dict(kernel=name, shape=shape, dtype=a.dtype, torch_us=1e3 * torch_ms,
                              triton_us=1e3 * ours_ms, x=torch_ms / ours_ms))
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; us per call, mean of {a.iters}, best of {a.reps}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
+          f"us per call, mean of {a.iters}, best of {a.reps}")
     print_table(rows, ["kernel", "shape", "dtype", "torch_us", "triton_us", "x"])
 
 

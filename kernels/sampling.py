@@ -19,6 +19,7 @@ Bit-exactness with the eager path on the same device:
 - log: libdevice's logf on CUDA, CUDA's logf, which torch.log calls (Triton's own tl.log
   may lower to an approximation); numpy's log under the interpreter, which can differ from
   torch's CPU log by an ulp: a token then flips only if its two best scores lie within ~1e-7;
+- no FMA contraction (enable_fp_fusion=False): z + g is rounded after z, as in two eager ops;
 - argmax takes the first index on ties, inside a block, across blocks (strictly greater
   wins) and across splits, as torch.argmax does.
 Temperature 0: greedy argmax of the logits and the temperature-1 log-prob, as the reference.
@@ -159,7 +160,8 @@ def _sample_triton(logits: Tensor, key: Tensor, step: Tensor, temperature: float
     idx = torch.empty(B, splits, dtype=torch.int32, device=logits.device)
     _sample_partial_kernel[(B, splits)](
         logits, key, step, part, idx, B, V, v_per_split, t_scale, logits.stride(0),
-        GREEDY=greedy, RECIP=logits.is_cuda, PRECISE_LOG=logits.is_cuda, BLOCK_V=BLOCK_V, num_warps=warps)
+        GREEDY=greedy, RECIP=logits.is_cuda, PRECISE_LOG=logits.is_cuda, BLOCK_V=BLOCK_V, num_warps=warps,
+        enable_fp_fusion=False)  # z = x * (1/T) then z + g, each rounded, as the eager ops: no FMA
     tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
     _sample_combine_kernel[(B,)](part, idx, tokens, logprobs, B, splits,
@@ -183,7 +185,7 @@ def fused_sample(logits: Tensor, key: Tensor, step: Tensor, temperature: float,
     assert logits.dim() == 2 and key.shape == step.shape == logits.shape[:1], \
         f"{logits.shape=} {key.shape=} {step.shape=}"
     assert temperature >= 0.0, f"{temperature=}"
-    if backend == "torch":
+    if backend == "torch" or len(logits) == 0:  # an empty batch: nothing to launch over
         return sample_ref(logits, key, step, temperature)
     if logits.stride(1) != 1:
         logits = logits.contiguous()

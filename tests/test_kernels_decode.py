@@ -72,7 +72,8 @@ def test_sample_ref_equals_grpo_sampling(temperature):
         tokens, logprobs = sample_ref(logits, key, step, temperature)
         expected = sample(logits, key, step, temperature)
         assert torch.equal(tokens, expected[0]) and torch.equal(logprobs, expected[1])
-        torch.testing.assert_close(fused_sample(logits, key, step, temperature), expected, atol=0, rtol=0)  # torch backend
+        # and fused_sample's torch backend is that reference
+        torch.testing.assert_close(fused_sample(logits, key, step, temperature), expected, atol=0, rtol=0)
 
 
 @interpreted
@@ -286,7 +287,8 @@ def test_decode_attention_ref_against_float64(dtype):
     ours = decode_attention_ref(q, k_cache, v_cache, slot, length)   # scale None: D^-0.5
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)  # bf16 SDPA rounds
     torch.testing.assert_close(ours.double(), exact, **tol)
-    assert ours.dtype == dtype and torch.equal(decode_attention(q, k_cache, v_cache, slot, length), ours)  # torch backend
+    assert ours.dtype == dtype
+    assert torch.equal(decode_attention(q, k_cache, v_cache, slot, length), ours)   # the torch backend
 
 
 @interpreted
@@ -301,3 +303,15 @@ def test_decode_attention_triton(B, nh, nkv, D, S, dtype):
         torch.testing.assert_close(ours.double(), exact, atol=1e-5, rtol=1e-5)
     else:                       # fp32 inside, one rounding (truncated by the interpreter) at the end
         assert_close_rounded(ours, exact.to(dtype), dtype, 2, floor=0.25)
+
+
+@interpreted
+def test_empty_batch():
+    """A decode step with no live rows (the sampler may have none left) launches nothing."""
+    tokens, logprobs = fused_sample(torch.zeros(0, 301), torch.zeros(0, dtype=torch.int64),
+                                    torch.zeros(0, dtype=torch.int64), 0.7, backend="triton")
+    assert tokens.shape == logprobs.shape == (0,) and tokens.dtype == torch.int64
+    y, h = add_rmsnorm(torch.zeros(0, 40), None, torch.ones(40), 1e-6, backend="triton")
+    assert y.shape == (0, 40) and silu_mul(torch.zeros(0, 48), backend="triton").shape == (0, 24)
+    q, k_cache, v_cache, slot, length = attention_inputs(1, 4, 2, 8, 5, torch.float32)
+    assert decode_attention(q[:0], k_cache, v_cache, slot[:0], length[:0], backend="triton").shape == (0, 4, 8)
