@@ -25,7 +25,6 @@ Bit-exactness with the eager path on the same device:
 Temperature 0: greedy argmax of the logits and the temperature-1 log-prob, as the reference.
 Inference only: no autograd (the sampler's logits carry no graph).
 """
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -154,8 +153,8 @@ def _sample_triton(logits: Tensor, key: Tensor, step: Tensor, temperature: float
     greedy = temperature == 0.0
     # PyTorch's CUDA x / T is x * fl(1/fl(T)) in fp32 (one rounding of the reciprocal, on the
     # host); its CPU x / T divides. Pass what each device's kernel needs, exactly in fp32.
-    t32 = np.float32(temperature if not greedy else 1.0)
-    t_scale = float(np.float32(1.0) / t32) if logits.is_cuda else float(t32)
+    t32 = torch.tensor(temperature if not greedy else 1.0, dtype=torch.float32)  # fp32 arithmetic, on the host
+    t_scale = float(1.0 / t32) if logits.is_cuda else float(t32)
     part = torch.empty(4, B, splits, dtype=torch.float32, device=logits.device)
     idx = torch.empty(B, splits, dtype=torch.int32, device=logits.device)
     _sample_partial_kernel[(B, splits)](
