@@ -120,15 +120,22 @@ def planned_sample(plans: list[list[int]], keys: list[int], obs_len: int, eos: i
 @contextmanager
 def counting(model):
     """Tokens through prefill forwards (B*T, T > 1) and rows of decode forwards (T == 1): a
-    pre-hook on the top module, which sees (B, T) input ids on both sides."""
-    count = {"prefill": 0, "decode": 0}
+    pre-hook on the top module, which sees (B, T) input ids on both sides, and our sampler's
+    decode steps (grpo.decode over its resident weights, not the module: wrapped here)."""
+    import grpo.sampler as sampler_module
+    count, inner = {"prefill": 0, "decode": 0}, sampler_module.decode
 
     def hook(module, args, kwargs):
         B, T = (args[0] if args else kwargs["input_ids"]).shape
         count["decode" if T == 1 else "prefill"] += B if T == 1 else B * T
+
+    def decode(w, cache, tok, pos, n, span, *rest, **kw):
+        count["decode"] += n
+        return inner(w, cache, tok, pos, n, span, *rest, **kw)
     handle = model.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        yield count
+        with mock.patch.object(sampler_module, "decode", decode):
+            yield count
     finally:
         handle.remove()
 

@@ -82,6 +82,7 @@ class _Seq(Completion):  # a request in flight: a Completion plus where it lives
         self.index, self.prompt, self.key, self.max_tokens = index, prompt, key, max_tokens
         self.doc = doc  # prompts of one document are prefixes of each other: their KV is shared
         self.slot, self.turn_start, self.in_tool = -1, 0, False
+        self.epoch = 0  # bumped when the row stops decoding: a window launched before then is not its
 
 
 @dataclass
@@ -102,6 +103,8 @@ class _Call:
     live: dict = field(default_factory=dict)       # slot -> _Seq, decoding or in a tool call
     pending: dict = field(default_factory=dict)    # tool future -> _Seq
     prompt_logits: dict = field(default_factory=dict)  # prompt index -> (V,) logits of its last token
+    in_flight: tuple | None = None  # pipelined: the launched window whose tokens are not taken yet
+    launched: int = 0               # windows launched (their host buffers alternate)
 
 
 class _State:
@@ -147,11 +150,13 @@ class Sampler:
     `kv_budget_bytes` when needed. The cache, the decode state, the decode weights and the CUDA
     graphs stay for the next call; `release()` frees the cache and the graphs until then.
     `buckets`: decode the occupied slots rounded up to a power of two (the graphs' batch sizes;
-    default: with graphs), instead of exactly the occupied ones."""
+    default: with graphs), instead of exactly the occupied ones. `pipeline` (default: with graphs):
+    launch the next decode window before taking the last one's tokens, so the device does not wait
+    while Python accepts them (on a CPU it only reorders the same work: the tests run it there)."""
     def __init__(self, model, tokenizer=None, gen_batch: int = 64, max_seq_len: int | None = None,
                  kv_budget_bytes: int | None = None, prefill_tokens: int | None = None,
                  sync_every: int | None = None, cuda_graphs: bool = True, tool_workers: int = 8,
-                 buckets: bool | None = None):
+                 buckets: bool | None = None, pipeline: bool | None = None):
         p = next(model.parameters())
         self.model, self.tokenizer, self.dtype, self.device = model, tokenizer, p.dtype, p.device
         self.gen_batch, self.fixed_len = gen_batch, max_seq_len
@@ -163,6 +168,7 @@ class Sampler:
         self.kv_budget_bytes, self.window = kv_budget_bytes, sync_every or (8 if p.is_cuda else 1)
         self.use_graphs = cuda_graphs and p.is_cuda
         self.buckets = self.use_graphs if buckets is None else buckets
+        self.pipeline = self.use_graphs if pipeline is None else pipeline
         self.pool = cf.ThreadPoolExecutor(tool_workers)
         self.tokens_prefilled = 0  # tokens through prefill forwards since construction (costs, benches)
         self.capture_seconds = 0.0  # CUDA graph capture (warm-up included) since construction
@@ -181,6 +187,9 @@ class Sampler:
         self.release()  # the graphs read the old cache and state
         self.cache = KVCache(self.model.args, slots, max_seq_len, self.dtype, self.device)
         self.state = _State(slots, self.window, self.model.args.vocab_size, self.device)
+        pin = self.device.type == "cuda"  # page-locked: the copies back overlap the next window
+        self.host_out = [[torch.empty(slots, self.window, dtype=t.dtype, pin_memory=pin)
+                          for t in (self.state.out_tok, self.state.out_lp, self.state.out_ok)] for _ in range(2)]
 
     def release(self):
         """Free the KV cache and the graphs that read it (the trainer's update wants the memory,
@@ -222,13 +231,16 @@ class Sampler:
         # during a call; the cache is dropped at its end, also when a caller's autocast encloses it.
         try:
             with torch.autocast(self.device.type, enabled=False):
-                while call.waiting or call.live or call.pending:
+                while call.waiting or call.live or call.pending or call.in_flight:
                     self._admit(call)
                     self._resume(call)
                     if any(not s.in_tool for s in call.live.values()):
                         self._decode(call)
                         call.bar.tokens(lambda: sum(len(s.token_ids) for s in call.live.values())
                                         + sum(len(c.token_ids) for c in call.out if c is not None))
+                    elif call.in_flight:  # nothing left to launch: take the last window's tokens
+                        self._take(call, *call.in_flight)
+                        call.in_flight = None
                     elif call.pending and not (call.waiting and self._free(call)):
                         cf.wait(list(call.pending), return_when=cf.FIRST_COMPLETED)
         finally:
@@ -460,23 +472,47 @@ class Sampler:
         self._compact(call)
         num_slots = bucket(len(call.live), self.cache.slots) if self.buckets else len(call.live)
         longest = max(len(s.prompt) + len(s.token_ids) for s in call.live.values())
-        cache_len = min(self.cache.max_seq_len, longest + W)  # keys a window reads: [0, cache_len)
+        # keys a window reads: [0, cache_len); pipelined, the rows may be a window further on than
+        # the host knows (the window in flight)
+        cache_len = min(self.cache.max_seq_len, longest + W * (1 + (call.in_flight is not None)))
         if self.use_graphs:
             cache_len = min(self.cache.max_seq_len, -(-cache_len // 256) * 256)  # buckets, one graph each
             self._graph(call, num_slots, cache_len).replay()
         else:
             for column in range(W):
                 decode_step(self.weights, self.cache, st, call.params, num_slots, cache_len, column)
-        # host sync: once per window. A row's accepted tokens are a prefix of the window (once
-        # retired on device it stays retired), so a row takes its first `ok` columns at once
-        toks, lps, oks = (t[:num_slots].tolist() for t in (st.out_tok, st.out_lp, st.out_ok))
+        # the window's outputs to host memory (asynchronous on CUDA), with who was in each slot
+        out = self.host_out[call.launched % 2]
+        for host, dev in zip(out, (st.out_tok, st.out_lp, st.out_ok)):
+            host[:num_slots].copy_(dev[:num_slots], non_blocking=True)
+        done = torch.cuda.Event() if self.device.type == "cuda" else None
+        if done is not None:
+            done.record()
+        window = (out, num_slots, [(slot, s, s.epoch) for slot, s in call.live.items()], done)
+        call.launched += 1
+        if not self.pipeline:
+            self._take(call, *window)
+            return
+        if call.in_flight:  # while this window runs, the previous one's tokens are accepted
+            self._take(call, *call.in_flight)
+        call.in_flight = window
+
+    def _take(self, call: _Call, out: list, num_slots: int, rows: list, done):
+        """Accept one window's tokens. `rows`: (slot, row, epoch) at its launch; a row that stopped
+        since (a stop string found in the window before, a finish) takes none of its tokens, and
+        the row now in that slot, if any, was not decoding in it."""
+        if done is not None:
+            done.synchronize()  # host sync: once per window
+        # a row's accepted tokens are a prefix of the window (once retired on device it stays
+        # retired), so a row takes its first `ok` columns at once
+        toks, lps, oks = (t[:num_slots].tolist() for t in out)
         stopped = []
-        for slot, s in list(call.live.items()):
+        for slot, s, epoch in rows:
             k = sum(oks[slot])
-            if k and self._accept(call, s, toks[slot][:k], lps[slot][:k]):
-                stopped.append(slot)
+            if k and s.epoch == epoch and self._accept(call, s, toks[slot][:k], lps[slot][:k]):
+                stopped.append(s.slot)
         if stopped:  # stop strings are found here, not on device: retire those rows there too
-            st.active[torch.tensor(stopped, device=self.device)] = False
+            self.state.active[torch.tensor(stopped, device=self.device)] = False
 
     def _compact(self, call: _Call):
         """Move the rows in the highest occupied slots down into the free slots below them, so
@@ -490,7 +526,9 @@ class Sampler:
         st = self.state
         for dst, src in zip(holes, tops):
             s = call.live.pop(src)
-            self.cache.fork(src, [dst], min(self.cache.max_seq_len, len(s.prompt) + len(s.token_ids)))
+            # pipelined, the row may have cached a window more than the host has taken
+            known = len(s.prompt) + len(s.token_ids) + self.window * (call.in_flight is not None)
+            self.cache.fork(src, [dst], min(self.cache.max_seq_len, known))
             for t in (st.tok, st.pos, st.ntok, st.max_tokens, st.key, st.active):
                 t[dst] = t[src]
             st.active[src] = False
@@ -564,6 +602,7 @@ class Sampler:
             s.in_tool = True
         else:
             return False
+        s.epoch += 1  # a window launched before now holds nothing of this row's
         return True
 
     def _finish(self, call: _Call, s: _Seq, reason: str, error: str | None = None):

@@ -1,5 +1,5 @@
 """Fused kernels for the log-prob, advantage and loss path and for decode sampling: a leaf
-that imports torch, numpy and triton, never `grpo.*`.
+that imports torch and triton, never `grpo.*` (tests/test_layers.py).
 
 - linear_logprobs: LM head + log-softmax + gather without the (N, V) logits; Triton on CUDA,
   the same chunked algorithm in PyTorch elsewhere (the CPU training path).

@@ -397,6 +397,32 @@ def test_decode_window_equals_single_steps(tiny_dir):
             assert text.endswith(("ab", "zz")) or c.token_ids[-1] % 26 == 16  # a "q" tool call (no tool: stop)
 
 
+@pytest.mark.parametrize("window", [1, 3])
+def test_pipelined_windows_equal_in_turn(tiny_dir, window):
+    """pipeline=True (the CUDA default): the next window is launched before the last one's tokens
+    are taken, so the host acts a window late (stop strings, tool calls, finishes, compaction and
+    admission into freed slots). On a CPU the same reordered work must give identical rows."""
+    path, _ = tiny_dir("llama")
+    model = Transformer.from_pretrained(path)
+    tok = LetterTokenizer()
+    p = SamplingParams(n=3, temperature=1.0, max_tokens=40, stop_token_ids=[0], stop_strings=["ab", "zz"],
+                       tool_stop_strings=["q"], max_turns=3, seed=17)
+    tool = lambda index, ids: [50 + index, 51]
+    prompts = [[4, 5, 6], [7, 8], [9, 10, 11, 12], [13]]
+    runs = [Sampler(model, tok, gen_batch=5, sync_every=window, pipeline=pipe, buckets=pipe).generate(
+        prompts, p, tool=tool) for pipe in (False, True)]
+    strip = lambda c: {**c.__dict__, "logprobs": None}
+    assert [strip(c) for c in runs[1]] == [strip(c) for c in runs[0]]
+    assert {c.finish_reason for c in runs[0]} >= {"stop"} and any(c.num_turns > 1 for c in runs[0])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    seqs, cuts = [list(range(3, 30)), list(range(40, 60))], [[5, 17, 27], [3, 20]]
+    q = SamplingParams(n=2, temperature=1.0, max_tokens=12, stop_token_ids=[1, 2, 3], seed=4)
+    cont = [Sampler(model, gen_batch=4, sync_every=window, pipeline=pipe).continue_from(seqs, cuts, q)
+            for pipe in (False, True)]
+    assert [c.token_ids for c in cont[1]] == [c.token_ids for c in cont[0]]
+
+
 def test_bad_requests_fail_alone(tiny_dir):
     path, _ = tiny_dir("llama")
     model = Transformer.from_pretrained(path)
