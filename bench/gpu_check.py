@@ -74,6 +74,8 @@ from grpo.sampler import Sampler, SamplingParams  # noqa: E402
 from grpo.update import batch_logprobs, loss_options, policy_update, update_batches  # noqa: E402
 
 logprobs_module = importlib.import_module("grpo.kernels.logprobs")
+decode_module = importlib.import_module("grpo.decode")
+sampling_module = importlib.import_module("grpo.sampling")
 
 # ----------------------------------------------------------------------------- shapes, sizes, tolerances
 
@@ -135,17 +137,23 @@ def goal(part, model, what, value, shown: str, met: bool, target: str, note="", 
 
 
 @contextlib.contextmanager
-def fused_paths(triton: bool = True, flash: bool = True):
-    """Switch fused kernels off for a reference: linear_logprobs picks Triton, the model and the KV cache
-    pick flash-attn, each by a module global set at import, so those are cleared meanwhile."""
-    saved = logprobs_module.triton, model_module.flash_attn_varlen_func, kv_cache.flash_attn_with_kvcache
-    logprobs_module.triton = saved[0] if triton else None
-    model_module.flash_attn_varlen_func = saved[1] if flash else None
-    kv_cache.flash_attn_with_kvcache = saved[2] if flash else None
+def fused_paths(triton: bool = True, flash: bool = True, decode_kernels: bool = True):
+    """Switch fused kernels off for a reference: linear_logprobs picks Triton, the model, the KV cache
+    and the decode step pick flash-attn, the decode step and sampling pick the Triton decode kernels,
+    each by a module global set at import, so those are cleared meanwhile."""
+    mods = [(logprobs_module, "triton", triton, None), (model_module, "flash_attn_varlen_func", flash, None),
+            (kv_cache, "flash_attn_with_kvcache", flash, None), (decode_module, "flash_attn_with_kvcache", flash, None),
+            (decode_module, "HAS_TRITON", decode_kernels, False),
+            (sampling_module.kernels, "HAS_TRITON", decode_kernels, False),
+            (sampling_module, "_warned", decode_kernels, True)]  # no "triton is not importable" line
+    saved = [getattr(m, name) for m, name, _, _ in mods]
+    for (m, name, keep, off), value in zip(mods, saved):
+        setattr(m, name, value if keep else off)
     try:
         yield
     finally:
-        logprobs_module.triton, model_module.flash_attn_varlen_func, kv_cache.flash_attn_with_kvcache = saved
+        for (m, name, _, _), value in zip(mods, saved):
+            setattr(m, name, value)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -234,14 +242,14 @@ def greedy_case(name: str, device, sizes: dict, perturb: bool, dtype) -> list[di
     prompts = [torch.randint(0, model.args.vocab_size, (n,), generator=g).tolist() for n in lengths]
     params = SamplingParams(temperature=0.0, max_tokens=new, stop_token_ids=[])
 
-    def run(graphs: bool, flash: bool, prompts: list) -> list:
-        with dist.gathered(model), fused_paths(flash=flash):
+    def run(graphs: bool, flash: bool, prompts: list, kernels: bool = True) -> list:
+        with dist.gathered(model), fused_paths(flash=flash, decode_kernels=kernels):
             sampler = Sampler(model, gen_batch=P, max_seq_len=max(lengths) + new, cuda_graphs=graphs)
             out = [c.token_ids for c in sampler.generate(prompts, params)]
             sampler.pool.shutdown()
             return out
 
-    ref = run(False, False, prompts)  # eager decode with SDPA: the path CI runs on the CPU
+    ref = run(False, False, prompts, kernels=False)  # eager decode, PyTorch ops and SDPA: the path CI runs on the CPU
     # perturbed: another last prompt token on the tested side, which the check must catch
     tested = [p[:-1] + [(p[-1] + 1) % model.args.vocab_size] for p in prompts] if perturb else prompts
     rows, cases = [], [("cuda graphs", True, False)]

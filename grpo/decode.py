@@ -102,7 +102,11 @@ def decode(w: DecodeWeights, cache, tok: Tensor, pos: Tensor, n: int, span: int,
     slot = torch.arange(n, device=tok.device)
     freqs = pos[:, None].float() * w.inv_freq  # (n, D/2) fp32
     cos, sin = freqs.cos(), freqs.sin()
-    bias = _key_bias(pos, span, torch.float32 if not cache.k.is_cuda else cache.k.dtype)  # (n, 1, 1, span)
+    # attention: flash-attn's kernel, else ours (both read the cache in place), else SDPA with a
+    # mask built once a step, not once a layer. q is in the matmuls' dtype
+    kernel = ("flash" if tok.is_cuda and _flash(w.mm_dtype)
+              else "triton" if kb == "triton" and cache.k.dtype == w.mm_dtype else None)
+    bias = None if kernel else _key_bias(pos, span)  # (n, 1, 1, span)
     x, res = w.embed[tok], None  # (n, H); res: the residual stream
     for i in range(a.n_layers):
         y, res = add_rmsnorm(x, res, w.ln1[i], a.norm_eps, backend=kb)
@@ -110,7 +114,7 @@ def decode(w: DecodeWeights, cache, tok: Tensor, pos: Tensor, n: int, span: int,
         q = qkv_rope_write(qkv, cos, sin, cache.k[i], cache.v[i], slot, pos, a.n_heads, a.n_kv_heads, a.head_dim,
                            None if w.q_norm is None else w.q_norm[i], None if w.k_norm is None else w.k_norm[i],
                            a.norm_eps, backend=kb)  # (n, nh, D), rotary applied; k, v now cached at pos
-        o = _attend(q, cache.k[i], cache.v[i], slot, pos, span, bias, kb)  # (n, nh, D)
+        o = _attend(q, cache.k[i], cache.v[i], slot, pos, span, bias, kernel)  # (n, nh, D)
         x = _linear(o.reshape(n, -1), w.wo[i]).to(res.dtype)
         y, res = add_rmsnorm(x, res, w.ln2[i], a.norm_eps, backend=kb)
         x = _linear(silu_mul(_linear(y, w.w13[i]), backend=kb), w.w2[i]).to(res.dtype)
@@ -122,22 +126,26 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x.to(weight.dtype), weight, bias)
 
 
-def _key_bias(pos: Tensor, span: int, dtype) -> Tensor:  # (n,) -> (n, 1, 1, span): 0 = may attend, -inf not
+def _flash(dtype) -> bool:  # flash-attn takes half precision only
+    return flash_attn_with_kvcache is not None and dtype in (torch.float16, torch.bfloat16)
+
+
+def _key_bias(pos: Tensor, span: int) -> Tensor:  # (n,) -> (n, 1, 1, span) fp32: 0 = may attend, -inf not
     keys = torch.arange(span, device=pos.device)
-    return torch.zeros(len(pos), 1, 1, span, dtype=dtype, device=pos.device).masked_fill_(
+    return torch.zeros(len(pos), 1, 1, span, device=pos.device).masked_fill_(
         (keys > pos[:, None])[:, None, None], float("-inf"))
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, slot: Tensor, pos: Tensor, span: int, bias: Tensor,
-            backend: str) -> Tensor:
+def _attend(q: Tensor, k: Tensor, v: Tensor, slot: Tensor, pos: Tensor, span: int, bias: Tensor | None,
+            kernel: str | None) -> Tensor:
     """q (n, nh, D) of rows in slots [0, n) against one layer's cache k, v (slots, S, nkv, D) up to
     each row's pos (< span) -> (n, nh, D)."""
     n = len(q)
-    if q.is_cuda and flash_attn_with_kvcache is not None:
+    if kernel == "flash":
         return flash_attn_with_kvcache(q[:, None], k[:n], v[:n], cache_seqlens=(pos + 1).to(torch.int32),
                                        causal=True)[:, 0]
-    if backend == "triton" and k.dtype == q.dtype:
-        return decode_attention(q, k, v, slot, pos + 1, backend=backend)
+    if kernel == "triton":
+        return decode_attention(q, k, v, slot, pos + 1, backend="triton")
     k, v = k[:n, :span], v[:n, :span]
     # CPU: fp32 attention (its bf16 kernels are the slower ones there; see Attention.forward)
     y = F.scaled_dot_product_attention(q.float()[:, :, None], k.transpose(1, 2).float(), v.transpose(1, 2).float(),
