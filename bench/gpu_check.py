@@ -62,7 +62,7 @@ import logprobs as bench_logprobs  # noqa: E402
 import sampler as bench_sampler  # noqa: E402
 import step as bench_step  # noqa: E402
 
-from grpo import dist, kv_cache  # noqa: E402
+from grpo import dist  # noqa: E402
 from grpo import model as model_module  # noqa: E402
 from grpo.config import Config, pick_profile  # noqa: E402
 from grpo.kernels import linear_logprobs  # noqa: E402
@@ -138,11 +138,11 @@ def goal(part, model, what, value, shown: str, met: bool, target: str, note="", 
 
 @contextlib.contextmanager
 def fused_paths(triton: bool = True, flash: bool = True, decode_kernels: bool = True):
-    """Switch fused kernels off for a reference: linear_logprobs picks Triton, the model, the KV cache
-    and the decode step pick flash-attn, the decode step and sampling pick the Triton decode kernels,
+    """Switch fused kernels off for a reference: linear_logprobs picks Triton, the model's prefill and
+    the decode step pick flash-attn, the decode step and sampling pick the Triton decode kernels,
     each by a module global set at import, so those are cleared meanwhile."""
     mods = [(logprobs_module, "triton", triton, None), (model_module, "flash_attn_varlen_func", flash, None),
-            (kv_cache, "flash_attn_with_kvcache", flash, None), (decode_module, "flash_attn_with_kvcache", flash, None),
+            (decode_module, "flash_attn_with_kvcache", flash, None),
             (decode_module, "HAS_TRITON", decode_kernels, False),
             (sampling_module.kernels, "HAS_TRITON", decode_kernels, False),
             (sampling_module, "_warned", decode_kernels, True)]  # no "triton is not importable" line
@@ -254,7 +254,7 @@ def greedy_case(name: str, device, sizes: dict, perturb: bool, dtype) -> list[di
     tested = [p[:-1] + [(p[-1] + 1) % model.args.vocab_size] for p in prompts] if perturb else prompts
     rows, cases = [], [("cuda graphs", True, False)]
     dt = str(dtype).removeprefix("torch.")
-    if kv_cache.flash_attn_with_kvcache is None:
+    if decode_module.flash_attn_with_kvcache is None:
         rows.append(row("sampler", name, f"greedy {dt} with flash-attn", None, status="skip",
                         note="flash_attn does not import"))
     else:
@@ -487,7 +487,7 @@ def report(args, rows: list[dict], device, seconds=None, partial=False) -> dict:
     out = dict(ok=not failed and not partial, partial=partial, dry_run=device.type != "cuda",
                backend=args.backend, seconds=seconds, torch=torch.__version__,
                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               flash_attn=kv_cache.flash_attn_with_kvcache is not None, rows=rows)
+               flash_attn=decode_module.flash_attn_with_kvcache is not None, rows=rows)
     Path(args.out).write_text(json.dumps(out, indent=1, default=str))
     return out
 

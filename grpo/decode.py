@@ -39,10 +39,9 @@ class DecodeWeights:
     (L, D) (Qwen3's q/k norms), embed (V, H), lm_head (V, H) (the same tensor when tied)."""
 
     def __init__(self, model):
-        a, p = model.args, next(model.parameters())
-        self.args, self.device = a, p.device
-        self.act_dtype = p.dtype  # the residual stream's: fp32 on CPU, the FSDP compute dtype on GPU
-        self.mm_dtype = torch.bfloat16 if getattr(model, "autocast_bf16", False) else p.dtype
+        a = self.args = model.args
+        # the residual stream's dtype (fp32 on CPU, the FSDP compute dtype on GPU) and the matmuls'
+        self.act_dtype, self.mm_dtype, self.device = _layout(model)
         L, H, D, F_, V = a.n_layers, a.dim, a.head_dim, a.ffn_dim, a.vocab_size
         qkv = (a.n_heads + 2 * a.n_kv_heads) * D
         mm = lambda *shape: torch.empty(*shape, dtype=self.mm_dtype, device=self.device)
@@ -56,10 +55,8 @@ class DecodeWeights:
         self.inv_freq = model.inv_freq.detach().clone().float()  # (D/2,), fixed by the config
 
     def matches(self, model) -> bool:
-        """Whether this copy's layout and dtypes still fit the model (autocast may be switched)."""
-        p = next(model.parameters())
-        mm = torch.bfloat16 if getattr(model, "autocast_bf16", False) else p.dtype
-        return (p.dtype, p.device, mm) == (self.act_dtype, self.device, self.mm_dtype)
+        """Whether this copy's dtypes and device still fit the model (autocast may be switched)."""
+        return _layout(model) == (self.act_dtype, self.mm_dtype, self.device)
 
     @torch.no_grad()
     def refresh(self, model):
@@ -88,6 +85,11 @@ class DecodeWeights:
         self.embed.copy_(model.embed_tokens.weight)
         if self.lm_head is not self.embed:
             self.lm_head.copy_(model.lm_head.weight)
+
+
+def _layout(model) -> tuple:  # (activation dtype, matmul dtype, device) of a decode copy of `model`
+    p = next(model.parameters())
+    return p.dtype, torch.bfloat16 if getattr(model, "autocast_bf16", False) else p.dtype, p.device
 
 
 def decode(w: DecodeWeights, cache, tok: Tensor, pos: Tensor, n: int, span: int,

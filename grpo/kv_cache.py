@@ -1,25 +1,21 @@
 """The sampler's KV cache: `slots` rows of `max_seq_len` positions per layer, allocated once.
 
-Slotted, not paged. A row's keys are contiguous, so decode attends over a plain view of the
-buffer (no gather) with PyTorch SDPA, flash-attn's KV-cache kernel reads the same layout
-(slots, S, n_kv, D) with per-row lengths, and every decode tensor has a static shape that a
-CUDA graph can replay. The price: a slot reserves max_seq_len positions whatever its row
+Slotted, not paged. A row's keys are contiguous, so decode (grpo/decode.py) attends over a
+plain view of the buffer (no gather): SDPA, our decode_attention kernel and flash-attn's KV-cache
+kernel all read the layout (slots, S, n_kv, D) with per-row lengths, and every decode tensor has
+a static shape that a CUDA graph can replay. The price: a slot reserves max_seq_len positions whatever its row
 uses, and a prompt shared by n samples is copied into n slots (`fork`) rather than
 referenced; both are small next to the weights at the sizes grpo trains.
 
-It speaks the model's hook (grpo/model.py, Attention.forward): `update(layer, k, v)` stores
-this forward's keys and values and returns what to attend over. Before each forward the
-sampler says where the new tokens go: `packed` (a prefill of fresh prompts packed in one
-row: attend to the new k, v under the model's own document mask) or `rows` (rows that
-continue their history: decode, or an injected tool observation).
+For the model's own forward (prefills and tool observations; decode steps write through
+grpo/decode.py) it speaks the model's hook (grpo/model.py, Attention.forward): `update(layer, k,
+v)` stores this forward's keys and values and returns what to attend over. Before each forward
+the sampler says where the new tokens go: `packed` (a prefill of fresh prompts packed in one
+row: attend to the new k, v under the model's own document mask) or `rows` (rows that continue
+their history: an injected tool observation).
 """
 import torch
 from torch import Tensor
-
-try:  # optional: flash-attn's KV-cache kernel for decode on CUDA
-    from flash_attn import flash_attn_with_kvcache
-except ImportError:
-    flash_attn_with_kvcache = None
 
 
 class KVCache:
@@ -29,7 +25,6 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.slots, self.max_seq_len = slots, max_seq_len
         self.read = None  # (rows, span, mask) in `rows` mode; None in `packed` mode
-        self.attend = None  # the model calls cache.attend(...) instead of SDPA when set (flash-attn)
 
     @staticmethod
     def slot_bytes(args, max_seq_len: int, dtype: torch.dtype) -> int:
@@ -40,7 +35,7 @@ class KVCache:
         """The next forward is one packed row of fresh prompts; token t goes to (slot[t], pos[t])."""
         self.w_slot, self.w_pos = slot, pos
         self.w_b, self.w_t = torch.zeros_like(pos), torch.arange(len(pos), device=pos.device)
-        self.read, self.attend = None, None
+        self.read = None
 
     def rows(self, rows, start: Tensor, T: int, span: int, valid: Tensor | None = None):
         """The next forward is (B, T) tokens continuing rows `rows` (a slice of slots, a view,
@@ -57,10 +52,6 @@ class KVCache:
         self.w_slot, self.w_pos, self.w_b, self.w_t = slot_of[b], q_pos[b, t], b, t
         mask = torch.arange(span, device=start.device) <= q_pos[..., None]  # (B, T, span): causal, history
         self.read = (rows, span, mask[:, None])
-        flash = (flash_attn_with_kvcache is not None and self.k.is_cuda and valid is None
-                 and self.k.dtype in (torch.float16, torch.bfloat16))  # its only dtypes: fp32 takes SDPA
-        self.attend = self._flash_attend if flash else None
-        self.seqlens, self.rows_idx = start.to(torch.int32), slot_of.to(torch.int32)
 
     def update(self, layer: int, k: Tensor, v: Tensor):  # k, v (B, nkv, T, D), rotary applied
         # (N, nkv, D) real tokens only; bf16 under autocast, stored in the cache's dtype
@@ -71,14 +62,6 @@ class KVCache:
         rows, span, mask = self.read
         # (B, span, nkv, D) -> (B, nkv, span, D): a strided view when rows is a slice
         return self.k[layer][rows, :span].transpose(1, 2), self.v[layer][rows, :span].transpose(1, 2), mask
-
-    def _flash_attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """flash-attn reads only each row's own length (no span, no mask) and appends k, v
-        itself. q, k, v (B, nh, T, D) -> (B, nh, T, D). Untested here: no GPU in CI."""
-        y = flash_attn_with_kvcache(q.transpose(1, 2), self.k[layer], self.v[layer], k.transpose(1, 2),
-                                    v.transpose(1, 2), cache_seqlens=self.seqlens,
-                                    cache_batch_idx=self.rows_idx, causal=True)
-        return y.transpose(1, 2)
 
     def fork(self, src: int, dst: list[int], length: int):
         """Copy row `src`'s first `length` positions into rows `dst`, every layer: a prompt into

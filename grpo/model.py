@@ -181,24 +181,18 @@ class Attention(nn.Module):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cache, varlen, gqa: bool) -> Tensor:
         """q (B, nh, T, D), k, v (B, nkv, T, D), rotary applied -> (B, nh, T, D)."""
-        if getattr(cache, "attend", None) is not None:
-            # the cache runs its own kernel (flash-attn's KV-cache decode)
-            y = cache.attend(self.layer_idx, q, k, v)
-        else:
-            cache_mask = None
-            if cache is not None:
-                # the sampler's hook: it stores this step's k, v and hands back what to attend
-                # over, (B, nkv, S, D) with a bool mask (B, 1, T, S); mask None = a packed prefill
-                k, v, cache_mask = cache.update(self.layer_idx, k, v)
-            if isinstance(varlen, SharedPrompts):
-                y = shared_prompt_attention(q, k, v, varlen, gqa)
-            elif varlen is not None and cache_mask is None:  # packed documents: no (T x T) mask
-                flash = flash_attn_varlen_func is not None and q.is_cuda and q.dtype in HALF
-                y = flash_attention(q, k, v, varlen) if flash else per_document_attention(q, k, v, varlen, gqa)
-            else:
-                mask = cache_mask if cache_mask is not None else mask
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
-        return y
+        cache_mask = None
+        if cache is not None:
+            # the sampler's hook: it stores this step's k, v and hands back what to attend
+            # over, (B, nkv, S, D) with a bool mask (B, 1, T, S); mask None = a packed prefill
+            k, v, cache_mask = cache.update(self.layer_idx, k, v)
+        if isinstance(varlen, SharedPrompts):
+            return shared_prompt_attention(q, k, v, varlen, gqa)
+        if varlen is not None and cache_mask is None:  # packed documents: no (T x T) mask
+            flash = flash_attn_varlen_func is not None and q.is_cuda and q.dtype in HALF
+            return flash_attention(q, k, v, varlen) if flash else per_document_attention(q, k, v, varlen, gqa)
+        mask = cache_mask if cache_mask is not None else mask
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
 
 
 def per_document_attention(q: Tensor, k: Tensor, v: Tensor, varlen: tuple, gqa: bool) -> Tensor:

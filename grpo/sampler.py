@@ -93,7 +93,6 @@ class _Call:
     out: list                       # (prompts x n) Completion or finished _Seq, in request order
     stops: set[int]                 # token ids that end a row
     tool_stops: set[int]            # token ids that end a turn with a tool call
-    is_stop: Tensor                 # (V,) bool on device: both kinds, for decode_step
     tail: int                       # tokens decoded per stop-string check (0 = no stop strings)
     string_end: list | None         # (V,) bool: the tokens that can complete a stop string
     unadmitted: list[int]           # per prompt: samples still waiting (its logits are kept till 0)
@@ -269,8 +268,6 @@ class Sampler:
         self.weights.refresh(self.model)  # this call samples from the weights as they are now
         S, V, n = self.cache.max_seq_len, self.model.args.vocab_size, p.n
         stops = set(self.model.eos_token_ids() if p.stop_token_ids is None else p.stop_token_ids)
-        is_stop = torch.zeros(V, dtype=torch.bool, device=self.device)
-        is_stop[[t for t in stops | set(p.tool_stop_token_ids) if 0 <= t < V]] = True
         strings = p.stop_strings + p.tool_stop_strings  # c chars span at most c tokens (+ partial bytes)
         tail = 2 * max(map(len, strings)) + 4 if strings else 0
         out = [None] * (len(prompts) * n)
@@ -278,7 +275,7 @@ class Sampler:
         members = {}
         for i, (d, x) in enumerate(zip(docs, prompts)):
             members.setdefault(d, []).append((i, len(x)))
-        call = _Call(p, tool, out, stops, set(p.tool_stop_token_ids), is_stop, tail,
+        call = _Call(p, tool, out, stops, set(p.tool_stop_token_ids), tail,
                      self._string_ends(strings) if strings else None, [n] * len(prompts), members)
         # longest prompt first within a document: while such a row lives, its cache holds the
         # prefixes of all the document's later (shorter) prompts, which then fork it with no prefill
@@ -294,7 +291,8 @@ class Sampler:
                     call.waiting.append(_Seq(i * n + j, i, j, list(prompt), key, max_tokens, docs[i]))
         call.bar = _progress(sum(c is None for c in out), progress)
         self.state.active.zero_()
-        self.state.is_stop.copy_(is_stop)
+        self.state.is_stop.zero_()  # decode_step retires a row at either kind of stop id
+        self.state.is_stop[[t for t in stops | call.tool_stops if 0 <= t < V]] = True
         return call
 
     def _string_ends(self, strings: list[str]) -> list[bool]:

@@ -1,5 +1,9 @@
 """The decode step (grpo/decode.py) against Transformer.forward over the same KV cache, for each
 family; the decode weights after an optimizer step; the stop-string candidate tokens."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -100,6 +104,7 @@ def test_stop_string_candidates_on_smollm2(smollm2_path):
             assert not ends[v], (v, piece)
 
 
+@pytest.mark.slow  # a child interpreter
 def test_decode_with_triton_kernels_under_the_interpreter(tiny_dir):
     """decode() through the Triton kernels (what CUDA runs), interpreted on the CPU, against its
     torch path: the kernels' wiring (layouts, strides, the cache writes), not only each kernel."""
@@ -126,13 +131,6 @@ torch.testing.assert_close(caches[1].k, caches[0].k, atol=1e-5, rtol=1e-5)
 torch.testing.assert_close(caches[1].v, caches[0].v)
 print("ok", (out - ref).abs().max().item())
 """
-    import os
-    import subprocess
-    import sys
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "TRITON_INTERPRET": "1"})
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
-
-
-test_decode_with_triton_kernels_under_the_interpreter = pytest.mark.slow(
-    test_decode_with_triton_kernels_under_the_interpreter)
