@@ -169,14 +169,13 @@ def filter_by_solve_rate(sampler, tokenizer, env, examples: list[dict], n: int =
     groups have a reward spread. `sampler` runs the model (e.g. the frozen copy's
     grpo.sampler.Sampler). cost = {samples, completion_tokens (sampled), prompt_tokens (one
     prefill per problem), seconds}."""
-    from grpo.rollout import rollout, sampling_params
-    from grpo.rollout import assign_rewards as score_all
+    from grpo.rollout import assign_rewards, rollout, sampling_params
     params = sampling_params(env, tokenizer, n, temperature, max_tokens, seed)
     solved, cost, start_time = [], dict(samples=0, completion_tokens=0, prompt_tokens=0), time.perf_counter()
     for start in range(0, len(examples), chunk):   # chunks: a progress line, and bounded trajectory memory
         part = examples[start:start + chunk]
-        trajs = score_all(env, rollout(sampler, tokenizer, env, part, params, prompt_offset=start,
-                                       chat_kwargs=chat_kwargs))
+        trajs = assign_rewards(env, rollout(sampler, tokenizer, env, part, params, prompt_offset=start,
+                                            chat_kwargs=chat_kwargs))
         solved += [int(sum(t.rewards["correct"] for t in trajs[i * n:(i + 1) * n])) for i in range(len(part))]
         cost["samples"] += len(trajs)
         cost["completion_tokens"] += sum(len(t.completion_ids) for t in trajs)

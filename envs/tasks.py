@@ -77,12 +77,12 @@ def load_task(task: str, data: str | None = None, shots: int = 0, question_field
         return math_env.MathEnv(), load_examples(data or SOURCES[task], prepare=prepare, **fields)
     if task in ("gsm_symbolic", "svamp", "math500_numeric"):  # the ProcessGRPO card's protocol
         from grpo.envs.processgrpo import OneShotMathEnv, numeric_only
+        source = data or SOURCES[task]
         if task == "svamp":   # its own columns: Body + Question, Answer
-            examples = load_examples(data or SOURCES[task], question_field="Body", answer_field="Answer",
-                                     prepare=svamp_example)
-        else:
-            examples = load_examples(data or SOURCES[task], prepare=gsm8k_example, **fields)
-        return OneShotMathEnv(), numeric_only(examples, data or SOURCES[task])
+            examples = load_examples(source, question_field="Body", answer_field="Answer", prepare=svamp_example)
+        else:  # GSM-Symbolic's answers end '#### n' as GSM8K's; MATH-500's are as they are
+            examples = load_examples(source, prepare=gsm8k_example if task == "gsm_symbolic" else None, **fields)
+        return OneShotMathEnv(), numeric_only(examples, source)
     if task == "calculator":  # generated questions unless a file is given: no public data set exists
         examples = (load_examples(data, prepare=calculator_example, **fields) if data
                     else calculator.generate_questions(200, seed=0, split="eval"))

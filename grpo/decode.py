@@ -109,6 +109,7 @@ def decode(w: DecodeWeights, cache, tok: Tensor, pos: Tensor, n: int, span: int,
     kernel = ("flash" if tok.is_cuda and _flash(w.mm_dtype)
               else "triton" if kb == "triton" and cache.k.dtype == w.mm_dtype else None)
     bias = None if kernel else _key_bias(pos, span)  # (n, 1, 1, span)
+    length = (pos + 1).to(torch.int32) if kernel == "flash" else pos + 1  # keys each row reads, its own included
     x, res = w.embed[tok], None  # (n, H); res: the residual stream
     for i in range(a.n_layers):
         y, res = add_rmsnorm(x, res, w.ln1[i], a.norm_eps, backend=kb)
@@ -116,7 +117,7 @@ def decode(w: DecodeWeights, cache, tok: Tensor, pos: Tensor, n: int, span: int,
         q = qkv_rope_write(qkv, cos, sin, cache.k[i], cache.v[i], slot, pos, a.n_heads, a.n_kv_heads, a.head_dim,
                            None if w.q_norm is None else w.q_norm[i], None if w.k_norm is None else w.k_norm[i],
                            a.norm_eps, backend=kb)  # (n, nh, D), rotary applied; k, v now cached at pos
-        o = _attend(q, cache.k[i], cache.v[i], slot, pos, span, bias, kernel)  # (n, nh, D)
+        o = _attend(q, cache.k[i], cache.v[i], slot, length, span, bias, kernel)  # (n, nh, D)
         x = _linear(o.reshape(n, -1), w.wo[i]).to(res.dtype)
         y, res = add_rmsnorm(x, res, w.ln2[i], a.norm_eps, backend=kb)
         x = _linear(silu_mul(_linear(y, w.w13[i]), backend=kb), w.w2[i]).to(res.dtype)
@@ -138,16 +139,15 @@ def _key_bias(pos: Tensor, span: int) -> Tensor:  # (n,) -> (n, 1, 1, span) fp32
         (keys > pos[:, None])[:, None, None], float("-inf"))
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, slot: Tensor, pos: Tensor, span: int, bias: Tensor | None,
+def _attend(q: Tensor, k: Tensor, v: Tensor, slot: Tensor, length: Tensor, span: int, bias: Tensor | None,
             kernel: str | None) -> Tensor:
-    """q (n, nh, D) of rows in slots [0, n) against one layer's cache k, v (slots, S, nkv, D) up to
-    each row's pos (< span) -> (n, nh, D)."""
+    """q (n, nh, D) of rows in slots [0, n) against one layer's cache k, v (slots, S, nkv, D), each
+    over its first length[b] (<= span) keys -> (n, nh, D)."""
     n = len(q)
     if kernel == "flash":
-        return flash_attn_with_kvcache(q[:, None], k[:n], v[:n], cache_seqlens=(pos + 1).to(torch.int32),
-                                       causal=True)[:, 0]
+        return flash_attn_with_kvcache(q[:, None], k[:n], v[:n], cache_seqlens=length, causal=True)[:, 0]
     if kernel == "triton":
-        return decode_attention(q, k, v, slot, pos + 1, backend="triton")
+        return decode_attention(q, k, v, slot, length, backend="triton")
     k, v = k[:n, :span], v[:n, :span]
     # CPU: fp32 attention (its bf16 kernels are the slower ones there; see Attention.forward)
     y = F.scaled_dot_product_attention(q.float()[:, :, None], k.transpose(1, 2).float(), v.transpose(1, 2).float(),

@@ -66,7 +66,7 @@ def step_pieces(tokenizer, ids: list[int]) -> list[str]:
     """Each token decoded alone, as the text the model wrote: special tokens (the closing
     <|im_end|>) are empty pieces, so a solution that ends in a blank line gets no extra step of
     the end token alone (K continuations each, for no credit)."""
-    return [tokenizer.decode([x], skip_special_tokens=True) for x in ids]
+    return tokenizer.batch_decode([[x] for x in ids], skip_special_tokens=True)  # one call a solution
 
 
 def step_progress(rates: list[float], outcome: float) -> list[float]:
@@ -176,9 +176,10 @@ class ProcessCredit:
         # and for p_0 the prompt's (refill prompts have indices past 2^40: folded into 47 bits,
         # so that the ids fit an int64)
         nth = [sum(t.prompt_index == trajs[i].prompt_index for t in trajs[:i]) for i in range(len(trajs))]
-        gid = [(t.prompt_index * 1_000_003 + n) & ((1 << 47) - 1) for t, n in zip(trajs, nth)]
-        prompt_gid = lambda t: (t.prompt_index * 1_000_003 + 1_000_002) & ((1 << 47) - 1)  # noqa: E731
-        request_ids = [(prompt_gid(trajs[i]) if k == 0 else gid[i]) << 16 | k for i in kept for k, _ in own[i]]
+        fold = lambda prompt, n: (prompt * 1_000_003 + n) & ((1 << 47) - 1)  # noqa: E731
+        gid = [fold(t.prompt_index, n) for t, n in zip(trajs, nth)]
+        request_ids = [(fold(trajs[i].prompt_index, 1_000_002) if k == 0 else gid[i]) << 16 | k
+                       for i in kept for k, _ in own[i]]
         params = SamplingParams(n=K, temperature=self.temperature, max_tokens=self.max_continuation_tokens,
                                 seed=self.seed * 1_000_003 + step)
         before = self.sampler.tokens_prefilled

@@ -25,19 +25,10 @@ import math
 import torch
 from torch import Tensor
 
+# the hash, one definition for the sampler and for the Triton kernel's reference
+from grpo.kernels.reference import GOLDEN, MASK32, gumbel, mix32  # noqa: F401
+
 from grpo import kernels
-
-MASK32 = 0xFFFFFFFF
-GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: the Weyl-sequence step of SplitMix-style counters
-
-
-def mix32(x):
-    """murmur3's 32-bit finalizer, a bijection on [0, 2^32), for Python ints and int64 tensors
-    (products may wrap int64; wrapping keeps the low 32 bits, the only ones kept)."""
-    x = x & MASK32
-    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & MASK32
-    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & MASK32
-    return x ^ (x >> 16)
 
 
 def request_key(seed: int, prompt_id: int, sample_id: int) -> int:
@@ -50,23 +41,6 @@ def request_key(seed: int, prompt_id: int, sample_id: int) -> int:
             lo = mix32(lo ^ mix32(half + GOLDEN))
             hi = mix32(hi ^ mix32(half ^ 0x5BD1E995))
     return (hi >> 1) << 32 | lo
-
-
-def gumbel(key: Tensor, step: Tensor, V: int) -> Tensor:  # (B,), (B,) int64 -> (B, V) fp32
-    """Gumbel noise -log(-log u_v), one u_v per (request key, step, token v), a pure function of
-    the three: a 32-bit seed per (key, step), then murmur3's finalizer over seed ^ (Weyl sequence
-    in v), in place: these (B, V) integer passes are the largest part of sampling's cost."""
-    seed = mix32((key >> 32) ^ mix32(key ^ mix32(step * GOLDEN + 0x165667B1)))  # (B,) per request and step
-    x = seed[:, None] ^ (torch.arange(V, device=key.device) * GOLDEN & MASK32)  # (B, V) int64 < 2^32
-    x ^= x >> 16
-    x *= 0x85EBCA6B
-    x &= MASK32
-    x ^= x >> 13
-    x *= 0xC2B2AE35
-    x >>= 9  # keep bits 9..31 (the finalizer's last xorshift would change only 9..15: left out)
-    x &= 0x7FFFFF
-    u = x.float().add_(0.5).mul_(2.0**-23)  # 23 bits, so fp32 holds u exactly: 0 < u < 1, never 1
-    return u.log_().neg_().log_().neg_()
 
 
 def filter_mask(logp: Tensor, top_k: int, top_p: float, min_p: float) -> Tensor:

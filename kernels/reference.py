@@ -29,24 +29,34 @@ def entropy_ref(hidden: Tensor, weight: Tensor, temperature: float = 1.0) -> Ten
 # -----------------------------------------------------------------------------
 # sampling: grpo/sampling.py's sample with no top-k/top-p/min-p
 
-MASK32, GOLDEN = 0xFFFFFFFF, 0x9E3779B9
+MASK32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: the Weyl-sequence step of SplitMix-style counters
 
 
-def _mix32(x: Tensor) -> Tensor:  # murmur3's 32-bit finalizer on int64 tensors (low 32 bits kept)
+def mix32(x):
+    """murmur3's 32-bit finalizer, a bijection on [0, 2^32), for Python ints and int64 tensors
+    (products may wrap int64; wrapping keeps the low 32 bits, the only ones kept)."""
     x = x & MASK32
     x = ((x ^ (x >> 16)) * 0x85EBCA6B) & MASK32
     x = ((x ^ (x >> 13)) * 0xC2B2AE35) & MASK32
     return x ^ (x >> 16)
 
 
-def gumbel_ref(key: Tensor, step: Tensor, V: int) -> Tensor:  # (B,), (B,) int64 -> (B, V) fp32
-    """grpo.sampling.gumbel: -log(-log u_v), u_v a 23-bit hash of (key, step, v)."""
-    seed = _mix32((key >> 32) ^ _mix32(key ^ _mix32(step * GOLDEN + 0x165667B1)))  # (B,)
-    x = seed[:, None] ^ (torch.arange(V, device=key.device) * GOLDEN & MASK32)     # (B, V) int64
-    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & MASK32
-    x = ((x ^ (x >> 13)) * 0xC2B2AE35) >> 9 & 0x7FFFFF  # bits 9..31 of the finalizer's product
-    u = (x.float() + 0.5) * 2.0**-23                     # exact in fp32: 0 < u < 1
-    return -(-u.log()).log()
+def gumbel(key: Tensor, step: Tensor, V: int) -> Tensor:  # (B,), (B,) int64 -> (B, V) fp32
+    """Gumbel noise -log(-log u_v), one u_v per (request key, step, token v), a pure function of
+    the three: a 32-bit seed per (key, step), then murmur3's finalizer over seed ^ (Weyl sequence
+    in v), in place: these (B, V) integer passes are the largest part of sampling's cost."""
+    seed = mix32((key >> 32) ^ mix32(key ^ mix32(step * GOLDEN + 0x165667B1)))  # (B,) per request and step
+    x = seed[:, None] ^ (torch.arange(V, device=key.device) * GOLDEN & MASK32)  # (B, V) int64 < 2^32
+    x ^= x >> 16
+    x *= 0x85EBCA6B
+    x &= MASK32
+    x ^= x >> 13
+    x *= 0xC2B2AE35
+    x >>= 9  # keep bits 9..31 (the finalizer's last xorshift would change only 9..15: left out)
+    x &= 0x7FFFFF
+    u = x.float().add_(0.5).mul_(2.0**-23)  # 23 bits, so fp32 holds u exactly: 0 < u < 1, never 1
+    return u.log_().neg_().log_().neg_()
 
 
 def sample_ref(logits: Tensor, key: Tensor, step: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
@@ -57,7 +67,7 @@ def sample_ref(logits: Tensor, key: Tensor, step: Tensor, temperature: float) ->
         tokens = logits.argmax(-1)
         return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
     z = logits / temperature                                   # (B, V) fp32
-    tokens = (gumbel_ref(key, step, z.shape[-1]) + z).argmax(-1)
+    tokens = (gumbel(key, step, z.shape[-1]) + z).argmax(-1)
     return tokens, z.gather(-1, tokens[:, None])[:, 0] - z.logsumexp(-1)
 
 # -----------------------------------------------------------------------------

@@ -6,13 +6,9 @@ test_kernels_triton.py, TRITON_INTERPRET=1 must be set before triton is imported
 test_decode_kernels_under_interpreter re-runs this module in a fresh pytest process with it
 set (slow). The reference tests are plain CPU tests and run in the parent process only.
 """
-import importlib.util
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from interpret import INTERPRET, interpreted, rerun_under_interpreter
 
 import grpo.sampling as sampling
 from grpo import kernels
@@ -24,22 +20,9 @@ from grpo.kv_cache import KVCache
 from grpo.model import RMSNorm, apply_rope
 from grpo.sampling import request_key, sample
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@pytest.mark.slow  # starts a process (tests/conftest.py: the fast subset leaves it out)
-@pytest.mark.skipif(INTERPRET, reason="already under the interpreter")
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_decode_kernels_under_interpreter():
-    """Re-run this module in a fresh process with TRITON_INTERPRET=1."""
-    out = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-                         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
-    print(out.stdout[-2000:])
-    assert out.returncode == 0, out.stdout[-8000:] + out.stderr[-2000:]
-
+test_decode_kernels_under_interpreter = rerun_under_interpreter(__file__)
 
 # kernel tests run only in that process (the test tensors live on the CPU); reference tests only outside it
-interpreted = pytest.mark.skipif(not INTERPRET, reason="run by test_decode_kernels_under_interpreter")
 reference = pytest.mark.skipif(INTERPRET, reason="a reference test: runs in the parent process")
 
 # -----------------------------------------------------------------------------

@@ -6,28 +6,14 @@ TRITON_INTERPRET=1 must be set before triton is imported at all (triton.language
 helpers are decorated at import), and conftest.py imports transformers, which imports triton.
 So without it this module re-runs itself in a fresh pytest process with it set.
 """
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from interpret import interpreted, rerun_under_interpreter
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 triton = pytest.importorskip("triton")
 
-
-@pytest.mark.skipif(INTERPRET, reason="already under the interpreter")
-def test_triton_kernels_under_interpreter():
-    """Re-run this module in a fresh process with TRITON_INTERPRET=1 (about a minute on 2 cores)."""
-    out = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-                         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
-    print(out.stdout[-2000:])
-    assert out.returncode == 0, out.stdout[-8000:] + out.stderr[-2000:]
-
-
-# the kernel tests below run only in that process (the test tensors live on the CPU)
-interpreted = pytest.mark.skipif(not INTERPRET, reason="run by test_triton_kernels_under_interpreter")
+# about a minute on 2 cores; the kernel tests below run only in that process (the tensors live on the CPU)
+test_triton_kernels_under_interpreter = rerun_under_interpreter(__file__)
 
 from grpo.kernels import logprobs as logprobs_module  # noqa: E402
 from grpo.kernels.grpo_loss import grpo_token_loss  # noqa: E402

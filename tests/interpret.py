@@ -1,0 +1,31 @@
+"""Triton kernels on a CPU: under the interpreter, which TRITON_INTERPRET=1 turns on only if it is
+set before triton is imported at all (triton.language's own helpers are decorated at import), and
+conftest.py imports transformers, which imports triton. So a kernel test module re-runs itself in
+a fresh pytest process with it set:
+
+    test_kernels_under_interpreter = rerun_under_interpreter(__file__)   # the parent's one test
+    @interpreted                                                          # the child's tests
+    def test_a_kernel(): ...
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRET, reason="runs in the module's TRITON_INTERPRET=1 child process")
+
+
+def rerun_under_interpreter(path: str):
+    """A test that re-runs the test module at `path` in a fresh process with TRITON_INTERPRET=1."""
+    @pytest.mark.slow  # starts a process (tests/conftest.py: the fast subset leaves it out)
+    @pytest.mark.skipif(INTERPRET, reason="already under the interpreter")
+    @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+    def test_under_interpreter():
+        out = subprocess.run([sys.executable, "-m", "pytest", path, "-q", "-p", "no:cacheprovider"],
+                             env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
+        print(out.stdout[-2000:])
+        assert out.returncode == 0, out.stdout[-8000:] + out.stderr[-2000:]
+    return test_under_interpreter
