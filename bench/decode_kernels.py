@@ -1,8 +1,9 @@
 """Benchmark: the decode kernels (grpo.kernels: fused_sample, add_rmsnorm, silu_mul,
 qkv_rope_write, decode_attention) against their eager PyTorch references
-(grpo.kernels.reference), at Qwen2.5-0.5B decode shapes: B 256 rows, H 896, 14 heads,
-2 KV heads, D 64, F 4864, V 151936; the cache holds S 1024 positions a slot, rows filled to
-random lengths (the reference attends over all S under a mask, as the sampler's SDPA does).
+(grpo.kernels.reference), at the decode shapes of the goals: Qwen2.5-0.5B (B 256 rows, H 896,
+14 heads, 2 KV heads, D 64, F 4864) and Qwen2.5-3B (B 64, H 2048, 16 heads, 2 KV heads, D 128,
+F 11008), V 151936; the cache holds S 1024 positions a slot, rows filled to random lengths
+(the reference attends over all S under a mask, as the sampler's SDPA does).
 
     python bench/decode_kernels.py              # CUDA only: on a CPU it says so and exits
     python bench/decode_kernels.py --iters 50
@@ -24,8 +25,9 @@ from table import print_table  # noqa: E402
 
 from grpo.kernels import add_rmsnorm, decode_attention, fused_sample, qkv_rope_write, silu_mul  # noqa: E402
 
-B, H, NH, NKV, D, F, V = 256, 896, 14, 2, 64, 4864, 151936
-S = 1024  # cache positions per slot
+SHAPES = {"qwen2.5-0.5b": dict(B=256, H=896, NH=14, NKV=2, D=64, F=4864),
+          "qwen2.5-3b": dict(B=64, H=2048, NH=16, NKV=2, D=128, F=11008)}
+V, S = 151936, 1024  # vocabulary; cache positions per slot
 
 
 def time_ms(fn, iters: int, reps: int) -> float:
@@ -42,8 +44,9 @@ def time_ms(fn, iters: int, reps: int) -> float:
     return best
 
 
-def cases(dtype: torch.dtype, dev: str = "cuda"):
-    """(name, shape, call with a backend argument) at the decode shapes."""
+def cases(dtype: torch.dtype, dev: str = "cuda", model: str = "qwen2.5-0.5b"):
+    """(name, shape, call with a backend argument) at `model`'s decode shapes."""
+    B, H, NH, NKV, D, F = SHAPES[model].values()
     g = torch.Generator(device=dev).manual_seed(0)
     rand = lambda *shape, dt=dtype: torch.randn(*shape, generator=g, device=dev).to(dt)  # noqa: E731
     key = torch.randint(0, 1 << 62, (B,), generator=g, device=dev)
@@ -88,15 +91,16 @@ def main():
         return
     rows = []
     with torch.no_grad():
-        for name, shape, call in cases(getattr(torch, a.dtype)):
-            torch_ms = time_ms(lambda: call("torch"), a.iters, a.reps)
-            ours_ms = time_ms(lambda: call("triton"), a.iters, a.reps)
-            # microseconds in the table: its floats print with 2 decimals
-            rows.append(dict(kernel=name, shape=shape, dtype=a.dtype, torch_us=1e3 * torch_ms,
-                             triton_us=1e3 * ours_ms, x=torch_ms / ours_ms))
+        for model in SHAPES:
+            for name, shape, call in cases(getattr(torch, a.dtype), model=model):
+                torch_ms = time_ms(lambda: call("torch"), a.iters, a.reps)
+                ours_ms = time_ms(lambda: call("triton"), a.iters, a.reps)
+                # microseconds in the table: its floats print with 2 decimals
+                rows.append(dict(model=model, kernel=name, shape=shape, dtype=a.dtype, torch_us=1e3 * torch_ms,
+                                 triton_us=1e3 * ours_ms, x=torch_ms / ours_ms))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"us per call, mean of {a.iters}, best of {a.reps}")
-    print_table(rows, ["kernel", "shape", "dtype", "torch_us", "triton_us", "x"])
+    print_table(rows, ["model", "kernel", "shape", "dtype", "torch_us", "triton_us", "x"])
 
 
 if __name__ == "__main__":

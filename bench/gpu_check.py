@@ -73,9 +73,8 @@ from grpo.rollout import Trajectory  # noqa: E402
 from grpo.sampler import Sampler, SamplingParams  # noqa: E402
 from grpo.update import batch_logprobs, loss_options, policy_update, update_batches  # noqa: E402
 
-logprobs_module = importlib.import_module("grpo.kernels.logprobs")
 decode_module = importlib.import_module("grpo.decode")
-sampling_module = importlib.import_module("grpo.sampling")
+kernels_module = importlib.import_module("grpo.kernels")
 
 # ----------------------------------------------------------------------------- shapes, sizes, tolerances
 
@@ -137,22 +136,20 @@ def goal(part, model, what, value, shown: str, met: bool, target: str, note="", 
 
 
 @contextlib.contextmanager
-def fused_paths(triton: bool = True, flash: bool = True, decode_kernels: bool = True):
-    """Switch fused kernels off for a reference: linear_logprobs picks Triton, the model's prefill and
-    the decode step pick flash-attn, the decode step and sampling pick the Triton decode kernels,
-    each by a module global set at import, so those are cleared meanwhile."""
-    mods = [(logprobs_module, "triton", triton, None), (model_module, "flash_attn_varlen_func", flash, None),
-            (decode_module, "flash_attn_with_kvcache", flash, None),
-            (decode_module, "HAS_TRITON", decode_kernels, False),
-            (sampling_module.kernels, "HAS_TRITON", decode_kernels, False),
-            (sampling_module, "_warned", decode_kernels, True)]  # no "triton is not importable" line
-    saved = [getattr(m, name) for m, name, _, _ in mods]
-    for (m, name, keep, off), value in zip(mods, saved):
-        setattr(m, name, value if keep else off)
+def fused_paths(kernels: bool = True, flash: bool = True):
+    """Switch fused kernels off for a reference: without `kernels`, every grpo.kernels call that
+    names no backend (log-probs, loss, the decode step's layers, sampling) takes its PyTorch
+    reference (grpo.kernels.references); without `flash`, the model's prefill and the decode step
+    do not take flash-attn (a module global each, set at import, so cleared meanwhile)."""
+    mods = [(model_module, "flash_attn_varlen_func"), (decode_module, "flash_attn_with_kvcache")]
+    saved = [getattr(m, name) for m, name in mods]
+    for m, name in mods:
+        setattr(m, name, getattr(m, name) if flash else None)
     try:
-        yield
+        with contextlib.nullcontext() if kernels else kernels_module.references():
+            yield
     finally:
-        for (m, name, _, _), value in zip(mods, saved):
+        for (m, name), value in zip(mods, saved):
             setattr(m, name, value)
 
 
@@ -243,7 +240,7 @@ def greedy_case(name: str, device, sizes: dict, perturb: bool, dtype) -> list[di
     params = SamplingParams(temperature=0.0, max_tokens=new, stop_token_ids=[])
 
     def run(graphs: bool, flash: bool, prompts: list, kernels: bool = True) -> list:
-        with dist.gathered(model), fused_paths(flash=flash, decode_kernels=kernels):
+        with dist.gathered(model), fused_paths(kernels=kernels, flash=flash):
             sampler = Sampler(model, gen_batch=P, max_seq_len=max(lengths) + new, cuda_graphs=graphs)
             out = [c.token_ids for c in sampler.generate(prompts, params)]
             sampler.pool.shutdown()
@@ -312,7 +309,7 @@ def update_parity(name: str, device, sizes: dict, perturb: bool) -> list[dict]:
         opt = torch.optim.SGD(m.parameters(), lr=LR * (1.25 if perturb and side == "fsdp" else 1.0))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
         opts = dataclasses.replace(loss_options(cfg), backend="torch" if side == "ref" else None)
-        with fused_paths(triton=side == "fsdp", flash=side == "fsdp"):
+        with fused_paths(kernels=side == "fsdp", flash=side == "fsdp"):
             before = logprobs(m)
             norms = [policy_update(m, None, opt, sched, *batch, cfg, device, opts)["grad_norm"]
                      for batch in batches]

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from grpo.kernels import HAS_TRITON, add_rmsnorm, decode_attention, qkv_rope_write, silu_mul
+from grpo.kernels import add_rmsnorm, decode_attention, gpu, qkv_rope_write, silu_mul, use_triton
 
 try:  # optional: flash-attn's KV-cache kernel, where installed (CUDA)
     from flash_attn import flash_attn_with_kvcache
@@ -100,7 +100,7 @@ def decode(w: DecodeWeights, cache, tok: Tensor, pos: Tensor, n: int, span: int,
     the kernels' ("triton" on CUDA when importable, else "torch"; tests force "triton" on a CPU
     under TRITON_INTERPRET)."""
     a = w.args
-    kb = backend or ("triton" if tok.is_cuda and HAS_TRITON else "torch")
+    kb = "triton" if use_triton(tok, backend, "decode") else "torch"
     slot = torch.arange(n, device=tok.device)
     freqs = pos[:, None].float() * w.inv_freq  # (n, D/2) fp32
     cos, sin = freqs.cos(), freqs.sin()

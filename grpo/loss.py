@@ -21,21 +21,6 @@ from torch import Tensor
 
 from grpo import kernels
 
-_warned = set()
-
-
-def _fused(t: Tensor, backend: str | None, what: str) -> bool:
-    """Run the Triton kernel? "triton" / "torch" force it; None: on CUDA when triton imports
-    (and say once when it does not: a silent fallback would hide a slow path)."""
-    if backend is not None:
-        assert backend in ("triton", "torch"), f"{backend=}"
-        assert backend == "torch" or kernels.HAS_TRITON, "backend='triton' but triton is not importable"
-        return backend == "triton"
-    if t.is_cuda and not kernels.HAS_TRITON and what not in _warned:
-        _warned.add(what)
-        print(f"grpo.loss: triton is not importable, {what} runs its PyTorch reference on CUDA")
-    return t.is_cuda and kernels.HAS_TRITON
-
 # -----------------------------------------------------------------------------
 # advantages and reward shaping
 
@@ -61,7 +46,7 @@ def group_advantages(rewards: Tensor, G: int, scale: str = "group", batch_reward
                              "the local std is not the batch's")
         batch_rewards = rewards
     batch_std = batch_rewards.float().std() if scale == "batch" else None
-    if _fused(rewards, backend, "group_advantages"):
+    if kernels.use_triton(rewards, backend, "group_advantages"):
         return kernels.group_advantages(rewards, G, scale, float(batch_std) if scale == "batch" else 0.0)
     r = rewards.float().view(-1, G)                            # (B, G)
     flat = r.amax(1, keepdim=True) == r.amin(1, keepdim=True)  # (B, 1): all rewards equal
@@ -266,7 +251,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss
     kw = dict(eps_low=opts.eps_low, eps_high=opts.eps_high, delta=opts.delta, dual_clip=opts.dual_clip,
               ref_logprobs=None if sequence else ref_logprobs, beta=0.0 if sequence else opts.beta,
               sampler_logprobs=sampler_logprobs, tis_cap=opts.tis_cap)
-    token = kernels.grpo_token_loss if _fused(logprobs, opts.backend, "the GRPO token loss") else token_loss
+    token = kernels.grpo_token_loss if kernels.use_triton(logprobs, opts.backend, "the GRPO token loss") else token_loss
     losses = token(ratio_logprobs, old_logprobs, advantages, loss_mask, **kw)   # (B, T) fp32, 0 off the mask
     if sequence and ref_logprobs is not None and opts.beta > 0:  # w_t l_t + beta k3_t, as token_loss adds it
         m = loss_mask.bool()  # padding may hold inf: zero it before the exp (as token_loss does)

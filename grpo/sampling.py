@@ -84,22 +84,16 @@ def sample(logits: Tensor, key: Tensor, step: Tensor, temperature: float, top_k:
     keep = filter_mask(z, top_k, top_p, min_p) if filtered else None
     # CPU: the race a few rows at a time (~4 MiB of int64), so the hash's passes stay in cache
     # instead of faulting in a fresh (B, V) int64 buffer for each (2-3x faster at V 49k); CUDA: one piece
-    n = len(z) if z.is_cuda else max(1, (1 << 19) // z.shape[-1])
+    n = len(z) if kernels.gpu(z) else max(1, (1 << 19) // z.shape[-1])
     pieces = [slice(r, r + n) for r in range(0, len(z), n)]
     tokens = torch.cat([_race(z[r], key[r], step[r], None if keep is None else keep[r]) for r in pieces])
     return tokens, z.gather(-1, tokens[:, None])[:, 0] - z.logsumexp(-1)
 
 
-_warned = []
-
-
 def _fused(logits: Tensor) -> bool:
     """Sample with the fused kernel? On CUDA when triton imports (said once when it does not:
     the eager path draws the same tokens, but a silent fallback would hide a slow path)."""
-    if logits.is_cuda and not kernels.HAS_TRITON and not _warned:
-        _warned.append(True)
-        print("grpo.sampling: triton is not importable, sampling runs its PyTorch path on CUDA")
-    return logits.is_cuda and kernels.HAS_TRITON
+    return kernels.use_triton(logits, None, "sampling")
 
 
 def _race(z: Tensor, key: Tensor, step: Tensor, keep: Tensor | None) -> Tensor:  # (b, V) -> (b,) int64

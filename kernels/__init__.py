@@ -13,19 +13,16 @@ that imports torch and triton, never `grpo.*` (tests/test_layers.py).
   write). Triton on CUDA, their references elsewhere. Inference only.
 - decode_attention (kernels/layers.py): one query per row over its KV-cache slot, GQA,
   split-KV online softmax (flash-decoding) in fp32. Inference only.
-Naive versions for tests and benches: grpo.kernels.reference.
+Naive versions for tests and benches: grpo.kernels.reference. Which way each call goes (Triton
+with GPU tiles, or the reference), and compile_for(), which compiles every launch for a GPU on
+a machine without one: grpo.kernels.target.
 """
 from .advantages import group_advantages
 from .grpo_loss import grpo_token_loss
 from .layers import add_rmsnorm, decode_attention, qkv_rope_write, silu_mul
 from .logprobs import linear_logprobs
 from .sampling import fused_sample
-
-try:
-    import triton  # noqa: F401
-    HAS_TRITON = True
-except ImportError:  # CPU-only installs: grpo/loss.py and the torch log-prob path still work
-    HAS_TRITON = False
+from .target import HAS_TRITON, compile_for, gpu, references, use_triton
 
 __all__ = ["linear_logprobs", "grpo_token_loss", "group_advantages", "fused_sample", "add_rmsnorm", "silu_mul",
-           "qkv_rope_write", "decode_attention", "HAS_TRITON"]
+           "qkv_rope_write", "decode_attention", "HAS_TRITON", "compile_for", "gpu", "references", "use_triton"]

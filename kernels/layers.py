@@ -25,6 +25,7 @@ try:
 except ImportError:  # CPU-only installs: the torch backends still work
     triton = None
 
+from .target import gpu, sm_count, use_triton
 from .reference import add_rmsnorm_ref, decode_attention_ref, qkv_rope_write_ref, silu_mul_ref
 
 # -----------------------------------------------------------------------------
@@ -185,13 +186,9 @@ if triton is not None:
 # -----------------------------------------------------------------------------
 # public entries: backend "triton" | "torch" (the reference) | None (triton on CUDA when importable)
 
-def _use_triton(t: Tensor, backend: str | None) -> bool:
+def _use_triton(t: Tensor, backend: str | None, what: str) -> bool:
     """Launch the kernel? An empty batch takes the reference (nothing to launch over)."""
-    if backend is None:
-        return t.is_cuda and triton is not None and t.shape[0] > 0
-    assert backend in ("triton", "torch"), f"{backend=}"
-    assert backend == "torch" or triton is not None, "backend='triton' but triton is not importable"
-    return backend == "triton" and t.shape[0] > 0
+    return use_triton(t, backend, what) and t.shape[0] > 0
 
 
 def qkv_rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor,
@@ -211,7 +208,7 @@ def qkv_rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cac
     assert cos.shape == sin.shape == (B, D // 2), f"{cos.shape=} {sin.shape=}"
     assert k_cache.shape[2:] == (nkv, D) and v_cache.shape == k_cache.shape, f"{k_cache.shape=} {v_cache.shape=}"
     assert (q_norm is None) == (k_norm is None), "q_norm and k_norm come together (Qwen3)"
-    if not _use_triton(qkv, backend):
+    if not _use_triton(qkv, backend, "qkv_rope_write"):
         return qkv_rope_write_ref(qkv, cos, sin, k_cache, v_cache, slot, pos, nh, nkv, D, q_norm, k_norm, eps)
     assert k_cache.stride(3) == 1 and v_cache.stride() == k_cache.stride(), "caches: rows of D contiguous, same layout"
     qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
@@ -224,7 +221,7 @@ def qkv_rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cac
         nh, nkv, D, D // 2, float(eps), qkv.stride(0), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HAS_NORM=has_norm, BLOCK_HEADS=triton.next_power_of_2(max(nh, nkv)),
-        BLOCK_HALF=triton.next_power_of_2(D // 2), num_warps=4 if qkv.is_cuda else 1,
+        BLOCK_HALF=triton.next_power_of_2(D // 2), num_warps=4 if gpu(qkv) else 1,
         enable_fp_fusion=False)  # x1 cos - x2 sin rounded per product, as apply_rope's eager ops: no FMA
     return q
 
@@ -239,7 +236,7 @@ def add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
     N, H = x.shape
     assert residual is None or (residual.shape == x.shape and residual.dtype == x.dtype), f"{x.shape=}"
     assert weight.shape == (H,), f"{weight.shape=} {H=}"
-    if not _use_triton(x, backend):
+    if not _use_triton(x, backend, "add_rmsnorm"):
         return add_rmsnorm_ref(x, residual, weight, eps)
     x = x if x.stride(1) == 1 else x.contiguous()
     if residual is not None and residual.stride(1) != 1:
@@ -250,7 +247,7 @@ def add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
         x, residual if residual is not None else x, weight, y, h, H, float(eps), x.stride(0),
         residual.stride(0) if residual is not None else 0,
         HAS_RES=residual is not None, BLOCK_H=triton.next_power_of_2(H),
-        num_warps=(4 if H <= 2048 else 8) if x.is_cuda else 1)
+        num_warps=(4 if H <= 2048 else 8) if gpu(x) else 1)
     return y, h
 
 
@@ -259,12 +256,12 @@ def silu_mul(gu: Tensor, backend: str | None = None) -> Tensor:
     (N, F) in gu's dtype, computed in fp32. Inference only (no autograd)."""
     N, F2 = gu.shape
     assert F2 % 2 == 0, f"{gu.shape=}"
-    if not _use_triton(gu, backend):
+    if not _use_triton(gu, backend, "silu_mul"):
         return silu_mul_ref(gu)
     F = F2 // 2
     gu = gu if gu.stride(1) == 1 else gu.contiguous()
     out = torch.empty(N, F, dtype=gu.dtype, device=gu.device)
-    BLOCK = 1024 if gu.is_cuda else 64
+    BLOCK = 1024 if gpu(gu) else 64
     _silu_mul_kernel[(N, triton.cdiv(F, BLOCK))](gu, out, F, gu.stride(0), BLOCK=BLOCK)
     return out
 
@@ -283,15 +280,19 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor, 
     assert Dc == D and nh % nkv == 0 and v_cache.shape == k_cache.shape, f"{q.shape=} {k_cache.shape=}"
     assert k_cache.dtype == v_cache.dtype == q.dtype, f"{q.dtype=} {k_cache.dtype=} {v_cache.dtype=}"
     scale = D ** -0.5 if scale is None else scale
-    if not _use_triton(q, backend):
+    if not _use_triton(q, backend, "decode_attention"):
         return decode_attention_ref(q, k_cache, v_cache, slot, length, scale)
     assert k_cache.stride(3) == 1 and v_cache.stride() == k_cache.stride(), "caches: rows of D contiguous, same layout"
     q = q if q.stride(2) == 1 else q.contiguous()
     G = nh // nkv
-    if q.is_cuda:
-        BLOCK_N, warps = 64, 4
+    if gpu(q):
+        # k and v tiles are upcast to fp32 for the "ieee" dots: at 64 keys x 4 warps the kernel
+        # spilled (D 64) or spilled 3-4 KB a thread and asked 136 KB of shared memory (D 128, more
+        # than an RTX 6000 Ada gives a block); 8 warps and 32 (D <= 64) or 16 keys a block leave
+        # 166 registers and no spill on sm_80-sm_100 (bench/compile_kernels.py, tests/test_compile.py)
+        BLOCK_N, warps = (32 if D <= 64 else 16), 8
         # split the keys when B * nkv programs would leave SMs idle (flash-decoding)
-        programs = 4 * torch.cuda.get_device_properties(q.device).multi_processor_count
+        programs = 4 * sm_count(q)
         splits = max(1, min(triton.cdiv(programs, B * nkv), triton.cdiv(S, 4 * BLOCK_N)))
     else:  # interpreter: small blocks, 3 splits so the combine (and an empty split) is tested
         BLOCK_N, warps, splits = 16, 1, 3

@@ -35,6 +35,8 @@ try:
 except ImportError:  # CPU-only installs: the torch backend still works
     triton = None
 
+from .target import gpu, sm_count, use_triton
+
 # -----------------------------------------------------------------------------
 # Triton kernels
 
@@ -160,9 +162,9 @@ def _forward_torch(hidden, weight, labels, temperature, chunk, want_entropy):
 def _forward_triton(hidden, weight, labels, temperature, want_entropy):
     N, H = hidden.shape
     V = weight.shape[0]
-    if hidden.is_cuda:
+    if gpu(hidden):
         BLOCK_N, BLOCK_V, BLOCK_H, warps = 64, 128, 64, 8
-        programs = 2 * torch.cuda.get_device_properties(hidden.device).multi_processor_count
+        programs = 2 * sm_count(hidden)
     else:  # interpreter: small tiles, and 2 splits so the split combine is tested
         BLOCK_N, BLOCK_V, BLOCK_H, warps = 16, 32, 16, 1
         programs = 2 * triton.cdiv(N, BLOCK_N)
@@ -176,7 +178,7 @@ def _forward_triton(hidden, weight, labels, temperature, want_entropy):
         hidden, weight, labels, stats[0], stats[1], stats[2],
         N, V, H, v_per_split, 1.0 / temperature, hidden.stride(0), weight.stride(0),
         BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H,
-        UPCAST=not hidden.is_cuda,
+        UPCAST=not gpu(hidden),
         num_warps=warps,
     )
     lse_s, tgt_s, ez_s = stats                                 # (S, N) each
@@ -197,7 +199,7 @@ def _dlogits_torch(z, lse, labels, g, v0):
 
 def _dlogits_triton(z, lse, labels, g, v0):
     N, C = z.shape
-    BLOCK = 1024 if z.is_cuda else 64
+    BLOCK = 1024 if gpu(z) else 64
     _dlogits_kernel[(N, triton.cdiv(C, BLOCK))](z, lse, labels, g, C, v0, z.stride(0), BLOCK=BLOCK)
     return z
 
@@ -261,10 +263,7 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature:
     entropy 0, no gradient, and no LM-head work (prompt tokens are ~half of a GRPO batch). backend: "triton" | "torch" | None (triton on CUDA when importable).
     chunk_size: vocab columns per backward (and torch forward) chunk; None picks one.
     """
-    if backend is None:
-        backend = "triton" if (hidden.is_cuda and triton is not None) else "torch"
-    assert backend in ("triton", "torch"), f"{backend=}"
-    assert backend == "torch" or triton is not None, "backend='triton' but triton is not importable"
+    backend = "triton" if use_triton(hidden, backend, "linear_logprobs") else "torch"
     lead = labels.shape
     H, V = hidden.shape[-1], weight.shape[0]
     assert hidden.shape[:-1] == lead and weight.shape[1] == H, \

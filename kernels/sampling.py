@@ -25,6 +25,8 @@ Bit-exactness with the eager path on the same device:
 Temperature 0: greedy argmax of the logits and the temperature-1 log-prob, as the reference.
 Inference only: no autograd (the sampler's logits carry no graph).
 """
+import struct
+
 import torch
 from torch import Tensor
 
@@ -36,6 +38,7 @@ except ImportError:  # CPU-only installs: the torch backend still works
     triton = None
 
 from .reference import sample_ref
+from .target import gpu, sm_count, use_triton
 
 # -----------------------------------------------------------------------------
 # Triton kernels
@@ -138,28 +141,34 @@ if triton is not None:
 # -----------------------------------------------------------------------------
 # launcher and the public entry
 
+def _fp32(x: float) -> float:  # x rounded to the nearest fp32
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 def _sample_triton(logits: Tensor, key: Tensor, step: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
     B, V = logits.shape
-    if logits.is_cuda:
+    if gpu(logits):
         BLOCK_V, warps = 2048, 8
         # split a row when there are too few rows to give every SM ~4 programs (B 256 on 132 SMs: 3)
-        programs = 4 * torch.cuda.get_device_properties(logits.device).multi_processor_count
+        programs = 4 * sm_count(logits)
     else:  # interpreter: small blocks, and 2 splits a row so the combine is tested
         BLOCK_V, warps = 128, 1
         programs = 2 * B
-    splits = max(1, min(triton.cdiv(programs, B), triton.cdiv(V, 8 * BLOCK_V) if logits.is_cuda else 2))
+    splits = max(1, min(triton.cdiv(programs, B), triton.cdiv(V, 8 * BLOCK_V) if gpu(logits) else 2))
     v_per_split = triton.cdiv(triton.cdiv(V, splits), BLOCK_V) * BLOCK_V
     splits = triton.cdiv(V, v_per_split)                      # every split non-empty
     greedy = temperature == 0.0
     # PyTorch's CUDA x / T is x * fl(1/fl(T)) in fp32 (one rounding of the reciprocal, on the
     # host); its CPU x / T divides. Pass what each device's kernel needs, exactly in fp32.
-    t32 = torch.tensor(temperature if not greedy else 1.0, dtype=torch.float32)  # fp32 arithmetic, on the host
-    t_scale = float(1.0 / t32) if logits.is_cuda else float(t32)
+    # (Python floats: no tensor op on the host; the double quotient of two fp32 values, rounded to
+    # fp32 once, is fp32's own quotient)
+    t32 = _fp32(temperature if not greedy else 1.0)
+    t_scale = _fp32(1.0 / t32) if gpu(logits) else t32
     part = torch.empty(4, B, splits, dtype=torch.float32, device=logits.device)
     idx = torch.empty(B, splits, dtype=torch.int32, device=logits.device)
     _sample_partial_kernel[(B, splits)](
         logits, key, step, part, idx, B, V, v_per_split, t_scale, logits.stride(0),
-        GREEDY=greedy, RECIP=logits.is_cuda, PRECISE_LOG=logits.is_cuda, BLOCK_V=BLOCK_V, num_warps=warps,
+        GREEDY=greedy, RECIP=gpu(logits), PRECISE_LOG=gpu(logits), BLOCK_V=BLOCK_V, num_warps=warps,
         enable_fp_fusion=False)  # z = x * (1/T) then z + g, each rounded, as the eager ops: no FMA
     tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
@@ -177,10 +186,7 @@ def fused_sample(logits: Tensor, key: Tensor, step: Tensor, temperature: float,
     (temperature 0: greedy, with the temperature-1 log-prob). Inference only (no autograd).
     backend: "triton" | "torch" (kernels.reference.sample_ref) | None (triton on CUDA when importable).
     """
-    if backend is None:
-        backend = "triton" if (logits.is_cuda and triton is not None) else "torch"
-    assert backend in ("triton", "torch"), f"{backend=}"
-    assert backend == "torch" or triton is not None, "backend='triton' but triton is not importable"
+    backend = "triton" if use_triton(logits, backend, "fused_sample") else "torch"
     assert logits.dim() == 2 and key.shape == step.shape == logits.shape[:1], \
         f"{logits.shape=} {key.shape=} {step.shape=}"
     assert temperature >= 0.0, f"{temperature=}"

@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = sorted(p for p in (ROOT / "grpo").glob("*.py"))
-STDLIB = {"math", "os", "functools", "typing", "dataclasses"}
+STDLIB = {"math", "os", "functools", "typing", "dataclasses", "contextlib", "struct"}
 RUNS_A_FILE = {"spec_from_file_location", "exec_module", "run_path", "run_module", "exec", "execfile"}
 
 

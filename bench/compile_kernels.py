@@ -1,0 +1,251 @@
+"""Benchmark without a GPU: every Triton kernel compiled for the GPUs the recipes have profiles
+for, and the kernels one decode step launches, counted from the code path.
+
+    python bench/compile_kernels.py                  # sm_80 A100, sm_89 RTX 6000 Ada, sm_90 H100/H200, sm_100 B200
+    python bench/compile_kernels.py --arch 90 --skip-count
+
+Part 1, compile: each kernel, at the launch configuration its wrapper picks on that GPU (tile
+sizes, warps, grids sized by its SM count), compiled by Triton's own pipeline down to a cubin
+(ptxas ships in Triton's wheel; grpo.kernels.target.compile_for), on CPU tensors and launched
+nowhere. Registers, spills and shared memory are read from the cubin (cuobjdump, also in the
+wheel). What a GPU session would have found first, on any CPU: a kernel that does not build
+for an arch, one that spills registers, or one that asks for more shared memory than the GPU
+gives a block (a launch error there). The decode kernels at both goal shapes (0.5B: head dim 64;
+3B: 128), the training kernels at the 0.5B's.
+
+Part 2, count: one decode step of the sampler (grpo.sampler.decode_step: the decode forward and
+sampling, then the step's bookkeeping) at Qwen2.5-0.5B batch 256 and 3B batch 64, random
+weights, bf16, the cache at 256 + 512 positions. Counted: the Triton launches the wrappers make
+on that GPU (compiled, not run) and every PyTorch op that does work on a tensor (views and
+allocations excluded), as a TorchDispatchMode sees them; each is taken as one kernel. Counted at
+1 and 2 layers (the decode is a loop over layers, so the count is a + b L), then given at the
+model's L. Three columns: the decode through the model's own forward with eager sampling (the
+sampler's decode of 2026-11-30), grpo.decode with the PyTorch references, grpo.decode with the
+Triton kernels (what a CUDA run takes). An estimate from the code, not a profile: cuBLAS may
+split a GEMM in two, and a composite op a few kernels; bench/gpu_check.py profiles the real step.
+
+Imports torch and triton (and grpo, no transformers). Last line of output: json.dumps(rows).
+"""
+import os
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections import Counter  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import decode_kernels  # noqa: E402
+from table import print_table  # noqa: E402
+
+from grpo import kernels  # noqa: E402
+from grpo.kernels.target import SMS, compile_for  # noqa: E402
+
+ARCHS = {80: "A100", 89: "RTX 6000 Ada", 90: "H100/H200", 100: "B200"}
+SHARED_MAX = {80: 166912, 89: 101376, 90: 232448, 100: 232448}  # bytes of shared memory a block may take
+QWEN = dict(model_type="qwen2", vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
+            max_position_embeddings=32768, qkv_bias=True)
+SHAPES = {  # name: (config, decode batch, layers of the real model)
+    "qwen2.5-0.5b": (dict(QWEN, hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+                          num_key_value_heads=2), 256, 24),
+    "qwen2.5-3b": (dict(QWEN, hidden_size=2048, intermediate_size=11008, num_attention_heads=16,
+                        num_key_value_heads=2), 64, 36),
+}
+PLEN, NEW = 256, 512
+
+# ----------------------------------------------------------------------------- part 1: compile
+
+
+def training_cases():
+    """(name, shape, call) for the training-path kernels, at a Qwen2.5-0.5B update's shapes."""
+    g = torch.Generator().manual_seed(0)
+    N, H, V = 256, 896, 151936
+    hidden = torch.randn(N, H, generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(V, H, generator=g) * H ** -0.5).bfloat16().requires_grad_()
+    labels = torch.randint(0, V, (N,), generator=g)
+    B, T, G = 16, 1024, 8
+    lp, old, ref = (torch.randn(B, T, generator=g) for _ in range(3))
+    adv, mask, rewards = torch.randn(B, 1, generator=g), torch.ones(B, T), torch.rand(B * G, generator=g)
+    lp.requires_grad_()
+
+    def logprobs():
+        kernels.linear_logprobs(hidden, weight, labels, 0.9, return_entropy=True)[0].sum().backward()
+
+    return [("linear_logprobs fwd + bwd", f"({N}, {H}) x ({V}, {H}) bf16", logprobs),
+            ("grpo_token_loss", f"({B}, {T}), KL + TIS",
+             lambda: kernels.grpo_token_loss(lp, old, adv, mask, ref_logprobs=ref, beta=0.04,
+                                             sampler_logprobs=old, tis_cap=2.0).sum().backward()),
+            ("group_advantages", f"({B * G},), G {G}", lambda: kernels.group_advantages(rewards, G))]
+
+
+def resources(cubin: bytes) -> dict:
+    """Registers and stack-frame bytes of a cubin's one function, by cuobjdump. A Triton kernel
+    has no local arrays or calls, so a stack frame holds spilled registers (ptxas -v says so:
+    the shipped decode attention's 232-byte frame was 320 bytes of spill stores)."""
+    import triton
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    line = next(x for x in out.splitlines() if "REG:" in x)
+    fields = dict(item.split(":", 1) for item in line.split() if ":" in item)
+    return dict(regs=int(fields["REG"]), spill_bytes=int(fields["STACK"]) + int(fields["LOCAL"]))
+
+
+def compile_rows(archs: list[int]) -> list[dict]:
+    """One row per kernel specialization launched by each case, for each arch."""
+    calls = [(model, n, s, (lambda c=c: c(None))) for model in decode_kernels.SHAPES
+             for n, s, c in decode_kernels.cases(torch.bfloat16, "cpu", model)]
+    calls += [("qwen2.5-0.5b", *case) for case in training_cases()]
+    rows = []
+    for arch in archs:
+        for model, name, shape, call in calls:
+            with compile_for(arch) as launches:
+                t0 = time.perf_counter()
+                call()
+                seconds = time.perf_counter() - t0
+            seen = set()
+            for kname, k in launches:
+                if k.hash in seen:  # the same specialization launched again (the backward's chunks)
+                    continue
+                seen.add(k.hash)
+                r = resources(k.asm["cubin"])
+                shared = k.metadata.shared
+                status = ("spills" if r["spill_bytes"] else "") + (" shared > max" if shared > SHARED_MAX[arch] else "")
+                rows.append(dict(arch=f"sm_{arch}", gpu=ARCHS[arch], model=model, case=name, kernel=kname,
+                                 shape=shape, warps=k.metadata.num_warps, stages=k.metadata.num_stages,
+                                 regs=r["regs"], spill_bytes=r["spill_bytes"], shared_bytes=shared,
+                                 compile_s=seconds, status=status.strip() or "ok"))
+                seconds = 0.0  # the case's time, shown once
+    return rows
+
+# ----------------------------------------------------------------------------- part 2: count
+
+
+class OpCount(TorchDispatchMode):
+    """PyTorch ops that do work on a tensor (each a kernel, or a copy, on a GPU): not views, not
+    allocations. `host_syncs`: reads of a tensor's value by the host (a CUDA graph cannot hold them)."""
+    FREE = {"empty", "empty_strided", "empty_like", "new_empty", "_unsafe_view", "lift_fresh", "detach"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.host_syncs, self.paused = Counter(), 0, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self.paused:
+            if name == "_local_scalar_dense":
+                self.host_syncs += 1
+            elif not (func.is_view or name in self.FREE):
+                self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def build(config: dict, layers: int):
+    from grpo.model import Transformer
+    torch.manual_seed(0)
+    with torch.device("meta"):  # shapes only: the weights are allocated empty, in bf16, below
+        model = Transformer({**config, "num_hidden_layers": layers})
+    return model.to_empty(device="cpu").to(torch.bfloat16).eval()
+
+
+def step_count(config: dict, B: int, layers: int, way: str, arch: int) -> dict:
+    """Kernels of one decode step over B rows at position PLEN, `way` one of "model" | "torch" | "triton"."""
+    from grpo.sampler import Sampler, SamplingParams, decode_step
+    model = build(config, layers)
+    sampler = Sampler(model, gen_batch=B, max_seq_len=PLEN + NEW, cuda_graphs=False)
+    st = sampler.state
+    st.tok[:B], st.pos[:B], st.active[:B], st.max_tokens[:B] = 1, PLEN, True, NEW
+    count, real = OpCount(), kernels.fused_sample
+
+    def sample_kernel(*args, **kw):  # its tokens were never computed: valid ids for the step's indexing
+        tok, lp = real(*args, **kw)
+        count.paused = True
+        tok.zero_()
+        count.paused = False
+        return tok, lp
+
+    params = SamplingParams(temperature=1.0, stop_token_ids=[])
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        if way == "model":
+            step = lambda: model_decode_step(model, sampler, st, B)
+        else:
+            step = lambda: decode_step(sampler.weights, sampler.cache, st, params, B, PLEN + 1, 0)
+        launches = stack.enter_context(compile_for(arch))
+        if way != "triton":
+            stack.enter_context(kernels.references())
+        kernels.fused_sample = sample_kernel
+        try:
+            with count:
+                step()
+        finally:
+            kernels.fused_sample = real
+    return dict(launches=len(launches), ops=count.ops, host_syncs=count.host_syncs)
+
+
+def model_decode_step(model, sampler, st, B: int):
+    """The sampler's decode step before grpo.decode: the model's forward over the cache, eager sampling."""
+    from grpo.sampling import sample
+    rows = slice(0, B)
+    cache, active, pos = sampler.cache, st.active[rows], st.pos[rows]
+    cache.rows(rows, pos, 1, PLEN + 1)
+    logits = model(st.tok[rows][:, None], pos[:, None], cache=cache)[:, 0]
+    tok, lp = sample(logits.float(), st.key[rows], st.ntok[rows], 1.0)
+    st.out_tok[rows, 0], st.out_lp[rows, 0], st.out_ok[rows, 0] = tok, lp, active
+    st.tok[rows] = torch.where(active, tok, st.tok[rows])
+    st.pos[rows] += active
+    st.ntok[rows] += active
+    st.active[rows] = active & ~st.is_stop[tok] & (st.ntok[rows] < st.max_tokens[rows])
+
+
+def count_rows(arch: int) -> list[dict]:
+    rows = []
+    for name, (config, B, L) in SHAPES.items():
+        for way, what in (("model", "model forward + eager sampling"), ("torch", "grpo.decode, torch references"),
+                          ("triton", "grpo.decode, Triton kernels")):
+            one, two = (step_count(config, B, n, way, arch) for n in (1, 2))
+            total = lambda c: c["launches"] + sum(c["ops"].values())  # noqa: E731
+            per_layer, outside = total(two) - total(one), 2 * total(one) - total(two)
+            layer_ops = two["ops"] - one["ops"]
+            rows.append(dict(model=name, batch=B, way=what, per_layer=per_layer, outside=outside,
+                             layers=L, kernels=outside + L * per_layer,
+                             triton_per_layer=two["launches"] - one["launches"],
+                             host_syncs=one["host_syncs"],
+                             layer_ops=", ".join(f"{k} {v}" for k, v in layer_ops.most_common())))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", type=int, nargs="+", default=sorted(SMS), choices=sorted(SMS))
+    ap.add_argument("--skip-count", action="store_true", help="part 1 only")
+    a = ap.parse_args()
+    import triton
+    print(f"torch {torch.__version__}, triton {triton.__version__}, CPU {torch.backends.cpu.get_cpu_capability()}; "
+          f"compiled for CUDA, launched nowhere")
+    rows = compile_rows(a.arch)
+    print_table(rows, ["arch", "gpu", "model", "case", "kernel", "shape", "warps", "stages", "regs", "spill_bytes",
+                       "shared_bytes", "compile_s", "status"])
+    if not a.skip_count:
+        arch = 90 if 90 in a.arch else a.arch[0]
+        print(f"\nkernels per decode step, counted at sm_{arch}'s launch configuration "
+              f"(1 and 2 layers, then a + b L):")
+        crows = count_rows(arch)
+        print_table(crows, ["model", "batch", "way", "per_layer", "outside", "layers", "kernels", "triton_per_layer",
+                            "host_syncs"])
+        for r in crows:
+            print(f"{r['model']}, {r['way']}: a layer's torch ops: {r['layer_ops'] or 'none'}")
+
+
+if __name__ == "__main__":
+    main()

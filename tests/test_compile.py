@@ -1,0 +1,71 @@
+"""The Triton kernels compiled for each GPU the recipes have profiles for, on this CPU
+(grpo.kernels.compile_for: Triton's pipeline down to a cubin, nothing launched), and the
+kernels one decode step launches, counted from the code path (bench/compile_kernels.py)."""
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compile_for compiles; the interpreter runs"),
+]
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+
+KERNELS = {"_sample_partial_kernel", "_sample_combine_kernel", "_add_rmsnorm_kernel", "_silu_mul_kernel",
+           "_qkv_rope_write_kernel", "_decode_attention_kernel", "_decode_attention_combine_kernel",
+           "_logprobs_fwd_kernel", "_dlogits_kernel", "_grpo_token_loss_kernel", "_group_advantages_kernel"}
+TINY = dict(model_type="qwen2", vocab_size=300, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+            num_key_value_heads=2, qkv_bias=True, tie_word_embeddings=True, max_position_embeddings=1024)
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=() if a == 90 else pytest.mark.slow) for a in (80, 89, 90, 100)])
+def test_every_kernel_compiles_for_the_gpu(arch):
+    import compile_kernels
+    rows = compile_kernels.compile_rows([arch])
+    assert {r["kernel"] for r in rows} == KERNELS
+    for r in rows:  # registers from the cubin itself; no kernel spills, each fits the GPU's shared memory
+        assert 0 < r["regs"] <= 255 and r["status"] == "ok", r
+        assert r["warps"] in (1, 4, 8) and r["arch"] == f"sm_{arch}"
+
+
+def test_compile_for_launches_nothing_and_restores_triton():
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    from grpo.kernels import compile_for, gpu, references, silu_mul
+    saved = driver._active, JITFunction.__getitem__
+    gu = torch.randn(3, 2 * 1000)
+    with compile_for(90) as launches:
+        assert gpu(gu)  # the GPU's way for a CPU tensor
+        out = silu_mul(gu)
+        with references():  # the reference computes, on the CPU
+            ref = silu_mul(gu)
+    (name, k), = launches
+    assert name == "_silu_mul_kernel" and k.asm["cubin"][:4] == b"\x7fELF" and k.metadata.num_warps == 4
+    assert k.metadata.target.arch == 90
+    assert out.shape == ref.shape == (3, 1000)
+    torch.testing.assert_close(ref, torch.nn.functional.silu(gu[:, :1000]) * gu[:, 1000:])
+    assert (driver._active, JITFunction.__getitem__) == saved and not gpu(gu)
+
+
+def test_decode_step_kernels_counted():
+    """Through the Triton kernels a layer is 6 launches and 4 GEMMs, the step has no host sync (a
+    CUDA graph holds it), and the count is linear in the layers (what the bench extrapolates)."""
+    import compile_kernels
+    counts = {(L, way): compile_kernels.step_count(TINY, 4, L, way, 90) for L in (1, 2, 3)
+              for way in ("triton", "torch", "model")}
+    total = lambda c: c["launches"] + sum(c["ops"].values())  # noqa: E731
+    for way in ("triton", "torch", "model"):
+        t = [total(counts[L, way]) for L in (1, 2, 3)]
+        assert t[2] - t[1] == t[1] - t[0], (way, t)
+        assert counts[1, way]["host_syncs"] == 0, way
+    one, two = counts[1, "triton"], counts[2, "triton"]
+    assert two["launches"] - one["launches"] == 6  # add_rmsnorm x2, qkv_rope_write, attention + combine, silu_mul
+    assert dict(two["ops"] - one["ops"]) == {"mm": 3, "addmm": 1}  # o, gate|up and down; qkv with its bias
+    assert counts[1, "torch"]["launches"] == counts[1, "model"]["launches"] == 0
+    assert total(two) - total(one) < (total(counts[2, "torch"]) - total(counts[1, "torch"])) / 4
