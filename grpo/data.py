@@ -48,6 +48,15 @@ def load_examples(source: str | Path, split: str | None = None, question_field: 
     return examples
 
 
+def epoch_steps(rows: int, prompts_per_step: int) -> int:
+    """GRPO steps in one epoch of `rows` prompts: whole batches only, the last partial one dropped
+    (no prompt twice in an epoch; DAPO-Math's 17.4k problems at 64 a step made the ReTool card's
+    271 rollouts), and at least one step."""
+    if rows < 1 or prompts_per_step < 1:
+        raise ValueError(f"an epoch of {rows} prompts at {prompts_per_step} a step")
+    return max(1, rows // prompts_per_step)
+
+
 def load_or_exit(source: str | Path, prefix: str = "error", hint: str = "", **kwargs) -> list[dict]:
     """load_examples for a command line: a DataError ends the program with one line
     ("{prefix}: {message}{hint}"), not a traceback."""

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 
 from grpo.config import Config, parse_args
-from grpo.data import load_or_exit
+from grpo.data import epoch_steps, load_or_exit
 from grpo.envs.calculator import DEFAULT_WEIGHTS, CalculatorEnv, generate_questions
 from grpo.envs.tasks import calculator_example
 from grpo.trainer import train
@@ -32,7 +32,7 @@ from grpo.trainer import train
 class CalculatorQwen(Config):
     model_path: str = "Qwen/Qwen2.5-3B-Instruct"  # a local HF folder, or a hub id fetched once into its cache
     output_dir: str = "runs/calculator_qwen25_3b"
-    train_questions: int = 1500       # one epoch: max_steps = train_questions / prompts_per_step
+    train_questions: int = 1500       # one epoch: max_steps = train_questions // prompts_per_step
     eval_questions: int = 200
     judge_base_url: str = ""          # optional LLM judge (OpenAI-compatible /chat/completions)
     judge_model: str = ""
@@ -76,7 +76,7 @@ def main(cls=CalculatorQwen):
     questions = load(cfg, cfg.train_data, cfg.train_questions, cfg.seed, "train")
     env, eval_qs = eval_setup(cfg)
     if cfg.max_steps == 0:
-        cfg.max_steps = max(1, len(questions) // cfg.prompts_per_step)
+        cfg.max_steps = epoch_steps(len(questions), cfg.prompts_per_step)
     weights = {**DEFAULT_WEIGHTS, "judge": cfg.judge_weight if cfg.judge_base_url else 0.0}
     train(cfg, env, questions, eval_qs, reward_weights=weights)
 

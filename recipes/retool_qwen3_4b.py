@@ -10,7 +10,7 @@ Reference (slime: Megatron training on 2 B200 + SGLang rollouts on 6): AIME 2024
 2025 0.498 (mean of 16 samples), MATH-500 0.956, with the interpreter at a 16k-token budget,
 after one epoch of DAPO-Math-17k (271 rollouts of 64: its 17.4k deduplicated problems; the English
 subset this recipe reads, config `en`, has about 14.1k, so its epoch is derived from the rows:
-about 221 rollouts, --max_steps to set another length). Settings as the card: 64 prompts x 16 samples
+about 220 rollouts, --max_steps to set another length). Settings as the card: 64 prompts x 16 samples
 per rollout, lr 1e-6 constant, no KL, seed 42, reward +-1 on the final \\boxed{} (grpo.envs.retool),
 max response 8,192 tokens in training and 16,384 in eval (`eval_max_completion_length`, also the
 in-training AIME eval's, with the run's 16 tool turns: a row of the eval holds twice the KV, 2.4
@@ -40,7 +40,7 @@ Where this differs from the card, all of it:
   RL); here the same GPUs sample and train, one rollout after the other: each rollout comes from
   the weights after the previous one's 4 optimizer steps (slime's async mode can sample from
   older weights; the card does not say how stale).
-- Data: open-r1/DAPO-Math-17k-Processed, config `en` (~14.1k problems, ~221 rollouts for the
+- Data: open-r1/DAPO-Math-17k-Processed, config `en` (~14.1k problems, ~220 rollouts for the
   epoch), not the card's dapo-math-17k copy (17.4k, 271 rollouts); the card does not say what it
   did with DAPO's "Answer: $Answer" instruction, which we strip. Data order: our seed-42 shuffle,
   not slime's.
@@ -60,7 +60,7 @@ Where this differs from the card, all of it:
 from dataclasses import dataclass
 
 from grpo.config import Config, parse_args
-from grpo.data import load_or_exit
+from grpo.data import epoch_steps, load_or_exit
 from grpo.envs.math import aime_example
 from grpo.envs.retool import REWARD_WEIGHTS, ReToolEnv, dapo_example
 from grpo.trainer import train
@@ -77,7 +77,7 @@ class ReToolQwen3(Config):
     eval_question_field: str = "problem"
     tool_timeout: float = 10.0        # seconds per code_interpreter call (the sandbox kills it after)
     seed: int = 42
-    max_steps: int = 0                # 0 = one epoch of the training set: rows / prompts_per_step rollouts
+    max_steps: int = 0                # 0 = one epoch of the training set: rows // prompts_per_step rollouts
     prompts_per_step: int = 64
     num_generations: int = 16
     steps_per_generation: int = 4     # the card's 4 optimizer steps per rollout of 64 x 16 (global batch 256)
@@ -114,7 +114,7 @@ def main(cls=ReToolQwen3):
     train_set = load(cfg.train_data, question_field=cfg.question_field, answer_field=cfg.answer_field,
                      prepare=dapo_example)  # the problem alone: no "Answer: $Answer" instruction
     if cfg.max_steps == 0:  # one epoch, from the rows there are (the card's 271 were of all 17.4k rows)
-        cfg.max_steps = -(-len(train_set) // cfg.prompts_per_step)
+        cfg.max_steps = epoch_steps(len(train_set), cfg.prompts_per_step)
         print(f"max_steps={cfg.max_steps}: one epoch of {len(train_set)} problems at {cfg.prompts_per_step} a step")
     env, eval_set = eval_setup(cfg)
     train(cfg, env, train_set, eval_set, reward_weights=REWARD_WEIGHTS)

@@ -230,3 +230,12 @@ def test_no_package_code_or_recipe_reads_shared():
              for p in sorted((ROOT / folder).rglob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert not found, found
+
+
+def test_epoch_steps_counts_whole_batches():
+    from grpo.data import epoch_steps
+    assert epoch_steps(17_400, 64) == 271  # DAPO-Math-17k's 17.4k problems at 64 a step: the ReTool card's 271
+    assert epoch_steps(1500, 64) == 23 and epoch_steps(1536, 64) == 24  # a partial batch is dropped
+    assert epoch_steps(10, 64) == 1  # fewer prompts than a step: still one step
+    with pytest.raises(ValueError):
+        epoch_steps(0, 64)
