@@ -146,8 +146,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, slot: Tensor, length: Tensor, span:
     n = len(q)
     if kernel == "flash":
         return flash_attn_with_kvcache(q[:, None], k[:n], v[:n], cache_seqlens=length, causal=True)[:, 0]
-    if kernel == "triton":
-        return decode_attention(q, k, v, slot, length, backend="triton")
+    if kernel == "triton":  # the cache up to span (a view): the kernel splits the keys a row can have, not all S
+        return decode_attention(q, k[:, :span], v[:, :span], slot, length, backend="triton")
     k, v = k[:n, :span], v[:n, :span]
     # CPU: fp32 attention (its bf16 kernels are the slower ones there; see Attention.forward)
     y = F.scaled_dot_product_attention(q.float()[:, :, None], k.transpose(1, 2).float(), v.transpose(1, 2).float(),
