@@ -26,21 +26,17 @@ split a GEMM in two, and a composite op a few kernels; bench/gpu_check.py profil
 
 Imports torch and triton (and grpo, no transformers). Last line of output: json.dumps(rows).
 """
-import os
+import argparse
+import contextlib
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
 
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, without its warning
-
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections import Counter  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
 import decode_kernels  # noqa: E402

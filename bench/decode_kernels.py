@@ -7,6 +7,7 @@ F 11008), V 151936; the cache holds S 1024 positions a slot, rows filled to rand
 
     python bench/decode_kernels.py              # CUDA only: on a CPU it says so and exits
     python bench/decode_kernels.py --iters 50
+    python bench/decode_kernels.py --sweep      # and the decode attention's launch alternatives
 
 Each time (microseconds) is the mean over `iters` back-to-back calls (CUDA events), the best of `reps`
 such runs: these kernels take microseconds, so one call is mostly launch overhead, which is
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from table import print_table  # noqa: E402
 
 from grpo.kernels import add_rmsnorm, decode_attention, fused_sample, qkv_rope_write, silu_mul  # noqa: E402
+from grpo.kernels import layers  # noqa: E402
 
 SHAPES = {"qwen2.5-0.5b": dict(B=256, H=896, NH=14, NKV=2, D=64, F=4864),
           "qwen2.5-3b": dict(B=64, H=2048, NH=16, NKV=2, D=128, F=11008)}
@@ -79,28 +81,66 @@ def cases(dtype: torch.dtype, dev: str = "cuda", model: str = "qwen2.5-0.5b"):
     return out
 
 
+def measure(dtype: torch.dtype, iters: int, reps: int) -> list[dict]:
+    """Each kernel against its reference, both shapes (CUDA)."""
+    rows = []
+    with torch.no_grad():
+        for model in SHAPES:
+            for name, shape, call in cases(dtype, model=model):
+                torch_ms = time_ms(lambda: call("torch"), iters, reps)
+                ours_ms = time_ms(lambda: call("triton"), iters, reps)
+                # microseconds in the table: its floats print with 2 decimals
+                rows.append(dict(model=model, kernel=name, shape=shape, dtype=str(dtype)[6:], torch_us=1e3 * torch_ms,
+                                 triton_us=1e3 * ours_ms, x=torch_ms / ours_ms))
+    return rows
+
+
+# (keys a block, warps, stages) tried by the sweep; the shipped one is layers._attention_launch's
+SWEEP = [(16, 4, 1), (16, 4, 3), (16, 8, 3), (32, 4, 2), (32, 4, 3), (32, 8, 2), (32, 8, 3), (64, 4, 1),
+         (64, 8, 3), (64, 4, 3)]
+
+
+def sweep(dtype: torch.dtype, iters: int, reps: int, dev: str = "cuda") -> list[dict]:
+    """The decode attention's launch alternatives at both shapes, against the shipped one (CUDA).
+    A spilling configuration (64 keys x 4 warps x 3 stages, the first shipped) is timed too."""
+    real = layers._attention_launch
+    rows = []
+    try:
+        with torch.no_grad():
+            for model in SHAPES:
+                call = next(c for name, _, c in cases(dtype, dev, model) if name == "decode_attention")
+                shipped = real(SHAPES[model]["D"])
+                base = time_ms(lambda: call("triton"), iters, reps)
+                for cfg in SWEEP:
+                    layers._attention_launch = lambda D, cfg=cfg: cfg
+                    us = 1e3 * time_ms(lambda: call("triton"), iters, reps)
+                    rows.append(dict(model=model, keys_warps_stages=str(cfg), shipped=cfg == shipped, us=us,
+                                     x=1e3 * base / us))
+                    layers._attention_launch = real
+    finally:
+        layers._attention_launch = real
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--sweep", action="store_true", help="also time the decode attention's launch alternatives")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/decode_kernels.py needs CUDA (the Triton kernels run on CPU only under the interpreter, "
-              "which tests/test_kernels_decode.py uses): nothing to measure here")
+              "which tests/test_kernels_decode.py uses; bench/compile_kernels.py builds them for a GPU): "
+              "nothing to measure here")
         return
-    rows = []
-    with torch.no_grad():
-        for model in SHAPES:
-            for name, shape, call in cases(getattr(torch, a.dtype), model=model):
-                torch_ms = time_ms(lambda: call("torch"), a.iters, a.reps)
-                ours_ms = time_ms(lambda: call("triton"), a.iters, a.reps)
-                # microseconds in the table: its floats print with 2 decimals
-                rows.append(dict(model=model, kernel=name, shape=shape, dtype=a.dtype, torch_us=1e3 * torch_ms,
-                                 triton_us=1e3 * ours_ms, x=torch_ms / ours_ms))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"us per call, mean of {a.iters}, best of {a.reps}")
-    print_table(rows, ["model", "kernel", "shape", "dtype", "torch_us", "triton_us", "x"])
+    print_table(measure(getattr(torch, a.dtype), a.iters, a.reps),
+                ["model", "kernel", "shape", "dtype", "torch_us", "triton_us", "x"])
+    if a.sweep:
+        print("\ndecode attention launches (x: the shipped launch's time over this one's)")
+        print_table(sweep(getattr(torch, a.dtype), a.iters, a.reps), ["model", "keys_warps_stages", "shipped", "us", "x"])
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ import torch
 import torch.distributed as tdist
 
 sys.path.insert(0, str(Path(__file__).parent))  # the other benches, reused
+import decode_kernels as bench_decode_kernels  # noqa: E402
 import logprobs as bench_logprobs  # noqa: E402
 import sampler as bench_sampler  # noqa: E402
 import step as bench_step  # noqa: E402
@@ -357,6 +358,22 @@ def fused_figures(device, sizes: dict) -> list[dict]:
     return rows
 
 
+def kernel_figures(device) -> list[dict]:
+    """Each decode kernel against its eager reference at both decode shapes, and the decode
+    attention's launch alternatives against the shipped one (bench/decode_kernels.py --sweep)."""
+    if device.type != "cuda":
+        return [row("figures", "", "decode kernels' times", None, status="skip", note="CUDA only")]
+    rows = []
+    for r in bench_decode_kernels.measure(torch.bfloat16, iters=50, reps=3):
+        rows.append(row("figures", r["model"], f"{r['kernel']} {r['shape']}: us, Triton (eager)", r["triton_us"],
+                        shown=f"{r['triton_us']:.1f} ({r['torch_us']:.1f}, {r['x']:.1f}x)"))
+    for r in bench_decode_kernels.sweep(torch.bfloat16, iters=50, reps=3):
+        what = f"decode attention launch (keys, warps, stages) {r['keys_warps_stages']}"
+        rows.append(row("figures", r["model"], what + (" shipped" if r["shipped"] else ""), r["us"],
+                        shown=f"{r['us']:.1f} us ({r['x']:.2f}x the shipped)"))
+    return rows
+
+
 # the decode goals: ms per step (sampled, T 1, graphs warm) and kernels per step, per shape
 DECODE_GOALS = {"qwen2.5-0.5b": (2.0, 350), "qwen2.5-3b": (3.0, None)}
 
@@ -430,7 +447,8 @@ def step_figures(name: str, device, sizes: dict) -> list[dict]:
 def parts_of(device, backend: str, sizes: dict, perturb: bool) -> list[tuple]:
     """(part, function, args), in the order they run."""
     parts = [("kernels", kernel_parity, (device, backend, sizes, perturb)),
-             ("figures", fused_figures, (device, sizes))]
+             ("figures", fused_figures, (device, sizes)),
+             ("figures", kernel_figures, (device,))]
     for i, name in enumerate(sizes["models"]):
         if i == 0:  # one shape shows FSDP's arithmetic; the smaller leaves room for both fp32 copies
             parts.append(("update", update_parity, (name, device, sizes, perturb)))

@@ -46,5 +46,5 @@ def group_advantages(rewards: Tensor, G: int, scale: str = "group", batch_std: f
     r = rewards.float().contiguous()
     out = torch.empty_like(r)
     _group_advantages_kernel[(r.numel() // G,)](r, out, float(batch_std), G, SCALE=SCALES[scale],
-                                               BLOCK_G=triton.next_power_of_2(G))
+                                               BLOCK_G=triton.next_power_of_2(G), enable_fp_fusion=True)
     return out

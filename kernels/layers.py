@@ -247,7 +247,7 @@ def add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
         x, residual if residual is not None else x, weight, y, h, H, float(eps), x.stride(0),
         residual.stride(0) if residual is not None else 0,
         HAS_RES=residual is not None, BLOCK_H=triton.next_power_of_2(H),
-        num_warps=(4 if H <= 2048 else 8) if gpu(x) else 1)
+        num_warps=(4 if H <= 2048 else 8) if gpu(x) else 1, enable_fp_fusion=True)
     return y, h
 
 
@@ -262,8 +262,19 @@ def silu_mul(gu: Tensor, backend: str | None = None) -> Tensor:
     gu = gu if gu.stride(1) == 1 else gu.contiguous()
     out = torch.empty(N, F, dtype=gu.dtype, device=gu.device)
     BLOCK = 1024 if gpu(gu) else 64
-    _silu_mul_kernel[(N, triton.cdiv(F, BLOCK))](gu, out, F, gu.stride(0), BLOCK=BLOCK)
+    _silu_mul_kernel[(N, triton.cdiv(F, BLOCK))](gu, out, F, gu.stride(0), BLOCK=BLOCK,
+                                                   enable_fp_fusion=True)
     return out
+
+
+def _attention_launch(D: int) -> tuple[int, int, int]:
+    """(keys a block, warps, pipeline stages) of the decode attention on a GPU, for head dim D.
+    The k and v tiles are upcast to fp32 for the "ieee" dots: at 64 keys x 4 warps the kernel
+    spilled (D 64), or spilled 3-4 KB a thread and asked 136 KB of shared memory (D 128: more than
+    an RTX 6000 Ada gives a block). 8 warps and 32 (D <= 64) or 16 keys leave 162-166 registers
+    and no spill on sm_80-sm_100 (bench/compile_kernels.py, tests/test_compile.py);
+    bench/decode_kernels.py --sweep times the alternatives on a GPU."""
+    return (32 if D <= 64 else 16), 8, 3
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor, length: Tensor,
@@ -286,16 +297,12 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor, 
     q = q if q.stride(2) == 1 else q.contiguous()
     G = nh // nkv
     if gpu(q):
-        # k and v tiles are upcast to fp32 for the "ieee" dots: at 64 keys x 4 warps the kernel
-        # spilled (D 64) or spilled 3-4 KB a thread and asked 136 KB of shared memory (D 128, more
-        # than an RTX 6000 Ada gives a block); 8 warps and 32 (D <= 64) or 16 keys a block leave
-        # 166 registers and no spill on sm_80-sm_100 (bench/compile_kernels.py, tests/test_compile.py)
-        BLOCK_N, warps = (32 if D <= 64 else 16), 8
+        BLOCK_N, warps, stages = _attention_launch(D)
         # split the keys when B * nkv programs would leave SMs idle (flash-decoding)
         programs = 4 * sm_count(q)
         splits = max(1, min(triton.cdiv(programs, B * nkv), triton.cdiv(S, 4 * BLOCK_N)))
     else:  # interpreter: small blocks, 3 splits so the combine (and an empty split) is tested
-        BLOCK_N, warps, splits = 16, 1, 3
+        BLOCK_N, warps, stages, splits = 16, 1, 1, 3
     n_per_split = triton.cdiv(triton.cdiv(S, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(S, n_per_split)
     acc = torch.empty(B, nh, splits, D, dtype=torch.float32, device=q.device)
@@ -304,9 +311,10 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor, 
     _decode_attention_kernel[(B, nkv, splits)](
         q, k_cache, v_cache, slot, length, acc, ml, nh, G, D, n_per_split, float(scale),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, num_warps=warps)
+        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, num_warps=warps,
+        num_stages=stages, enable_fp_fusion=True)
     out = torch.empty(B, nh, D, dtype=q.dtype, device=q.device)
     _decode_attention_combine_kernel[(B * nh,)](acc, ml, out, B * nh, D, splits,
                                                BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=BLOCK_D,
-                                               num_warps=1)
+                                               num_warps=1, enable_fp_fusion=True)
     return out

@@ -179,7 +179,7 @@ def _forward_triton(hidden, weight, labels, temperature, want_entropy):
         N, V, H, v_per_split, 1.0 / temperature, hidden.stride(0), weight.stride(0),
         BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H,
         UPCAST=not gpu(hidden),
-        num_warps=warps,
+        num_warps=warps, enable_fp_fusion=True,  # FMA, explicitly: Triton 3.10 flips the default
     )
     lse_s, tgt_s, ez_s = stats                                 # (S, N) each
     lse = lse_s.logsumexp(0)
@@ -200,7 +200,8 @@ def _dlogits_torch(z, lse, labels, g, v0):
 def _dlogits_triton(z, lse, labels, g, v0):
     N, C = z.shape
     BLOCK = 1024 if gpu(z) else 64
-    _dlogits_kernel[(N, triton.cdiv(C, BLOCK))](z, lse, labels, g, C, v0, z.stride(0), BLOCK=BLOCK)
+    _dlogits_kernel[(N, triton.cdiv(C, BLOCK))](z, lse, labels, g, C, v0, z.stride(0), BLOCK=BLOCK,
+                                                 enable_fp_fusion=True)
     return z
 
 

@@ -173,7 +173,7 @@ def _sample_triton(logits: Tensor, key: Tensor, step: Tensor, temperature: float
     tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
     _sample_combine_kernel[(B,)](part, idx, tokens, logprobs, B, splits,
-                                 BLOCK_S=triton.next_power_of_2(splits), num_warps=1)
+                                 BLOCK_S=triton.next_power_of_2(splits), num_warps=1, enable_fp_fusion=True)
     return tokens, logprobs
 
 

@@ -69,3 +69,19 @@ def test_decode_step_kernels_counted():
     assert dict(two["ops"] - one["ops"]) == {"mm": 3, "addmm": 1}  # o, gate|up and down; qkv with its bias
     assert counts[1, "torch"]["launches"] == counts[1, "model"]["launches"] == 0
     assert total(two) - total(one) < (total(counts[2, "torch"]) - total(counts[1, "torch"])) / 4
+
+
+def test_the_attention_sweep_compiles_each_launch(monkeypatch):
+    """bench/decode_kernels.py --sweep (a GPU's) on this CPU, compiled only: each alternative
+    launch builds, the shipped one is among them, and the wrapper's own launch is restored."""
+    import decode_kernels
+
+    from grpo.kernels import compile_for, layers
+    shipped = layers._attention_launch
+    monkeypatch.setattr(decode_kernels, "time_ms", lambda fn, iters, reps: (fn(), 1.0)[1])
+    with compile_for(90) as launches:
+        rows = decode_kernels.sweep(torch.bfloat16, 1, 1, dev="cpu")
+    assert layers._attention_launch is shipped
+    assert len(rows) == 2 * len(decode_kernels.SWEEP) and sum(r["shipped"] for r in rows) == 2
+    configs = {(k.metadata.num_warps, k.metadata.num_stages) for name, k in launches if name == "_decode_attention_kernel"}
+    assert {(w, s) for _, w, s in decode_kernels.SWEEP} <= configs
