@@ -14,8 +14,8 @@ gives a block (a launch error there). The decode kernels at both goal shapes (0.
 3B: 128), the training kernels at the 0.5B's.
 
 Part 2, count: one decode step of the sampler (grpo.sampler.decode_step: the decode forward and
-sampling, then the step's bookkeeping) at Qwen2.5-0.5B batch 256 and 3B batch 64, random
-weights, bf16, the cache at 256 + 512 positions. Counted: the Triton launches the wrappers make
+sampling, then the step's bookkeeping) at Qwen2.5-0.5B batch 256 and 3B batch 64, bf16
+weights left uninitialized (the count reads no value), the cache at 256 + 512 positions. Counted: the Triton launches the wrappers make
 on that GPU (compiled, not run) and every PyTorch op that does work on a tensor (views and
 allocations excluded), as a TorchDispatchMode sees them; each is taken as one kernel. Counted at
 1 and 2 layers (the decode is a loop over layers, so the count is a + b L), then given at the
@@ -24,7 +24,11 @@ sampler's decode of 2026-11-30), grpo.decode with the PyTorch references, grpo.d
 Triton kernels (what a CUDA run takes). An estimate from the code, not a profile: cuBLAS may
 split a GEMM in two, and a composite op a few kernels; bench/gpu_check.py profiles the real step.
 
-Imports torch and triton (and grpo, no transformers). Last line of output: json.dumps(rows).
+`host_syncs`: the ops seen that make the host wait for the device (a value read, an output whose
+shape depends on values); `.tolist()` and `.cpu()` on a CPU tensor dispatch nothing and are not
+seen, so the check of record is the CUDA graph capture that bench/gpu_check.py runs.
+
+Imports torch and triton (and grpo, no transformers). Each table is followed by its rows as JSON.
 """
 import argparse
 import contextlib
@@ -83,9 +87,10 @@ def training_cases():
 
 
 def resources(cubin: bytes) -> dict:
-    """Registers and stack-frame bytes of a cubin's one function, by cuobjdump. A Triton kernel
-    has no local arrays or calls, so a stack frame holds spilled registers (ptxas -v says so:
-    the shipped decode attention's 232-byte frame was 320 bytes of spill stores)."""
+    """Registers and stack-frame (+ local) bytes of a cubin's one function, by cuobjdump. A Triton
+    kernel has no local arrays or calls, so a stack frame holds spilled registers: ptxas -v said so
+    of each frame seen (the first shipped decode attention: 232 bytes, 320 bytes of spill stores,
+    at D 64; 3,608 and 6,364 at D 128, sm_90)."""
     import triton
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -130,8 +135,11 @@ def compile_rows(archs: list[int]) -> list[dict]:
 
 class OpCount(TorchDispatchMode):
     """PyTorch ops that do work on a tensor (each a kernel, or a copy, on a GPU): not views, not
-    allocations. `host_syncs`: reads of a tensor's value by the host (a CUDA graph cannot hold them)."""
+    allocations. `host_syncs`: ops that make the host wait for the device (a CUDA graph cannot
+    hold them): a value read, or an output sized by the values."""
     FREE = {"empty", "empty_strided", "empty_like", "new_empty", "_unsafe_view", "lift_fresh", "detach"}
+    SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
+             "repeat_interleave", "bincount", "histc"}
 
     def __init__(self):
         super().__init__()
@@ -140,7 +148,7 @@ class OpCount(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if not self.paused:
-            if name == "_local_scalar_dense":
+            if name in self.SYNCS:
                 self.host_syncs += 1
             elif not (func.is_view or name in self.FREE):
                 self.ops[name] += 1
@@ -149,7 +157,6 @@ class OpCount(TorchDispatchMode):
 
 def build(config: dict, layers: int):
     from grpo.model import Transformer
-    torch.manual_seed(0)
     with torch.device("meta"):  # shapes only: the weights are allocated empty, in bf16, below
         model = Transformer({**config, "num_hidden_layers": layers})
     return model.to_empty(device="cpu").to(torch.bfloat16).eval()

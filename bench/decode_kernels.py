@@ -102,7 +102,9 @@ SWEEP = [(16, 4, 1), (16, 4, 3), (16, 8, 3), (32, 4, 2), (32, 4, 3), (32, 8, 2),
 
 def sweep(dtype: torch.dtype, iters: int, reps: int, dev: str = "cuda") -> list[dict]:
     """The decode attention's launch alternatives at both shapes, against the shipped one (CUDA).
-    A spilling configuration (64 keys x 4 warps x 3 stages, the first shipped) is timed too."""
+    A spilling configuration (64 keys x 4 warps x 3 stages, the first shipped) is timed too; one
+    the GPU cannot launch (too much shared memory) is a row saying so."""
+    from triton.runtime.errors import OutOfResources
     real = layers._attention_launch
     rows = []
     try:
@@ -113,9 +115,12 @@ def sweep(dtype: torch.dtype, iters: int, reps: int, dev: str = "cuda") -> list[
                 base = time_ms(lambda: call("triton"), iters, reps)
                 for cfg in SWEEP:
                     layers._attention_launch = lambda D, cfg=cfg: cfg
-                    us = 1e3 * time_ms(lambda: call("triton"), iters, reps)
-                    rows.append(dict(model=model, keys_warps_stages=str(cfg), shipped=cfg == shipped, us=us,
-                                     x=1e3 * base / us))
+                    r = dict(model=model, keys_warps_stages=str(cfg), shipped=cfg == shipped)
+                    try:
+                        us = 1e3 * time_ms(lambda: call("triton"), iters, reps)
+                        rows.append(dict(r, us=us, speed=1e3 * base / us, error=""))
+                    except OutOfResources as e:  # e.g. 136 KB of shared memory on an RTX 6000 Ada
+                        rows.append(dict(r, us=float("nan"), speed=float("nan"), error=str(e).splitlines()[0][:120]))
                     layers._attention_launch = real
     finally:
         layers._attention_launch = real
@@ -139,8 +144,9 @@ def main():
     print_table(measure(getattr(torch, a.dtype), a.iters, a.reps),
                 ["model", "kernel", "shape", "dtype", "torch_us", "triton_us", "x"])
     if a.sweep:
-        print("\ndecode attention launches (x: the shipped launch's time over this one's)")
-        print_table(sweep(getattr(torch, a.dtype), a.iters, a.reps), ["model", "keys_warps_stages", "shipped", "us", "x"])
+        print("\ndecode attention launches (speed: the shipped launch's time over this one's)")
+        print_table(sweep(getattr(torch, a.dtype), a.iters, a.reps),
+                    ["model", "keys_warps_stages", "shipped", "us", "speed", "error"])
 
 
 if __name__ == "__main__":

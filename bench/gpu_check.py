@@ -359,18 +359,23 @@ def fused_figures(device, sizes: dict) -> list[dict]:
 
 
 def kernel_figures(device) -> list[dict]:
-    """Each decode kernel against its eager reference at both decode shapes, and the decode
-    attention's launch alternatives against the shipped one (bench/decode_kernels.py --sweep)."""
+    """Each decode kernel against its eager reference at both decode shapes (bench/decode_kernels.py)."""
     if device.type != "cuda":
         return [row("figures", "", "decode kernels' times", None, status="skip", note="CUDA only")]
+    return [row("figures", r["model"], f"{r['kernel']} {r['shape']}: us, Triton (eager)", r["triton_us"],
+                shown=f"{r['triton_us']:.1f} ({r['torch_us']:.1f}, {r['x']:.1f}x)")
+            for r in bench_decode_kernels.measure(torch.bfloat16, iters=50, reps=3)]
+
+
+def attention_sweep(device) -> list[dict]:
+    """The decode attention's launch alternatives against the shipped one (bench/decode_kernels.py --sweep)."""
+    if device.type != "cuda":
+        return [row("figures", "", "decode attention launches", None, status="skip", note="CUDA only")]
     rows = []
-    for r in bench_decode_kernels.measure(torch.bfloat16, iters=50, reps=3):
-        rows.append(row("figures", r["model"], f"{r['kernel']} {r['shape']}: us, Triton (eager)", r["triton_us"],
-                        shown=f"{r['triton_us']:.1f} ({r['torch_us']:.1f}, {r['x']:.1f}x)"))
     for r in bench_decode_kernels.sweep(torch.bfloat16, iters=50, reps=3):
-        what = f"decode attention launch (keys, warps, stages) {r['keys_warps_stages']}"
-        rows.append(row("figures", r["model"], what + (" shipped" if r["shipped"] else ""), r["us"],
-                        shown=f"{r['us']:.1f} us ({r['x']:.2f}x the shipped)"))
+        what = f"decode attention launch (keys, warps, stages) {r['keys_warps_stages']}" + (" shipped" * r["shipped"])
+        shown = r["error"] or f"{r['us']:.1f} us, {r['speed']:.2f}x the shipped launch's speed"
+        rows.append(row("figures", r["model"], what, r["us"], shown=shown))
     return rows
 
 
@@ -448,7 +453,8 @@ def parts_of(device, backend: str, sizes: dict, perturb: bool) -> list[tuple]:
     """(part, function, args), in the order they run."""
     parts = [("kernels", kernel_parity, (device, backend, sizes, perturb)),
              ("figures", fused_figures, (device, sizes)),
-             ("figures", kernel_figures, (device,))]
+             ("figures", kernel_figures, (device,)),
+             ("figures", attention_sweep, (device,))]
     for i, name in enumerate(sizes["models"]):
         if i == 0:  # one shape shows FSDP's arithmetic; the smaller leaves room for both fp32 copies
             parts.append(("update", update_parity, (name, device, sizes, perturb)))

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from grpo.kernels import add_rmsnorm, decode_attention, gpu, qkv_rope_write, silu_mul, use_triton
+from grpo.kernels import add_rmsnorm, decode_attention, qkv_rope_write, silu_mul, use_triton
 
 try:  # optional: flash-attn's KV-cache kernel, where installed (CUDA)
     from flash_attn import flash_attn_with_kvcache

@@ -131,10 +131,10 @@ def _logits(h: Tensor, w: Tensor, inv_T: float) -> Tensor:
     return z.mul_(inv_T) if inv_T != 1.0 else z
 
 
-def _chunk_size(N: int, V: int, device: torch.device) -> int:
+def _chunk_size(N: int, V: int, on_gpu: bool) -> int:
     # vocab columns per chunk: an (N, C) block of about 8M elements on CPU (32 MB fp32, cache
     # and memory friendly) and 64M on GPU (fewer, larger cuBLAS calls)
-    budget = 2**26 if device.type == "cuda" else 2**23
+    budget = 2**26 if on_gpu else 2**23
     return min(V, max(256, budget // max(N, 1) // 256 * 256))
 
 
@@ -282,7 +282,7 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature:
         place = lambda x: torch.zeros(len(labels), dtype=x.dtype, device=x.device).index_put((idx,), x).reshape(lead)
         return (place(lp), place(ent)) if return_entropy else place(lp)
     hidden, labels = hidden.contiguous(), labels.contiguous()
-    chunk = chunk_size or _chunk_size(hidden.shape[0], V, hidden.device)
+    chunk = chunk_size or _chunk_size(hidden.shape[0], V, gpu(hidden))
     logprobs, entropy = LinearLogprobs.apply(hidden, weight.contiguous(), labels, float(temperature),
                                              backend, return_entropy, chunk, tuple(lead))
     return (logprobs, entropy) if return_entropy else logprobs

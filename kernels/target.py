@@ -16,6 +16,8 @@ grpo.loss, grpo.sampling and grpo.decode.
   kernels build for the GPU, with which registers, spills and shared memory
   (bench/compile_kernels.py), and how many kernels a decode step launches. The outputs of
   kernels that never ran are uninitialized: only the launches count there, not the numbers.
+  Process-wide while it lasts: a launch from another thread inside the block compiles and does
+  not run either.
 """
 from contextlib import contextmanager
 
@@ -106,7 +108,8 @@ def compile_for(arch: int = 90):
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
     assert _compiling is None, "compile_for blocks do not nest"
-    fake, saved = _CompileOnly(arch), (driver._active, JITFunction.__getitem__)
+    fake, saved = _CompileOnly(arch), driver._active
+    own = JITFunction.__dict__.get("__getitem__")  # None: inherited (KernelInterface's), left so after
 
     def compile_launch(fn, grid):  # fn[grid](...): compile (run's warmup path), record, launch nothing
         def launch(*args, **kwargs):
@@ -119,5 +122,9 @@ def compile_for(arch: int = 90):
     try:
         yield fake.launches
     finally:
-        driver._active, JITFunction.__getitem__ = saved
+        driver._active = saved
+        if own is None:
+            del JITFunction.__getitem__
+        else:
+            JITFunction.__getitem__ = own
         _compiling = None
