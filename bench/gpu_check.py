@@ -32,7 +32,9 @@ at batch 256, 3B at batch 64; the first call's graph capture reported apart), ke
 tokens/s and the share of the bandwidth roofline (weight + KV bytes read per step over the GPU's spec
 bandwidth), the share of
 a GRPO step spent generating and the update MFU (bench/step.py), fused log-probs' peak memory and time
-against naive at N = 32768, V = 151936, forward + backward (bench/logprobs.py).
+against naive at N = 32768, V = 151936, forward + backward (bench/logprobs.py), each decode kernel against
+its eager reference at both decode shapes and the decode attention's launch alternatives against the
+shipped one (bench/decode_kernels.py, --sweep).
 The dry run maps each part onto the CPU: the tiny model for both shapes, the torch kernels (Triton under
 TRITON_INTERPRET=1), eager decode (the sampler has no graphs on CPU), FSDP2 over gloo. Without flash-attn
 its parts are skipped with a message. --perturb breaks one side of every parity check (for the test).
