@@ -35,6 +35,8 @@ a GRPO step spent generating and the update MFU (bench/step.py), fused log-probs
 against naive at N = 32768, V = 151936, forward + backward (bench/logprobs.py), each decode kernel against
 its eager reference at both decode shapes and the decode attention's launch alternatives against the
 shipped one (bench/decode_kernels.py, --sweep).
+The calculator 0.5B recipe's rollout shape (8 rows in 256 slots, tool turns of random length) on random
+weights: its time and, per decode step, the rows decoding, the rows decoded (the batch bucket) and the slots.
 The dry run maps each part onto the CPU: the tiny model for both shapes, the torch kernels (Triton under
 TRITON_INTERPRET=1), eager decode (the sampler has no graphs on CPU), FSDP2 over gloo. Without flash-attn
 its parts are skipped with a message. --perturb breaks one side of every parity check (for the test).
@@ -91,9 +93,11 @@ SIZES = {  # the GPU run, and the dry run's stand-ins for the same code
     "gpu": dict(models=["qwen2.5-0.5b", "qwen2.5-3b"], kernels=(16, 250, 151936, (896, 2048)),
                 fused=(32768, 151936, (896, 2048)), greedy=(32, 96), update=(16, 4, 128, 256, 1024),
                 decode={"qwen2.5-0.5b": (256, 256, 512), "qwen2.5-3b": (64, 256, 512)},
+                rollout=(8, 128, 4, 500, 25, 100, 256),
                 step={"qwen2.5-0.5b": (16, 8, 256, 512), "qwen2.5-3b": (8, 8, 256, 512)}),
     "dry": dict(models=["tiny"], kernels=(4, 9, 301, (40,)), fused=(256, 2048, (64,)), greedy=(6, 12),
-                update=(8, 4, 12, 16, 64), decode={"tiny": (8, 16, 8)}, step={"tiny": (2, 2, 8, 4)}),
+                update=(8, 4, 12, 16, 64), decode={"tiny": (8, 16, 8)}, rollout=(4, 8, 3, 24, 3, 6, 16),
+                step={"tiny": (2, 2, 8, 4)}),
 }
 # spec HBM bytes/s by substrings of the device name, first match; another GPU gets no roofline share
 BANDWIDTH = [(("H200",), 4.8e12), (("H100", "PCIe"), 2.0e12), (("H100", "NVL"), 3.9e12), (("H100",), 3.35e12),
@@ -420,6 +424,42 @@ def decode_figures(name: str, device, sizes: dict) -> list[dict]:
                        note=f"{gpu}: {bw / 1e12:.2f} TB/s")]
 
 
+def rollout_figures(name: str, device, sizes: dict) -> list[dict]:
+    """The calculator 0.5B recipe's rollout on one rank, without its tokenizer: G 8 rows of one
+    prompt in the profile's 256 slots, up to 4 assistant turns and 500 tokens, T 0.9. A turn ends
+    at any of V / 100 random tool-stop tokens (random weights sample nearly uniformly: turns of
+    ~100 tokens, geometric), and each tool call is answered by 25 tokens. Reported: the call's
+    time with graphs warm (a first call captures them), and per decode step the rows decoding, the
+    rows decoded (the bucket) and the slots: the goal's "live rows vs slots"."""
+    R, plen, turns, max_tokens, obs, mean_turn, slots = sizes["rollout"]
+    model = build(name, device).to(torch.bfloat16 if device.type == "cuda" else torch.float32)  # no FSDP
+    V = model.args.vocab_size
+    g = torch.Generator().manual_seed(3)
+    stops = torch.randperm(V, generator=g)[: max(1, V // mean_turn)].tolist()
+    prompt = torch.randint(0, V, (plen,), generator=g).tolist()
+    answer = torch.randint(0, V, (obs,), generator=g).tolist()  # the calculator's reply, as template tokens
+    sampler = Sampler(model, gen_batch=slots, max_seq_len=plen + max_tokens, buckets=True)
+    params = SamplingParams(n=R, temperature=0.9, max_tokens=max_tokens, stop_token_ids=[], tool_stop_token_ids=stops,
+                            max_turns=turns, seed=4)
+    go = lambda: sampler.generate([prompt], params, tool=lambda index, ids: answer)  # noqa: E731
+    cold = bench_sampler.timed(go, device)
+    before = sampler.decode_steps, sampler.rows_decoded, sampler.rows_live
+    out = []
+    seconds = bench_sampler.timed(lambda: out.append(go()), device)
+    steps, decoded, live = (a - b for a, b in zip((sampler.decode_steps, sampler.rows_decoded, sampler.rows_live), before))
+    sampler.pool.shutdown()
+    done = out[0]
+    sampled = sum(len(c.token_ids) for c in done)
+    calls = sum(c.num_turns - 1 for c in done)
+    note = (f"{R} rows, {sampled} completion tokens (observations in), {calls} tool calls, {steps} decode steps; "
+            f"first call {cold:.2f} s with {sampler.capture_seconds:.1f} s of graph capture"
+            + (" (CPU: no graphs; buckets forced)" if device.type != "cuda" else ""))
+    return [row("figures", name, f"rollout of the calculator 0.5B recipe's shape: seconds, {R} rows, graphs warm",
+                seconds, shown=f"{seconds:.2f}", note=note),
+            row("figures", name, "...per decode step: rows decoding / rows decoded / slots", decoded / max(steps, 1),
+                shown=f"{live / max(steps, 1):.1f} / {decoded / max(steps, 1):.1f} / {slots}")]
+
+
 def kernels_per_step(sampler, B: int, plen: int) -> int:
     """Device activities (kernels, copies, memsets) of one eager decode step over B rows at
     position plen: what one step of a replayed graph launches."""
@@ -461,8 +501,10 @@ def parts_of(device, backend: str, sizes: dict, perturb: bool) -> list[tuple]:
         if i == 0:  # one shape shows FSDP's arithmetic; the smaller leaves room for both fp32 copies
             parts.append(("update", update_parity, (name, device, sizes, perturb)))
         parts += [("sampler", greedy_parity, (name, device, sizes, perturb)),
-                  ("figures", decode_figures, (name, device, sizes)),
-                  ("figures", step_figures, (name, device, sizes))]
+                  ("figures", decode_figures, (name, device, sizes))]
+        if i == 0:  # the calculator 0.5B recipe's rollout: the first (smaller) shape
+            parts.append(("figures", rollout_figures, (name, device, sizes)))
+        parts.append(("figures", step_figures, (name, device, sizes)))
     return parts
 
 

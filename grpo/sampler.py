@@ -151,7 +151,9 @@ class Sampler:
     `buckets`: decode the occupied slots rounded up to a power of two (the graphs' batch sizes;
     default: with graphs), instead of exactly the occupied ones. `pipeline` (default: with graphs):
     launch the next decode window before taking the last one's tokens, so the device does not wait
-    while Python accepts them (on a CPU it only reorders the same work: the tests run it there)."""
+    while Python accepts them (on a CPU it only reorders the same work: the tests run it there).
+    Counters since construction, for costs and benches: tokens_prefilled, capture_seconds,
+    decode_steps, rows_decoded (rows x steps computed) and rows_live (of rows that were decoding)."""
     def __init__(self, model, tokenizer=None, gen_batch: int = 64, max_seq_len: int | None = None,
                  kv_budget_bytes: int | None = None, prefill_tokens: int | None = None,
                  sync_every: int | None = None, cuda_graphs: bool = True, tool_workers: int = 8,
@@ -171,6 +173,9 @@ class Sampler:
         self.pool = cf.ThreadPoolExecutor(tool_workers)
         self.tokens_prefilled = 0  # tokens through prefill forwards since construction (costs, benches)
         self.capture_seconds = 0.0  # CUDA graph capture (warm-up included) since construction
+        # decode work since construction: steps, and rows x steps decoded (a graphed window decodes
+        # its bucket) against rows x steps of rows that were decoding (live, not waiting on a tool)
+        self.decode_steps = self.rows_decoded = self.rows_live = 0
         self.weights = DecodeWeights(model)  # refreshed at the start of every call
         self.graphs, self.graph_pool = {}, None  # (batch bucket, cache bucket, sampling) -> one window's graph
         self._string_end = {}  # stop strings -> (V,) bool: tokens that can complete one of them
@@ -469,6 +474,9 @@ class Sampler:
         # settings), captured once and replayed by every later call.
         self._compact(call)
         num_slots = bucket(len(call.live), self.cache.slots) if self.buckets else len(call.live)
+        self.decode_steps += W
+        self.rows_decoded += W * num_slots
+        self.rows_live += W * sum(not s.in_tool for s in call.live.values())
         longest = max(len(s.prompt) + len(s.token_ids) for s in call.live.values())
         # keys a window reads: [0, cache_len); pipelined, the rows may be a window further on than
         # the host knows (the window in flight)

@@ -75,8 +75,8 @@ def test_perturbed_parity_fails(runs):
     rc, stdout, stderr, report = runs["perturbed"]
     assert rc == 1, stdout[-4000:] + stderr[-4000:]
     assert not report["ok"] and not report["partial"] and report["backend"] == "torch"
-    # isolated: kernels, fused, decode kernels, attention launches, update, sampler, decode, step
-    assert stdout.count("== part ") == 8
+    # isolated: kernels, fused, decode kernels, attention launches, update, sampler, decode, rollout, step
+    assert stdout.count("== part ") == 9
     assert not [r for r in report["rows"] if r["status"] == "error"], stdout[-4000:]
     assert {r["part"] for r in report["rows"] if r["status"] == "fail"} == PARITY_PARTS
     assert any(t[5] == "fail" for t in table_rows(stdout))

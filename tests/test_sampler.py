@@ -191,10 +191,15 @@ def test_batch_buckets(tiny_dir, monkeypatch):
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 1000, (int(torch.randint(2, 30, (), generator=g)),), generator=g).tolist() for _ in range(5)]
     p = SamplingParams(n=3, temperature=1.0, max_tokens=30, stop_token_ids=list(range(3, 33)), seed=7)
-    exact = Sampler(model, gen_batch=12).generate(prompts, p)
+    plain = Sampler(model, gen_batch=12)
+    exact = plain.generate(prompts, p)
     rows = _decoded_rows(monkeypatch)
-    bucketed = Sampler(model, gen_batch=12, buckets=True).generate(prompts, p)
+    sampler = Sampler(model, gen_batch=12, buckets=True)
+    bucketed = sampler.generate(prompts, p)
     assert set(rows) <= {1, 2, 4, 8, 12} and len(set(rows)) >= 3, rows
+    # the sampler's own counts: the rows the steps decoded, and the live rows among them
+    assert sampler.decode_steps == len(rows) and sampler.rows_decoded == sum(rows)
+    assert plain.rows_decoded == plain.rows_live == sampler.rows_live < sampler.rows_decoded
     assert [c.token_ids for c in bucketed] == [c.token_ids for c in exact]
     flat = lambda out: [lp for c in out for lp in c.logprobs]
     assert flat(bucketed) == pytest.approx(flat(exact), abs=1e-5)
