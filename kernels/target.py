@@ -19,6 +19,7 @@ grpo.loss, grpo.sampling and grpo.decode.
   Process-wide while it lasts: a launch from another thread inside the block compiles and does
   not run either.
 """
+import os
 from contextlib import contextmanager
 
 import torch
@@ -40,6 +41,7 @@ _warned = set()
 
 
 def gpu(t: Tensor) -> bool:
+    """Does t's work take the GPU's way (the Triton kernel, GPU tiles)? See the module docstring."""
     return t.is_cuda or _compiling is not None
 
 
@@ -69,6 +71,7 @@ def references():
 
 
 def sm_count(t: Tensor) -> int:
+    """SMs of t's GPU (inside compile_for: of the target's, from SMS)."""
     if _compiling is not None:
         return SMS[_compiling.arch]
     return torch.cuda.get_device_properties(t.device).multi_processor_count
@@ -103,7 +106,6 @@ def compile_for(arch: int = 90):
     global _compiling
     assert HAS_TRITON, "compile_for needs triton"
     assert arch in SMS, f"{arch=}: one of {sorted(SMS)}"
-    import os
     assert os.environ.get("TRITON_INTERPRET") != "1", "compile_for compiles: unset TRITON_INTERPRET"
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
