@@ -3,6 +3,7 @@
     python bench/gpu_check.py                    # one GPU of 80 GB or more, under 8 minutes; each part
                                                  # in its own process under --part-timeout (a hang or
                                                  # a poisoned CUDA context costs one part, not the run)
+    python bench/gpu_check.py --only rollout_figures,attention_sweep   # some parts again (names: --help)
     python bench/gpu_check.py --dry-run          # CPU (automatic without CUDA): the same code, tiny sizes
     TRITON_INTERPRET=1 python bench/gpu_check.py --dry-run   # ...with the Triton kernels interpreted
 
@@ -533,7 +534,7 @@ def isolated(args, parts: list[tuple], device) -> list[dict]:
     for i, (name, _, a) in enumerate(parts):
         tmp = Path(f"{args.out}.part{i}")
         cmd = [sys.executable, __file__, "--part", str(i), "--out", str(tmp)]
-        cmd += ["--dry-run"] * args.dry_run + ["--perturb"] * args.perturb
+        cmd += ["--dry-run"] * args.dry_run + ["--perturb"] * args.perturb + ["--only", args.only] * bool(args.only)
         print(f"== part {i}: {name} {a[0] if isinstance(a[0], str) else ''}", flush=True)
         t = time.perf_counter()
         try:
@@ -565,6 +566,8 @@ def main():
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                     help="each part in its own process (default: on CUDA)")
     ap.add_argument("--part-timeout", type=int, default=240, help="seconds per isolated part")
+    ap.add_argument("--only", default="", help="run only these parts, by function, comma-separated (e.g. "
+                                               "rollout_figures,attention_sweep: a part to run again, in a short GPU session)")
     ap.add_argument("--part", type=int, help=argparse.SUPPRESS)  # internal: run one part, write its rows
     args = ap.parse_args()
     dry = args.dry_run or not torch.cuda.is_available()
@@ -573,6 +576,11 @@ def main():
     args.backend = "triton" if not dry or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
     sizes = SIZES["dry" if dry else "gpu"]
     parts = parts_of(device, args.backend, sizes, args.perturb)
+    if args.only:
+        names, known = set(args.only.split(",")), {fn.__name__ for _, fn, _ in parts}
+        if names - known:
+            ap.error(f"--only {','.join(sorted(names - known))}: not a part (one of {', '.join(sorted(known))})")
+        parts = [p for p in parts if p[1].__name__ in names]
     isolate = (not dry) if args.isolate is None else args.isolate
     start = time.perf_counter()
     if args.part is None and isolate:

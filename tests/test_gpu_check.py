@@ -126,3 +126,19 @@ def test_it_imports_on_a_box_with_torch_and_triton_only():
             "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=SCRIPT.parent, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_only_runs_the_named_parts(tmp_path):
+    """--only: the named parts alone, also when each runs in its own process (which must pick the
+    same part from the same shortened list); an unknown name is a usage error naming the parts."""
+    out = tmp_path / "only.json"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--isolate", "--only", "rollout_figures,kernel_figures",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert r.stdout.count("== part ") == 2 and {x["part"] for x in rows} == {"figures"}
+    assert any(x["what"].startswith("rollout of") for x in rows) and any("decode kernels" in x["what"] for x in rows)
+    assert len(rows) == 3  # the rollout's two rows, the kernels' CUDA-only skip
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--only", "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "not a part" in bad.stderr and "rollout_figures" in bad.stderr
