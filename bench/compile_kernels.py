@@ -38,6 +38,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -164,6 +165,7 @@ def build(config: dict, layers: int):
 
 def step_count(config: dict, B: int, layers: int, way: str, arch: int) -> dict:
     """Kernels of one decode step over B rows at position PLEN, `way` one of "model" | "torch" | "triton"."""
+    import grpo.sampler as sampler_module
     from grpo.sampler import Sampler, SamplingParams, decode_step
     model = build(config, layers)
     sampler = Sampler(model, gen_batch=B, max_seq_len=PLEN + NEW, cuda_graphs=False)
@@ -178,37 +180,21 @@ def step_count(config: dict, B: int, layers: int, way: str, arch: int) -> dict:
         count.paused = False
         return tok, lp
 
-    params = SamplingParams(temperature=1.0, stop_token_ids=[])
+    def model_decode(w, cache, tok, pos, n, span):  # the decode of 2026-11-30: the model's forward over the cache
+        cache.rows(slice(0, n), pos, 1, span)
+        return model(tok[:, None], pos[:, None], cache=cache)[:, 0]
+
     with contextlib.ExitStack() as stack, torch.no_grad():
-        if way == "model":
-            step = lambda: model_decode_step(model, sampler, st, B)
-        else:
-            step = lambda: decode_step(sampler.weights, sampler.cache, st, params, B, PLEN + 1, 0)
         launches = stack.enter_context(compile_for(arch))
         if way != "triton":
             stack.enter_context(kernels.references())
-        kernels.fused_sample = sample_kernel
-        try:
-            with count:
-                step()
-        finally:
-            kernels.fused_sample = real
+        if way == "model":
+            stack.enter_context(mock.patch.object(sampler_module, "decode", model_decode))
+        stack.enter_context(mock.patch.object(kernels, "fused_sample", sample_kernel))
+        with count:
+            decode_step(sampler.weights, sampler.cache, st, SamplingParams(temperature=1.0, stop_token_ids=[]), B,
+                        PLEN + 1, 0)
     return dict(launches=len(launches), ops=count.ops, host_syncs=count.host_syncs)
-
-
-def model_decode_step(model, sampler, st, B: int):
-    """The sampler's decode step before grpo.decode: the model's forward over the cache, eager sampling."""
-    from grpo.sampling import sample
-    rows = slice(0, B)
-    cache, active, pos = sampler.cache, st.active[rows], st.pos[rows]
-    cache.rows(rows, pos, 1, PLEN + 1)
-    logits = model(st.tok[rows][:, None], pos[:, None], cache=cache)[:, 0]
-    tok, lp = sample(logits.float(), st.key[rows], st.ntok[rows], 1.0)
-    st.out_tok[rows, 0], st.out_lp[rows, 0], st.out_ok[rows, 0] = tok, lp, active
-    st.tok[rows] = torch.where(active, tok, st.tok[rows])
-    st.pos[rows] += active
-    st.ntok[rows] += active
-    st.active[rows] = active & ~st.is_stop[tok] & (st.ntok[rows] < st.max_tokens[rows])
 
 
 def count_rows(arch: int) -> list[dict]:

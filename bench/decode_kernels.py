@@ -17,6 +17,7 @@ Last line of output: json.dumps(rows).
 """
 import argparse
 import sys
+from unittest import mock
 from pathlib import Path
 
 import torch
@@ -105,25 +106,20 @@ def sweep(dtype: torch.dtype, iters: int, reps: int, dev: str = "cuda") -> list[
     A spilling configuration (64 keys x 4 warps x 3 stages, the first shipped) is timed too; one
     the GPU cannot launch (too much shared memory) is a row saying so."""
     from triton.runtime.errors import OutOfResources
-    real = layers._attention_launch
     rows = []
-    try:
-        with torch.no_grad():
-            for model in SHAPES:
-                call = next(c for name, _, c in cases(dtype, dev, model) if name == "decode_attention")
-                shipped = real(SHAPES[model]["D"])
-                base = time_ms(lambda: call("triton"), iters, reps)
-                for cfg in SWEEP:
-                    layers._attention_launch = lambda D, cfg=cfg: cfg
-                    r = dict(model=model, keys_warps_stages=str(cfg), shipped=cfg == shipped)
-                    try:
+    with torch.no_grad():
+        for model in SHAPES:
+            call = next(c for name, _, c in cases(dtype, dev, model) if name == "decode_attention")
+            shipped = layers._attention_launch(SHAPES[model]["D"])
+            base = time_ms(lambda: call("triton"), iters, reps)
+            for cfg in SWEEP:
+                r = dict(model=model, keys_warps_stages=str(cfg), shipped=cfg == shipped)
+                try:
+                    with mock.patch.object(layers, "_attention_launch", lambda D, cfg=cfg: cfg):
                         us = 1e3 * time_ms(lambda: call("triton"), iters, reps)
-                        rows.append(dict(r, us=us, speed=1e3 * base / us, error=""))
-                    except OutOfResources as e:  # e.g. 136 KB of shared memory on an RTX 6000 Ada
-                        rows.append(dict(r, us=float("nan"), speed=float("nan"), error=str(e).splitlines()[0][:120]))
-                    layers._attention_launch = real
-    finally:
-        layers._attention_launch = real
+                    rows.append(dict(r, us=us, speed=1e3 * base / us, error=""))
+                except OutOfResources as e:  # e.g. 136 KB of shared memory on an RTX 6000 Ada
+                    rows.append(dict(r, us=float("nan"), speed=float("nan"), error=str(e).splitlines()[0][:120]))
     return rows
 
 

@@ -153,7 +153,7 @@ class Sampler:
     launch the next decode window before taking the last one's tokens, so the device does not wait
     while Python accepts them (on a CPU it only reorders the same work: the tests run it there).
     Counters since construction, for costs and benches: tokens_prefilled, capture_seconds,
-    decode_steps, rows_decoded (rows x steps computed) and rows_live (of rows that were decoding)."""
+    decode_steps, rows_decoded (rows x steps computed) and rows_live (of those, the ones that drew a token)."""
     def __init__(self, model, tokenizer=None, gen_batch: int = 64, max_seq_len: int | None = None,
                  kv_budget_bytes: int | None = None, prefill_tokens: int | None = None,
                  sync_every: int | None = None, cuda_graphs: bool = True, tool_workers: int = 8,
@@ -174,7 +174,7 @@ class Sampler:
         self.tokens_prefilled = 0  # tokens through prefill forwards since construction (costs, benches)
         self.capture_seconds = 0.0  # CUDA graph capture (warm-up included) since construction
         # decode work since construction: steps, and rows x steps decoded (a graphed window decodes
-        # its bucket) against rows x steps of rows that were decoding (live, not waiting on a tool)
+        # its bucket) against the rows x steps that drew a token (rows decoding, not in a tool call)
         self.decode_steps = self.rows_decoded = self.rows_live = 0
         self.weights = DecodeWeights(model)  # refreshed at the start of every call
         self.graphs, self.graph_pool = {}, None  # (batch bucket, cache bucket, sampling) -> one window's graph
@@ -475,8 +475,7 @@ class Sampler:
         self._compact(call)
         num_slots = bucket(len(call.live), self.cache.slots) if self.buckets else len(call.live)
         self.decode_steps += W
-        self.rows_decoded += W * num_slots
-        self.rows_live += W * sum(not s.in_tool for s in call.live.values())
+        self.rows_decoded += W * num_slots  # rows_live: counted from the window's tokens (_take)
         longest = max(len(s.prompt) + len(s.token_ids) for s in call.live.values())
         # keys a window reads: [0, cache_len); pipelined, the rows may be a window further on than
         # the host knows (the window in flight)
@@ -515,6 +514,7 @@ class Sampler:
         stopped = []
         for slot, s, epoch in rows:
             k = sum(oks[slot])
+            self.rows_live += k
             if k and s.epoch == epoch and self._accept(call, s, toks[slot][:k], lps[slot][:k]):
                 stopped.append(s.slot)
         if stopped:  # stop strings are found here, not on device: retire those rows there too

@@ -95,9 +95,6 @@ class _CompileOnly:
     def get_current_stream(self, device=None):
         return 0
 
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
 
 @contextmanager
 def compile_for(arch: int = 90):
