@@ -33,7 +33,7 @@ RENAMED = {"lr": "learning_rate", "num_steps": "max_steps", "group_size": "num_g
            "drop_zero_variance": "drop_flat_groups"}
 CHOICES = {"loss_type": LOSS_TYPES, "scale_rewards": SCALES, "lr_scheduler_type": ("constant", "cosine"),
            "dtype": ("auto", "float32", "bfloat16"), "autocast_bf16": ("auto", "true", "false"),
-           "importance_sampling_level": ("token", "sequence")}
+           "importance_sampling_level": ("token", "sequence"), "kernels": ("auto", "torch")}
 REPORTERS = ("tensorboard", "wandb", "trackio")  # report_to: comma-separated, or "none" / "all"
 
 
@@ -69,6 +69,9 @@ class Config:
     kv_budget_gb: float = 0.0         # sampler KV-cache budget; 0 = sized from gen_batch
     keep_kv_cache: bool = True        # GPU: the sampler's cache, state and CUDA graphs stay through the update
                                       # (graphs captured once per run); false frees them for the update each step
+    cuda_graphs: bool = True          # GPU: each sampler decode window one CUDA graph; false = eager launches (slower)
+    kernels: str = "auto"             # auto = grpo.kernels' Triton kernels on CUDA; torch = their PyTorch references
+                                      # everywhere (slower; the way around a kernel that fails on your GPU)
     # ---- GRPO
     num_iterations: int = 1           # mu: policy updates per batch of rollouts
     steps_per_generation: int = 1     # S: each batch of rollouts split into S mini-batches of whole groups, each an
@@ -233,7 +236,8 @@ HELP_GROUPS = {
                                       "eval_temperature", "eval_max_completion_length", "eval_greedy", "eval_before_limit", "save_steps",
                                       "save_total_limit", "time_budget_min", "run_budget_min", "min_rl_steps"),
     "hardware": ("dtype", "autocast_bf16", "num_threads", "profile", "gen_batch", "kv_budget_gb",
-                 "keep_kv_cache", "micro_batch_tokens", "gradient_checkpointing", "share_prompt", "dist_timeout_min"),
+                 "keep_kv_cache", "cuda_graphs", "kernels", "micro_batch_tokens", "gradient_checkpointing",
+                 "share_prompt", "dist_timeout_min"),
 }
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 

@@ -114,7 +114,7 @@ from grpo.envs.processgrpo import (DEFAULT_WEIGHTS, TRAIN_SOURCES, VALIDATION_SO
 from grpo.model import Transformer
 from grpo.process import ProcessCredit
 from grpo.sampler import Sampler
-from grpo.trainer import train
+from grpo.trainer import kernels_of, train
 
 CREDITS = ("process", "outcome", "shuffled")
 
@@ -230,9 +230,10 @@ def main(cls=ProcessGRPOQwen):
     sampler = None   # the outcome control needs no frozen copy (unless it filters the data)
     if cfg.credit != "outcome" or cfg.filter_solve_rate:
         sampler = Sampler(frozen_copy(cfg, dist.device()), tokenizer, gen_batch=cfg.continuation_batch,
-                          kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
+                          kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None, cuda_graphs=cfg.cuda_graphs)
     if cfg.filter_solve_rate:
-        train_examples = filtered(cfg, sampler, tokenizer, env, train_examples)
+        with kernels_of(cfg):  # train() enters it for the run; the filter runs before
+            train_examples = filtered(cfg, sampler, tokenizer, env, train_examples)
         sampler = sampler if cfg.credit != "outcome" else None
     credit = ProcessCredit(sampler, tokenizer, env, num_continuations=cfg.num_continuations,
                            weight=cfg.progress_weight, mode=cfg.credit, temperature=cfg.temperature,

@@ -243,6 +243,54 @@ def test_a_step_where_every_group_is_flat_changes_nothing(tmp_path):
     assert all(torch.equal(p, p0) for p, p0 in zip(model.parameters(), before))
 
 
+def test_kernels_torch_and_cuda_graphs_false_reach_the_run(tmp_path, monkeypatch):
+    # every grpo.kernels call of the run takes its reference (a CPU takes them anyway: what is
+    # checked is that the run is inside references(), and that it is left after); the sampler
+    # is built without graphs
+    from grpo.kernels import target
+    seen = {}
+    real_build, real_sampler = trainer.build, trainer.Sampler
+
+    def build(cfg, device):
+        seen["references"] = target._references
+        return real_build(cfg, device)
+
+    def sampler(*args, **kwargs):
+        seen["cuda_graphs"] = kwargs.get("cuda_graphs")
+        return real_sampler(*args, **kwargs)
+    monkeypatch.setattr(trainer, "build", build)
+    monkeypatch.setattr(trainer, "Sampler", sampler)
+    train(toy_config(tmp_path, max_steps=1, kernels="torch", cuda_graphs=False), ToyEnv(), EXAMPLES, [])
+    assert seen == {"references": True, "cuda_graphs": False} and target._references is False
+    train(toy_config(tmp_path, max_steps=1, output_dir=str(tmp_path / "run2")), ToyEnv(), EXAMPLES, [])
+    assert seen == {"references": False, "cuda_graphs": True}
+
+
+def test_a_failure_inside_triton_or_graph_capture_names_the_way_around(tmp_path):
+    import importlib.util
+    import os
+
+    def raised_in(filename: str) -> Exception:  # an exception whose traceback passes through `filename`
+        try:
+            exec(compile("raise RuntimeError('out of resources')", filename, "exec"))
+        except RuntimeError as e:
+            return e
+    triton_dir = os.path.dirname(importlib.util.find_spec("triton").origin)
+    assert "--kernels torch" in trainer.way_around(raised_in(os.path.join(triton_dir, "runtime", "jit.py")))
+    graphs = os.path.join(os.path.dirname(torch.__file__), "cuda", "graphs.py")
+    assert "--cuda_graphs false" in trainer.way_around(raised_in(graphs))
+    assert trainer.way_around(raised_in(str(tmp_path / "recipe.py"))) is None
+    assert trainer.way_around(raised_in(triton_dir + "_not_it/jit.py")) is None  # a sibling folder is not triton's
+
+    def fails(cfg, device):
+        raise raised_in(os.path.join(triton_dir, "compiler", "compiler.py"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainer, "build", fails)
+        with pytest.raises(RuntimeError, match="out of resources") as info:
+            train(toy_config(tmp_path, max_steps=1), ToyEnv(), EXAMPLES, [])
+    assert any("--kernels torch" in n for n in info.value.__notes__)
+
+
 def test_micro_batches_respect_the_budget():
     lengths = [5, 30, 7, 12, 30, 1, 9]
     mbs = micro_batches(lengths, 40)
@@ -266,6 +314,7 @@ def test_prompt_batch_is_a_function_of_the_step():
     (["--no_such_field=1"], "unknown field --no_such_field"),
     (["--temperature=0"], "temperature"),
     (["--resume=maybe"], "expected true or false"),
+    (["--kernels=triton"], "kernels"),
 ])
 def test_bad_config_is_a_clear_error(argv, message):
     with pytest.raises(ValueError, match=message):
