@@ -1,14 +1,14 @@
 """A few real GRPO steps of the ReTool recipe on the packaged SmolLM2-135M on CPU, with real
-sandboxed code_interpreter calls: the recipe's config, its DAPO row rule and its trainer, on a
-model 30x smaller than the card's. Prints seconds, samples and tokens per step.
+sandboxed code_interpreter calls: the recipe's own main() (its config, its DAPO row rule, its
+trainer) on a model 30x smaller than the card's. Prints seconds, samples and tokens per step.
 
     python bench/e2e_retool_smollm2.py --output_dir=/tmp/retool_e2e [any recipe flag]   # ~3 min on 2 cores
 
 What differs from the recipe, and why: SmolLM2 has no tool-call template and never writes the
 format from a tools block alone, so its folder gets a stand-in of Qwen3-2507's tool template and
 the env puts two solved tool episodes before the question (tests/test_retool.py's TwoShotReTool);
-the problems are "a to the power b" rows in DAPO-Math's columns (prompt with DAPO's "Answer:"
-instruction, solution), written here, so that a 135M model calls the tool and sometimes succeeds.
+the problems are "a to the power b" rows in DAPO-Math's and AIME's columns (training prompts with
+DAPO's "Answer:" instruction), written here, so that a 135M model calls the tool and sometimes succeeds.
 """
 import json
 import shutil
@@ -20,15 +20,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "recipes"), str(ROOT / "tests")]
 
-from retool_qwen3_4b import ReToolQwen3, load   # noqa: E402  (the recipe's config and loader)
+import retool_qwen3_4b as recipe   # noqa: E402
 from test_retool import QWEN3_TOOLS_TEMPLATE, TwoShotReTool   # noqa: E402
 
 from grpo.config import parse_args   # noqa: E402
-from grpo.envs.math import aime_example   # noqa: E402
-from grpo.envs.retool import REWARD_WEIGHTS, dapo_example   # noqa: E402
 from grpo.envs.sandbox import run_code   # noqa: E402
 from grpo.smollm2 import local_path   # noqa: E402
-from grpo.trainer import train   # noqa: E402
 
 DAPO = ("Solve the following math problem step by step. The last line of your response should be of the form "
         "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{q}\n\n"
@@ -47,8 +44,11 @@ def smollm2_with_tools(folder: Path) -> str:
 
 
 def problems(path: Path, pairs: list[tuple[int, int]], dapo: bool) -> str:
-    rows = [{"prompt": DAPO.format(q=f"What is {a} to the power {b}?") if dapo else f"What is {a} to the power {b}?",
-             "solution": str(a ** b)} for a, b in pairs]
+    """Training rows in DAPO-Math's columns (prompt with DAPO's instruction, solution), eval rows in
+    AIME 2024's (problem, answer): the recipe's own defaults read them."""
+    q = [f"What is {a} to the power {b}?" for a, b in pairs]
+    rows = ([{"prompt": DAPO.format(q=x), "solution": str(a ** b)} for x, (a, b) in zip(q, pairs)] if dapo
+            else [{"problem": x, "answer": str(a ** b)} for x, (a, b) in zip(q, pairs)])
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
@@ -61,19 +61,13 @@ def main():
     # the run of docs/runs.md: 4 steps of 2 prompts x 8 (the recipe's 64 x 16 and its one-epoch
     # max_steps=0, which its main() resolves, are a GPU run's); any flag given overrides these
     defaults = [f"--model_path={model}", f"--train_data={train_file}", f"--eval_data={eval_file}",
-                "--eval_question_field=prompt", "--profile=none", "--dtype=float32", "--max_steps=4",
+                "--profile=none", "--dtype=float32", "--max_steps=4",
                 "--prompts_per_step=2", "--num_generations=8", "--steps_per_generation=1",
                 "--max_completion_length=160", "--eval_max_completion_length=160", "--max_turns=3",
                 "--eval_limit=4", "--eval_n=1", "--eval_temperature=0", "--gradient_checkpointing=false",
                 "--gen_batch=16", "--save_steps=0", "--export=false", "--learning_rate=1e-6", "--report_to=none",
                 "--micro_batch_tokens=4096"]
     sys.argv = [sys.argv[0], *defaults, *sys.argv[1:]]
-    cfg = parse_args(ReToolQwen3)
-    train_set = load(cfg.train_data, question_field=cfg.question_field, answer_field=cfg.answer_field,
-                     prepare=dapo_example)
-    assert not any("Answer:" in ex["question"] for ex in train_set), "DAPO's instruction was not stripped"
-    eval_set = load(cfg.eval_data, question_field=cfg.eval_question_field, answer_field="solution",
-                    prepare=aime_example)
     calls = []   # (seconds, output) of every call that reached the sandbox
 
     def counted(code: str, timeout: float) -> str:
@@ -82,11 +76,12 @@ def main():
         calls.append((time.perf_counter() - start, out))
         return out
 
-    env = TwoShotReTool(run_code=counted, timeout=cfg.tool_timeout, max_turns=cfg.max_turns)   # the real sandbox
-    try:
-        train(cfg, env, train_set, eval_set, reward_weights=REWARD_WEIGHTS)
+    try:  # the recipe's own main(), with the few-shot env over the real sandbox
+        recipe.main(make_env=lambda cfg: TwoShotReTool(run_code=counted, timeout=cfg.tool_timeout,
+                                                       max_turns=cfg.max_turns))
     finally:
         shutil.rmtree(work, ignore_errors=True)  # the model folder and problem files written here
+    cfg = parse_args(recipe.ReToolQwen3)  # the same argv: where the run wrote its metrics
     print(f"e2e sandbox: {len(calls)} calls ran, {sum(t for t, _ in calls):.1f} s in all; outputs "
           f"{[out[:40] for _, out in calls[:8]]}")
     rows = [json.loads(line) for line in open(Path(cfg.output_dir) / "metrics.jsonl") if '"reward/mean"' in line]

@@ -109,7 +109,9 @@ def eval_setup(cfg: ReToolQwen3) -> tuple:
     return env, load(cfg.eval_data, question_field=cfg.eval_question_field, prepare=aime_example)
 
 
-def main(cls=ReToolQwen3):
+def main(cls=ReToolQwen3, make_env=None) -> dict:
+    """`make_env(cfg)`: the rollouts' env in place of ReToolEnv (bench/e2e_retool_smollm2.py: SmolLM2
+    needs solved episodes before the question). Returns train()'s eval results."""
     cfg = parse_args(cls)
     train_set = load(cfg.train_data, question_field=cfg.question_field, answer_field=cfg.answer_field,
                      prepare=dapo_example)  # the problem alone: no "Answer: $Answer" instruction
@@ -117,7 +119,7 @@ def main(cls=ReToolQwen3):
         cfg.max_steps = epoch_steps(len(train_set), cfg.prompts_per_step)
         print(f"max_steps={cfg.max_steps}: one epoch of {len(train_set)} problems at {cfg.prompts_per_step} a step")
     env, eval_set = eval_setup(cfg)
-    train(cfg, env, train_set, eval_set, reward_weights=REWARD_WEIGHTS)
+    return train(cfg, make_env(cfg) if make_env else env, train_set, eval_set, reward_weights=REWARD_WEIGHTS)
 
 
 if __name__ == "__main__":
