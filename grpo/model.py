@@ -266,7 +266,8 @@ class Transformer(nn.Module):
         self.activation_checkpointing = False
         # bf16 matmuls inside the blocks under torch.autocast (config autocast_bf16): the weights,
         # the residual stream, the final norm and the LM head stay fp32, so log-probs keep fp32's
-        # precision; on CPUs with AVX512-BF16 a bf16 matmul runs ~2.3x the fp32 one
+        # precision (the LM head's two gradient matmuls take bf16); on CPUs with AVX512-BF16 a bf16
+        # matmul runs ~2.3x the fp32 one
         self.autocast_bf16 = False
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, *, labels: Tensor | None = None,
@@ -304,8 +305,10 @@ class Transformer(nn.Module):
         h = self.norm(x)  # (B, T, H)
         if labels is not None:
             from grpo.kernels import linear_logprobs  # Triton on CUDA, chunked torch elsewhere
+            # under autocast_bf16 the LM head's gradient matmuls run bf16 too (its forward stays fp32)
             return linear_logprobs(h, self.lm_head.weight, labels, temperature=temperature,
-                                   return_entropy=return_entropy)
+                                   return_entropy=return_entropy,
+                                   grad_dtype=torch.bfloat16 if self.autocast_bf16 else None)
         if output_index is not None:
             h = h.gather(1, output_index[..., None].expand(-1, -1, h.shape[-1]))  # (B, K, H)
         return self.lm_head(h)

@@ -22,7 +22,8 @@ Cost: 2NHV FLOPs forward, 6NHV backward (recompute + two matmuls), against the n
 Backends:
 - "triton": one kernel for the forward (the logits never exist outside registers); backward
   uses torch matmuls per vocab chunk (cuBLAS) and a Triton kernel for dz in place.
-- "torch": the same algorithm in chunked PyTorch; the training path on CPU.
+- "torch": the same algorithm in chunked PyTorch; the training path on CPU (under autocast_bf16
+  its gradient matmuls take bf16: `grad_dtype`).
 Labels < 0 (e.g. -100) are ignored: log-prob 0 and no gradient. Statistics are fp32 for any
 input dtype. Entropy is returned for logging and token selection, not differentiated.
 """
@@ -205,11 +206,15 @@ def _dlogits_triton(z, lse, labels, g, v0):
     return z
 
 
-def _backward(hidden, weight, labels, lse, grad, temperature, chunk, dlogits, need_h, need_w):
-    """Recompute one vocab chunk of logits at a time; each grad_weight row is written once."""
+def _backward(hidden, weight, labels, lse, grad, temperature, chunk, dlogits, need_h, need_w, grad_dtype):
+    """Recompute one vocab chunk of logits at a time; each grad_weight row is written once.
+    The recompute is the forward's (its softmax must match the forward's lse); the two gradient
+    matmuls take `grad_dtype` inputs (None: the forward's)."""
     V = weight.shape[0]
     dt = _compute_dtype(hidden)
+    gdt = grad_dtype or dt
     h = hidden.to(dt)                                        # (N, H), as in the forward
+    h_g = h.to(gdt)                                          # (N, H), the grad_weight matmul's
     # ignored labels: no gradient; 1/T (d z/T / d z) folded into g, which scales every dz
     g = torch.where(labels >= 0, grad.to(lse.dtype), 0.0) / temperature
     grad_h = torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device) if need_h else None
@@ -217,11 +222,11 @@ def _backward(hidden, weight, labels, lse, grad, temperature, chunk, dlogits, ne
     for v0 in range(0, V, chunk):
         w = weight[v0:v0 + chunk].to(dt)                      # (C, H)
         z = _logits(h, w, 1.0 / temperature)                  # (N, C) fp32+: the forward's logits / T
-        dz = dlogits(z, lse, labels, g, v0).to(dt)            # (N, C), in the matmul dtype
+        dz = dlogits(z, lse, labels, g, v0).to(gdt)           # (N, C), in the gradient matmuls' dtype
         if need_h:
-            grad_h += dz @ w
+            grad_h += dz @ w.to(gdt)
         if need_w:
-            grad_w[v0:v0 + chunk] = dz.T @ h
+            grad_w[v0:v0 + chunk] = dz.T @ h_g
     return (grad_h.to(hidden.dtype) if need_h else None), grad_w
 
 # -----------------------------------------------------------------------------
@@ -229,14 +234,14 @@ def _backward(hidden, weight, labels, lse, grad, temperature, chunk, dlogits, ne
 
 class LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, backend, return_entropy, chunk, lead):
+    def forward(ctx, hidden, weight, labels, temperature, backend, return_entropy, chunk, lead, grad_dtype):
         if backend == "triton":
             lse, tgt, entropy = _forward_triton(hidden, weight, labels, temperature, return_entropy)
         else:
             lse, tgt, entropy = _forward_torch(hidden, weight, labels, temperature, chunk, return_entropy)
         logprobs = torch.where(labels >= 0, tgt - lse, 0.0)
         ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.temperature, ctx.backend, ctx.chunk = temperature, backend, chunk
+        ctx.temperature, ctx.backend, ctx.chunk, ctx.grad_dtype = temperature, backend, chunk, grad_dtype
         if entropy is None:
             entropy = lse.new_empty(0)
         ctx.mark_non_differentiable(entropy)
@@ -250,19 +255,23 @@ class LinearLogprobs(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dlogits = _dlogits_triton if ctx.backend == "triton" else _dlogits_torch
         grad_h, grad_w = _backward(hidden, weight, labels, lse, grad_logprobs, ctx.temperature,
-                                   ctx.chunk, dlogits, need_h, need_w)
-        return grad_h, grad_w, None, None, None, None, None, None
+                                   ctx.chunk, dlogits, need_h, need_w, ctx.grad_dtype)
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 def linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float = 1.0,
                     backend: str | None = None, return_entropy: bool = False,
-                    chunk_size: int | None = None):
+                    chunk_size: int | None = None, grad_dtype: torch.dtype | None = None):
     """log softmax(hidden @ weight.T / temperature)[labels], without the logits.
 
     hidden (..., H), weight (V, H), labels (...) int64 -> logprobs (...) fp32
     (and entropy (...) fp32, not differentiable, if return_entropy). Labels < 0: log-prob 0,
     entropy 0, no gradient, and no LM-head work (prompt tokens are ~half of a GRPO batch). backend: "triton" | "torch" | None (triton on CUDA when importable).
     chunk_size: vocab columns per backward (and torch forward) chunk; None picks one.
+    grad_dtype: the input dtype of the backward's two gradient matmuls (dz @ W, dz.T @ hidden);
+    None = the forward's. The CPU trainer under autocast_bf16 passes bf16: there the forward and
+    the recompute stay fp32 (log-probs exact, matching the sampler's), and the gradients, which
+    the bf16 blocks round to bf16 anyway, cost a quarter of fp32's time.
     """
     backend = "triton" if use_triton(hidden, backend, "linear_logprobs") else "torch"
     lead = labels.shape
@@ -277,12 +286,13 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature:
         if idx.numel() == 0:  # nothing to score: zeros, still attached to the graph
             zero = (hidden[:, 0] * 0 + weight[0, 0] * 0).float().reshape(lead)
             return (zero, zero.detach()) if return_entropy else zero
-        out = linear_logprobs(hidden[idx], weight, labels[idx], temperature, backend, return_entropy, chunk_size)
+        out = linear_logprobs(hidden[idx], weight, labels[idx], temperature, backend, return_entropy, chunk_size,
+                              grad_dtype)
         lp, ent = out if return_entropy else (out, None)
         place = lambda x: torch.zeros(len(labels), dtype=x.dtype, device=x.device).index_put((idx,), x).reshape(lead)
         return (place(lp), place(ent)) if return_entropy else place(lp)
     hidden, labels = hidden.contiguous(), labels.contiguous()
     chunk = chunk_size or _chunk_size(hidden.shape[0], V, gpu(hidden))
     logprobs, entropy = LinearLogprobs.apply(hidden, weight.contiguous(), labels, float(temperature),
-                                             backend, return_entropy, chunk, tuple(lead))
+                                             backend, return_entropy, chunk, tuple(lead), grad_dtype)
     return (logprobs, entropy) if return_entropy else logprobs
