@@ -431,11 +431,14 @@ PROFILES = {
 def apply_profile(cfg: Config, name: str = "auto") -> dict:
     """The GPU profile's settings onto cfg, under what the recipe chose: Config defaults < profile <
     the recipe's own defaults (< YAML < command line, which parse_args applies after). A field the
-    recipe set to a value of its own keeps it. Resolved once; cfg.profile_applied records it
-    (config.json: a Config built in Python without this records that no profile was applied)."""
+    recipe declares keeps its value, even when that is Config's default (a 0.5B recipe's
+    gradient_checkpointing False), and so does one set to a value of its own. Resolved once;
+    cfg.profile_applied records it (config.json: a Config built in Python without this records
+    that no profile was applied)."""
     settings = {} if name == "none" else pick_profile(None if name == "auto" else name)
     base, fields = Config(), {f.name for f in dataclasses.fields(cfg)}
-    own = {k for k in settings if k in fields and hasattr(base, k) and getattr(cfg, k) != getattr(base, k)}
+    declared = {k for c in type(cfg).__mro__[:type(cfg).__mro__.index(Config)] for k in inspect.get_annotations(c)}
+    own = {k for k in settings if k in fields and (k in declared or getattr(cfg, k) != getattr(base, k))}
     applied = {k: v for k, v in settings.items() if k in fields and k not in own}
     for key, value in applied.items():
         setattr(cfg, key, value)

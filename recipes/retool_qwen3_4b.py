@@ -13,7 +13,7 @@ subset this recipe reads, config `en`, has about 14.1k, so its epoch is derived 
 about 220 rollouts, --max_steps to set another length). Settings as the card: 64 prompts x 16 samples
 per rollout, lr 1e-6 constant, no KL, seed 42, reward +-1 on the final \\boxed{} (grpo.envs.retool),
 max response 8,192 tokens in training and 16,384 in eval (`eval_max_completion_length`, also the
-in-training AIME eval's, with the run's 16 tool turns: a row of the eval holds twice the KV, 2.4
+in-training AIME eval's, with the run's 16 tool turns: a row of the eval holds twice the KV, 2.3
 GiB, so half as many rows fit and a long answer costs twice the decode), the card's system prompt. Here the same
 GPUs sample and train, and a tool call runs in the sandbox while the other rows keep decoding.
 As the card, 4 optimizer steps per rollout (`steps_per_generation`: mini-batches of 16 prompts x
@@ -25,7 +25,7 @@ system prompt.
 Sizing (bf16 KV cache, estimated, not measured: no GPU has run it). Qwen3-4B keeps
 2 (K, V) x 36 layers x 8 KV heads x 128 dims x 2 bytes = 144 KiB per token, so a slot of
 512 prompt + 8,192 completion tokens is 1.2 GiB: the H100 / A100-80 profiles' 24 GiB KV budget
-holds 19 rows per GPU, H200's 50 GiB 40, B200's 60 GiB 49. A step is 1,024 rows: 128 per GPU on
+holds 20 rows per GPU, H200's 50 GiB 41, B200's 60 GiB 50. A step is 1,024 rows: 128 per GPU on
 8 GPUs, in about 7 waves of continuous batching on H100 (3 on B200); rows that finish early
 free their slot at once. The update (fp32 master weights sharded over 8, bf16 compute,
 gradient checkpointing) is small next to the sampling of ~3M tokens a step.
@@ -90,8 +90,8 @@ class ReToolQwen3(Config):
     max_turns: int = 16               # assistant turns: tool calls and the answer
     enable_thinking: bool = False     # the 2507 Instruct model has no thinking mode
     gradient_checkpointing: bool = True
-    micro_batch_tokens: int = 16384   # holds one 512 + 8,192-token sequence (GPU profiles set their own)
-    eval_max_completion_length: int = 16384  # the card's eval budget (training: 8,192); 2.4 GiB of KV a row
+    micro_batch_tokens: int = 16384   # holds one 512 + 8,192-token sequence; the recipe's, so on every GPU
+    eval_max_completion_length: int = 16384  # the card's eval budget (training: 8,192); 2.3 GiB of KV a row
     eval_limit: int = 30
     eval_n: int = 16
     eval_temperature: float = 1.0

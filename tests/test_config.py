@@ -28,6 +28,19 @@ def test_the_profile_sizes_only_what_the_recipe_left_at_the_default(monkeypatch,
     assert parse_args(Recipe, ["--profile", "none"]).gen_batch == Config().gen_batch
 
 
+@dataclass
+class Small(Recipe):
+    gen_batch: int = 64   # Config's own default, declared: the recipe's choice all the same
+
+
+def test_a_field_the_recipe_declares_at_configs_default_is_kept(monkeypatch):
+    monkeypatch.setattr(config, "pick_profile", lambda name=None: dict(FAKE))
+    assert Small.gen_batch == Config.gen_batch
+    cfg = parse_args(Small, [])
+    assert (cfg.gen_batch, cfg.kv_budget_gb, cfg.micro_batch_tokens) == (64, 50.0, 4096)  # Recipe's field too
+    assert cfg.profile_applied["kept_from_the_recipe"] == {"gen_batch": 64, "micro_batch_tokens": 4096}
+
+
 def test_a_config_built_in_python_records_no_profile(tmp_path, monkeypatch):
     """record_run writes what was applied, never a profile resolved again at record time."""
     import json
