@@ -44,15 +44,17 @@ def paired_bootstrap(before: list[float], after: list[float], resamples: int = 1
 def evaluate(model, tokenizer, env, examples: list[dict], n: int = 1, temperature: float = 0.0,
              max_tokens: int = 512, max_turns: int = 0, sampler=None, chat_kwargs: dict | None = None,
              seed: int = 1234, gen_batch: int = 64, kv_budget_bytes: int | None = None, progress: bool = True,
-             prompt_offset: int = 0) -> dict:
+             prompt_offset: int = 0, cuda_graphs: bool = True) -> dict:
     """Run the env on `examples` with n samples each (temperature 0 = greedy). The score is the
     env's `correct` reward term (or the one its `score_term` names). Returns mean (mean@n),
     pass (pass@n), ci95 and per-sample records.
     `prompt_offset`: the global index of examples[0] (it seeds the samples), so that a share of
-    the questions evaluated on one rank gives what the whole list gives in one process."""
+    the questions evaluated on one rank gives what the whole list gives in one process.
+    `cuda_graphs`: for the sampler made here (a lent one keeps its own)."""
     from grpo.sampler import Sampler
     # a sampler sized to this call unless the caller lends its own
-    sampler = sampler or Sampler(model, tokenizer, gen_batch=gen_batch, kv_budget_bytes=kv_budget_bytes)
+    sampler = sampler or Sampler(model, tokenizer, gen_batch=gen_batch, kv_budget_bytes=kv_budget_bytes,
+                                 cuda_graphs=cuda_graphs)
     params = sampling_params(env, tokenizer, n, temperature, max_tokens, seed, max_turns=max_turns)
     trajs = assign_rewards(env, rollout(sampler, tokenizer, env, list(examples), params, prompt_offset=prompt_offset,
                                chat_kwargs=chat_kwargs, progress=progress))

@@ -112,3 +112,21 @@ def test_paired_bootstrap():
     assert abs((hi - lo) / 2 - ci) < 0.15 * ci, (lo, hi, ci)   # bootstrap vs normal half-width
     assert paired_bootstrap(before, after) == (gain, lo, hi)
     assert paired_bootstrap([1.0, 0.0], [1.0, 0.0]) == (0.0, 0.0, 0.0)
+
+
+def test_kernels_and_cuda_graphs_flags_reach_the_eval(tmp_path, smollm2_path, monkeypatch):
+    # --kernels torch: the eval runs inside grpo.kernels' references(); --cuda_graphs false: its sampler
+    # is built without graphs (a CPU takes both ways anyway: what is checked is that the flags arrive)
+    import grpo.cli.eval as cli
+    from grpo.kernels import target
+    seen, real = [], cli.evaluate
+    monkeypatch.setattr(cli, "evaluate", lambda *a, **kw: seen.append((target._references, kw["cuda_graphs"]))
+                        or real(*a, **kw))
+    model = make_tiny_chat_model(tmp_path / "tiny", "qwen2", smollm2_path)
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"question": "What is 2 plus 3?", "answer": "5"}) + "\n")
+    flags = ["--model_path", model, "--task", "calculator", "--data", str(data), "--max_completion_length", "4",
+             "--out", str(tmp_path / "out.jsonl")]
+    main(flags + ["--kernels", "torch", "--cuda_graphs", "false"])
+    main(flags)
+    assert seen == [(True, False), (False, True)] and target._references is False

@@ -19,6 +19,7 @@ import torch
 
 from grpo.cpu import set_autocast
 from grpo.eval import evaluate, run_eval_settings
+from grpo.trainer import kernels_of
 
 
 def _flag(text: str) -> bool:
@@ -60,6 +61,11 @@ def main(argv: list[str] | None = None) -> dict:
                    help="CPU: bf16 matmuls under autocast; auto = where a start-up measurement finds them faster")
     p.add_argument("--tool", choices=["none", "code_interpreter"], default="none",
                    help="math tasks: answer with the sandboxed Python tool (ReTool's env) or without")
+    p.add_argument("--kernels", choices=["auto", "torch"], default="auto",
+                   help="auto = grpo.kernels' Triton kernels on CUDA; torch = their PyTorch references (slower; "
+                        "the way around a kernel that fails on your GPU). --run: the run's own")
+    p.add_argument("--cuda_graphs", type=_flag, default=True, metavar="{true,false}",
+                   help="GPU: decode windows as CUDA graphs; false = eager (slower). --run: the run's own")
     p.add_argument("--out", default=None, help="per-sample JSONL (default: eval_<task>.jsonl)")
     args = p.parse_args(argv)
     if args.run:
@@ -91,9 +97,10 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     n = args.eval_n
     temperature = args.eval_temperature if args.eval_temperature is not None else (0.0 if n == 1 else 1.0)
-    r = evaluate(model, tokenizer, env, examples, n=n, temperature=temperature,
-                 max_tokens=args.max_completion_length, max_turns=args.max_turns,
-                 chat_kwargs={"enable_thinking": bool(args.enable_thinking)})
+    with kernels_of(args):
+        r = evaluate(model, tokenizer, env, examples, n=n, temperature=temperature,
+                     max_tokens=args.max_completion_length, max_turns=args.max_turns,
+                     chat_kwargs={"enable_thinking": bool(args.enable_thinking)}, cuda_graphs=args.cuda_graphs)
     out = write_records(args.out or f"eval_{args.task}.jsonl", r["records"])
     print(f"| task | questions | n | mean@{n} | 95% CI | pass@{n} |")
     print(f"| {args.task} | {r['questions']} | {n} | {r['mean']:.4f} | ± {r['ci95']:.4f} "
@@ -150,7 +157,9 @@ def evaluate_run(run_dir: str, out: str | None = None) -> dict:
     chosen = meta.get("autocast_bf16_chosen")
     setting = getattr(cfg, "autocast_bf16", "false") if chosen is None else chosen
     print(set_autocast(model, setting) + ("" if chosen is None else " (as the run chose)"))
-    r = evaluate(model, AutoTokenizer.from_pretrained(export), env, examples, **run_eval_settings(cfg))
+    with kernels_of(cfg):
+        r = evaluate(model, AutoTokenizer.from_pretrained(export), env, examples, **run_eval_settings(cfg),
+                     cuda_graphs=cfg.cuda_graphs)
     out = write_records(out or os.path.join(run_dir, "eval_rerun.jsonl"), r["records"])
     print(f"| run | questions | n | T | mean@{cfg.eval_n} | 95% CI | pass@{cfg.eval_n} |")
     print(f"| {run_dir} | {r['questions']} | {cfg.eval_n} | {cfg.eval_temperature} | {r['mean']:.4f} | "
