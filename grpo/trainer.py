@@ -10,15 +10,12 @@
    normalizer counted over the whole step, so accumulation and world size never change it.
 4. KL to a reference model only when beta > 0 (off by default, as in DAPO and Dr. GRPO).
 """
-import contextlib
 import dataclasses
 import functools
-import importlib.util
 import math
 import os
 import random
 import time
-import traceback
 
 import torch
 from tqdm import tqdm
@@ -29,7 +26,7 @@ from grpo.checkpoint import Checkpointer, export, note_run, open_run_dir, refuse
 from grpo.config import Config
 from grpo.cpu import measure, set_autocast, set_threads
 from grpo.eval import evaluate, run_eval_settings, summarize
-from grpo.kernels import HAS_TRITON, references
+from grpo.fallback import kernels_of
 from grpo.kv_cache import KVCache
 from grpo.loss import group_advantages, overlong_penalty
 from grpo.metrics import Logger, credit_metrics, rollout_records, step_metrics
@@ -254,31 +251,8 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
     `credit(trajs, advantages, step) -> advantages`: per-token credit on top of the outcome
     advantages ((N,) in, (N,) or (N, C) out), e.g. grpo.process.ProcessCredit.
     `cfg.kernels == "torch"`: every grpo.kernels call in the run takes its PyTorch reference."""
-    try:
-        with kernels_of(cfg):
-            return _train(cfg, env, train_examples, eval_examples, reward_weights, sft_examples, eval_env, credit)
-    except Exception as e:
-        if hint := way_around(e):
-            e.add_note(hint)
-        raise
-
-
-def kernels_of(cfg: Config):
-    """cfg.kernels as a context: inside, "torch" runs every grpo.kernels call on its PyTorch reference."""
-    return references() if cfg.kernels == "torch" else contextlib.nullcontext()
-
-
-def way_around(e: BaseException) -> str | None:
-    """The setting that avoids a failure inside Triton or CUDA graph capture (the GPU-only parts
-    of the rollout engine and the loss), from where the traceback passes; None for any other."""
-    files = [os.path.normpath(f.filename) for f in traceback.extract_tb(e.__traceback__)]
-    inside = lambda where: where is not None and any(f.startswith(where + os.sep) for f in files)  # noqa: E731
-    if inside(HAS_TRITON and os.path.dirname(importlib.util.find_spec("triton").origin)):
-        return ("grpo: this failed inside Triton. --kernels torch runs grpo.kernels' PyTorch references instead "
-                "(slower, the same results); please report it with your GPU, torch and triton versions")
-    if any(f.endswith(os.path.join("torch", "cuda", "graphs.py")) for f in files):
-        return "grpo: this failed capturing a CUDA graph. --cuda_graphs false decodes without graphs (slower)"
-    return None
+    with kernels_of(cfg):  # a failure inside Triton or a graph capture names the way around (grpo/fallback.py)
+        return _train(cfg, env, train_examples, eval_examples, reward_weights, sft_examples, eval_env, credit)
 
 
 def _train(cfg: Config, env, train_examples: list, eval_examples, reward_weights, sft_examples, eval_env,

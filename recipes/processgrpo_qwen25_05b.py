@@ -114,7 +114,8 @@ from grpo.envs.processgrpo import (DEFAULT_WEIGHTS, TRAIN_SOURCES, VALIDATION_SO
 from grpo.model import Transformer
 from grpo.process import ProcessCredit
 from grpo.sampler import Sampler
-from grpo.trainer import kernels_of, train
+from grpo.fallback import kernels_of
+from grpo.trainer import train
 
 CREDITS = ("process", "outcome", "shuffled")
 

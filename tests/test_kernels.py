@@ -60,7 +60,7 @@ def test_bf16_gradient_matmuls_keep_the_forward(lead, H, V, chunk):
     # fp32 inputs, grad_dtype bf16 (the CPU trainer under autocast_bf16): the log-probs are the fp32
     # path's bit for bit; the gradients are bf16 matmuls', within bf16's rounding of float64's
     hidden, weight, labels = make_inputs(lead, H, V, torch.float32)
-    g = torch.randn(lead)
+    g = torch.randn(lead, generator=torch.Generator().manual_seed(1))
     run = lambda dt: grads(lambda h, w, y, T: linear_logprobs(h, w, y, T, backend="torch", chunk_size=chunk,  # noqa: E731
                                                               grad_dtype=dt), hidden, weight, labels, 0.7, g)
     lp32, gh32, gw32 = run(None)

@@ -266,21 +266,27 @@ def test_kernels_torch_and_cuda_graphs_false_reach_the_run(tmp_path, monkeypatch
     assert seen == {"references": False, "cuda_graphs": True}
 
 
-def test_a_failure_inside_triton_or_graph_capture_names_the_way_around(tmp_path):
+def raised_in(filename: str, cause: Exception | None = None) -> Exception:
+    """An exception whose traceback passes through `filename` (raised from `cause`, if given)."""
+    try:
+        exec(compile("raise RuntimeError('out of resources') from cause", filename, "exec"), {"cause": cause})
+    except RuntimeError as e:
+        return e
+
+
+def test_a_failure_inside_triton_or_graph_capture_names_the_way_around(tmp_path, monkeypatch):
     import importlib.util
     import os
-
-    def raised_in(filename: str) -> Exception:  # an exception whose traceback passes through `filename`
-        try:
-            exec(compile("raise RuntimeError('out of resources')", filename, "exec"))
-        except RuntimeError as e:
-            return e
+    from grpo import fallback
+    pytest.importorskip("triton")
     triton_dir = os.path.dirname(importlib.util.find_spec("triton").origin)
-    assert "--kernels torch" in trainer.way_around(raised_in(os.path.join(triton_dir, "runtime", "jit.py")))
+    in_triton = raised_in(os.path.join(triton_dir, "runtime", "jit.py"))
+    assert "--kernels torch" in fallback.way_around(in_triton)
+    assert "--kernels torch" in fallback.way_around(raised_in(str(tmp_path / "ours.py"), cause=in_triton))  # re-raised
     graphs = os.path.join(os.path.dirname(torch.__file__), "cuda", "graphs.py")
-    assert "--cuda_graphs false" in trainer.way_around(raised_in(graphs))
-    assert trainer.way_around(raised_in(str(tmp_path / "recipe.py"))) is None
-    assert trainer.way_around(raised_in(triton_dir + "_not_it/jit.py")) is None  # a sibling folder is not triton's
+    assert "--cuda_graphs false" in fallback.way_around(raised_in(graphs))
+    assert fallback.way_around(raised_in(str(tmp_path / "recipe.py"))) is None
+    assert fallback.way_around(raised_in(triton_dir + "_not_it/jit.py")) is None  # a sibling folder is not triton's
 
     def fails(cfg, device):
         raise raised_in(os.path.join(triton_dir, "compiler", "compiler.py"))
@@ -289,6 +295,12 @@ def test_a_failure_inside_triton_or_graph_capture_names_the_way_around(tmp_path)
         with pytest.raises(RuntimeError, match="out of resources") as info:
             train(toy_config(tmp_path, max_steps=1), ToyEnv(), EXAMPLES, [])
     assert any("--kernels torch" in n for n in info.value.__notes__)
+    # without triton installed, any failure comes out as itself, with no note (and no error of the hint's)
+    monkeypatch.setattr(fallback, "HAS_TRITON", False)
+    assert fallback.way_around(in_triton) is None
+    with pytest.raises(ValueError, match="bad config: num_generations") as info:
+        train(toy_config(tmp_path, max_steps=1, num_generations=1), ToyEnv(), EXAMPLES, [])
+    assert not getattr(info.value, "__notes__", None)
 
 
 def test_micro_batches_respect_the_budget():

@@ -19,7 +19,7 @@ import torch
 
 from grpo.cpu import set_autocast
 from grpo.eval import evaluate, run_eval_settings
-from grpo.trainer import kernels_of
+from grpo.fallback import add_arguments, kernels_of
 
 
 def _flag(text: str) -> bool:
@@ -61,15 +61,12 @@ def main(argv: list[str] | None = None) -> dict:
                    help="CPU: bf16 matmuls under autocast; auto = where a start-up measurement finds them faster")
     p.add_argument("--tool", choices=["none", "code_interpreter"], default="none",
                    help="math tasks: answer with the sandboxed Python tool (ReTool's env) or without")
-    p.add_argument("--kernels", choices=["auto", "torch"], default="auto",
-                   help="auto = grpo.kernels' Triton kernels on CUDA; torch = their PyTorch references (slower; "
-                        "the way around a kernel that fails on your GPU). --run: the run's own")
-    p.add_argument("--cuda_graphs", type=_flag, default=True, metavar="{true,false}",
-                   help="GPU: decode windows as CUDA graphs; false = eager (slower). --run: the run's own")
+    add_arguments(p, _flag, " (--run: the run's own)")
     p.add_argument("--out", default=None, help="per-sample JSONL (default: eval_<task>.jsonl)")
     args = p.parse_args(argv)
     if args.run:
-        return evaluate_run(args.run, args.out)
+        return evaluate_run(args.run, args.out, args.kernels, args.cuda_graphs)
+    args.kernels, args.cuda_graphs = args.kernels or "auto", args.cuda_graphs is not False
     if not (args.model_path and args.task):
         p.error("pass --model_path and --task, or --run")
     if args.data is not None and not args.data.strip():  # not the default data set, silently
@@ -133,12 +130,16 @@ def run_config(run_dir: str):
     return module, cls(**{k: v for k, v in fields.items() if k in known})
 
 
-def evaluate_run(run_dir: str, out: str | None = None) -> dict:
-    """The run's export on the run's eval questions with the run's settings (one process)."""
+def evaluate_run(run_dir: str, out: str | None = None, kernels: str | None = None,
+                 cuda_graphs: bool | None = None) -> dict:
+    """The run's export on the run's eval questions with the run's settings (one process);
+    `kernels`, `cuda_graphs`: in place of the run's, when given."""
     import os
     from transformers import AutoTokenizer
     from grpo.model import Transformer
     module, cfg = run_config(run_dir)
+    cfg.kernels = kernels or getattr(cfg, "kernels", "auto")
+    cfg.cuda_graphs = getattr(cfg, "cuda_graphs", True) if cuda_graphs is None else cuda_graphs
     if not hasattr(module, "eval_setup"):
         raise SystemExit(f"python -m grpo.eval: {module.__file__} defines no eval_setup(cfg): use --task")
     env, examples = module.eval_setup(cfg)

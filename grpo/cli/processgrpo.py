@@ -20,7 +20,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--data", default="multistep:test:100", help="sources as load_sources reads them")
     p.add_argument("--max_completion_length", type=int, default=3072)
     p.add_argument("--out", default="eval_processgrpo.jsonl", help="per-question records")
+    from grpo.cli.eval import _flag
+    from grpo.fallback import add_arguments, kernels_of
+    add_arguments(p, _flag)
     args = p.parse_args(argv)
+    args.kernels = args.kernels or "auto"
     import torch
     from transformers import AutoTokenizer
     from grpo.cpu import set_autocast
@@ -38,8 +42,9 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         model = Transformer.from_pretrained(name, dtype=dtype, device=device).eval()
         print(set_autocast(model, "auto"))
-        r = results[role] = evaluate(model, AutoTokenizer.from_pretrained(name), OneShotMathEnv(), examples,
-                                     max_tokens=args.max_completion_length)
+        with kernels_of(args):
+            r = results[role] = evaluate(model, AutoTokenizer.from_pretrained(name), OneShotMathEnv(), examples,
+                                         max_tokens=args.max_completion_length, cuda_graphs=args.cuda_graphs is not False)
         by_ops = " ".join(f"{k}:{v:.3f}" for k, v in accuracy_by_ops(examples, r["per_question"]).items())
         print(f"{role} {name}: {r['mean']:.4f} ± {r['ci95']:.4f} ({r['questions']} questions) | "
               f"by operation count {by_ops}")
