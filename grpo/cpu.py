@@ -4,9 +4,10 @@ under torch.autocast).
 Only the CPU has the choice: on CUDA the blocks compute in bf16 (FSDP's MixedPrecisionPolicy)
 and this is not asked. A CPU with native bf16 (AVX512-BF16, AMX) runs bf16 matmuls ~2.8-4x
 faster than fp32 (this measurement, on the machines it has run on); one without it (AVX2 only:
-most laptops and many cloud VMs) emulates them, 5-6x slower. The CPU flags alone do not say which a given PyTorch build and machine will do, so
-`autocast_bf16 = "auto"` times a few matmuls of the model's own shapes (well under a second)
-and picks bf16 only where it beats fp32 by `MARGIN`. "true" and "false" force the choice.
+most laptops and many cloud VMs) emulates them, 5-6x slower. The CPU flags alone do not say
+which a given PyTorch build and machine will do, so `autocast_bf16 = "auto"` times a few
+matmuls of the model's own shapes (well under a second) and picks bf16 only where it beats fp32
+by `MARGIN`. "true" and "false" force the choice.
 """
 import os
 import time

@@ -78,7 +78,8 @@ def test_the_model_takes_bf16_gradient_matmuls_under_autocast(monkeypatch, tiny_
     import grpo.kernels
     from grpo.model import Transformer
     seen, real = [], grpo.kernels.linear_logprobs
-    monkeypatch.setattr(grpo.kernels, "linear_logprobs", lambda *a, **kw: seen.append(kw["grad_dtype"]) or real(*a, **kw))
+    monkeypatch.setattr(grpo.kernels, "linear_logprobs",
+                        lambda *a, **kw: seen.append(kw["grad_dtype"]) or real(*a, **kw))
     model = Transformer.from_pretrained(tiny_dir("qwen2")[0])
     ids = torch.randint(0, model.args.vocab_size, (2, 6))
     for on in (False, True):
