@@ -11,9 +11,10 @@ means), labels on the completion only, as the update scores them. Needs llm-smol
 Last line of output: json.dumps(rows).
 """
 import argparse
-import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -21,6 +22,9 @@ import grpo.kernels
 from grpo.cpu import set_autocast
 from grpo.model import Transformer
 from grpo.smollm2 import local_path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from table import print_table  # noqa: E402
 
 
 def main():
@@ -55,18 +59,13 @@ def main():
             logprobs[name] = lp.detach()
     grpo.kernels.linear_logprobs = real
     base = statistics.median(times["fp32"])
-    rows = [{"LM-head gradient matmuls": name, "forward+backward s": round(statistics.median(ts), 2),
-             "vs fp32": round(base / statistics.median(ts), 2)} for name, ts in times.items()]
+    rows = [{"lm_head_grad_matmuls": name, "seconds": statistics.median(ts), "x_fp32": base / statistics.median(ts)}
+            for name, ts in times.items()]
     tokens = int((labels >= 0).sum())
     print(f"{args.rows} rows x {T} tokens, {tokens} scored; CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")
-    print("| LM-head gradient matmuls | forward+backward (median s) | speed vs fp32 |")
-    print("| --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['LM-head gradient matmuls']} | {r['forward+backward s']} | {r['vs fp32']}x |")
-    print(f"log-probs equal in both: {torch.equal(logprobs['fp32'], logprobs['bf16'])}")
-    print(json.dumps(rows))
-
+          f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads; "
+          f"forward + backward, median s; log-probs equal in both: {torch.equal(logprobs['fp32'], logprobs['bf16'])}")
+    print_table(rows, ["lm_head_grad_matmuls", "seconds", "x_fp32"])
 
 if __name__ == "__main__":
     main()

@@ -12,12 +12,13 @@ import os
 import sys
 import traceback
 
+from grpo.config import CHOICES
 from grpo.kernels import HAS_TRITON, references
 
 
 @contextlib.contextmanager
 def kernels_of(cfg):
-    """cfg.kernels ("auto" | "torch") as a context; see the module docstring."""
+    """cfg.kernels as a context ("torch"; "auto" or None: the Triton kernels); see the module docstring."""
     try:
         with references() if cfg.kernels == "torch" else contextlib.nullcontext():
             yield
@@ -52,8 +53,9 @@ def way_around(e: BaseException) -> str | None:
 
 
 def add_arguments(p: argparse.ArgumentParser, flag, default_note: str = ""):
-    """--kernels and --cuda_graphs on a command line (`flag`: its true/false parser)."""
-    p.add_argument("--kernels", choices=["auto", "torch"], default=None,
+    """--kernels and --cuda_graphs on a command line (`flag`: its true/false parser). Unset, they
+    are None: kernels_of takes None as "auto", and a sampler's cuda_graphs is `value is not False`."""
+    p.add_argument("--kernels", choices=CHOICES["kernels"], default=None,
                    help="auto = grpo.kernels' Triton kernels on CUDA; torch = their PyTorch references (slower; "
                         f"the way around a kernel that fails on your GPU); default auto{default_note}")
     p.add_argument("--cuda_graphs", type=flag, default=None, metavar="{true,false}",

@@ -66,7 +66,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.run:
         return evaluate_run(args.run, args.out, args.kernels, args.cuda_graphs)
-    args.kernels, args.cuda_graphs = args.kernels or "auto", args.cuda_graphs is not False
     if not (args.model_path and args.task):
         p.error("pass --model_path and --task, or --run")
     if args.data is not None and not args.data.strip():  # not the default data set, silently
@@ -97,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     with kernels_of(args):
         r = evaluate(model, tokenizer, env, examples, n=n, temperature=temperature,
                      max_tokens=args.max_completion_length, max_turns=args.max_turns,
-                     chat_kwargs={"enable_thinking": bool(args.enable_thinking)}, cuda_graphs=args.cuda_graphs)
+                     chat_kwargs={"enable_thinking": bool(args.enable_thinking)},
+                     cuda_graphs=args.cuda_graphs is not False)
     out = write_records(args.out or f"eval_{args.task}.jsonl", r["records"])
     print(f"| task | questions | n | mean@{n} | 95% CI | pass@{n} |")
     print(f"| {args.task} | {r['questions']} | {n} | {r['mean']:.4f} | ± {r['ci95']:.4f} "

@@ -24,7 +24,6 @@ def main(argv: list[str] | None = None) -> dict:
     from grpo.fallback import add_arguments, kernels_of
     add_arguments(p, _flag)
     args = p.parse_args(argv)
-    args.kernels = args.kernels or "auto"
     import torch
     from transformers import AutoTokenizer
     from grpo.cpu import set_autocast
