@@ -13,8 +13,9 @@ What is covered (on Linux, where `unshare` may make namespaces; the start line s
   (x86_64) allows sockets of AF_UNIX only: no AF_VSOCK (the host's port space), netlink, packet, alg.
 - Files: a mount namespace remounts every mount read-only; /tmp is a private tmpfs (64 MiB), the
   working folder, gone when the call ends; /dev/shm, /run and the trainer's home are covered by empty
-  tmpfs (tokens, caches, agent sockets), with only the Python install's own folders re-bound if they
-  live there (a sys.path entry under home, a checkout, stays hidden). /dev/pts is a devpts instance of
+  tmpfs (tokens, caches, agent sockets), with only the Python install's own folders re-bound (read-only)
+  where they live under one of these or under /tmp (a virtual environment made there); a sys.path
+  entry under home, a checkout, stays hidden. /dev/pts is a devpts instance of
   its own: the ptys of the trainer and of other calls are not there.
 - Processes: a pid namespace (the trainer is invisible) whose init kills every process left when the
   code returns or times out; the trainer kills the worker's process group as a backstop. The OOM killer
@@ -330,7 +331,8 @@ def _private_view(hide: list[str], keep: list[str]) -> tuple[str, list[str]]:
         flags = sum(f for o, f in LOCKED.items() if o in options.split(","))
         total += 1
         ok += _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
-    assert _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777"), "no private /tmp"
+    # the interpreter may live under /tmp (a virtual environment made there): its folders come back
+    assert _cover("/tmp", "size=64m,mode=1777", keep), "no private /tmp"
     # a devpts of its own: the host's lists (and lets the same uid open) the ptys of the trainer and of
     # concurrent calls; /dev/ptmx opens in the devpts mounted beside it (Linux >= 4.7). Without a
     # /dev/pts there are no ptys to reach.
@@ -341,16 +343,25 @@ def _private_view(hide: list[str], keep: list[str]) -> tuple[str, list[str]]:
     for path in hide:
         if not os.path.isdir(path) or os.path.islink(path) or path in keep:
             continue
-        inside = [k for k in keep if k.startswith(path + "/") and os.path.isdir(k)]
-        handles = [os.open(k, os.O_PATH) for k in inside]  # still reachable once the tmpfs covers them
         mode = "1777" if path == "/dev/shm" else "755"  # multiprocessing needs a writable /dev/shm
-        if _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size=16m,mode={mode}"):
+        if _cover(path, f"size=16m,mode={mode}", keep):
             hidden.append(path)
-        for k, fd in zip(inside, handles):
-            os.makedirs(k, exist_ok=True)
-            _mount(f"/proc/self/fd/{fd}", k, None, MS_BIND | MS_REC)  # a bind keeps the read-only flag
     return (f"network, mount, pid, ipc, uts and cgroup namespaces; {ok}/{total} mounts read-only; private "
             f"/tmp 64 MiB{'' if missing else ', private devpts'}; covered: {' '.join(hidden)}"), missing
+
+
+def _cover(path: str, options: str, keep: list[str]) -> bool:
+    """An empty tmpfs over `path`, with the `keep` folders under it bound back in (the interpreter's
+    own, read-only): True when the tmpfs is mounted."""
+    inside = [k for k in keep if k.startswith(path + "/") and os.path.isdir(k)]
+    handles = [os.open(k, os.O_PATH) for k in inside]  # still reachable once the tmpfs covers them
+    covered = _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, options)
+    for k, fd in zip(inside, handles):
+        if covered:
+            os.makedirs(k, exist_ok=True)
+            _mount(f"/proc/self/fd/{fd}", k, None, MS_BIND | MS_REC)  # a bind keeps the read-only flag
+        os.close(fd)
+    return covered
 
 
 # x86_64 numbers of the syscalls the code gets EPERM for: keys (the kernel's keyrings are per uid and

@@ -98,6 +98,8 @@ class Config:
     weight_decay: float = 0.0         # AdamW weight decay
     adam_beta1: float = 0.9           # AdamW beta1
     adam_beta2: float = 0.99          # AdamW beta2
+    adam_epsilon: float = 1e-8        # AdamW epsilon: updates are g / (sqrt(v) + eps), so a gradient far below eps
+                                      # moves its weight by ~lr x g / eps rather than by lr (sign-like)
     warmup_steps: int = 0             # linear warmup, in optimizer steps (num_iterations x steps_per_generation a step)
     lr_scheduler_type: str = "constant"  # after warmup
     max_grad_norm: float = 1.0        # 0 = no clipping
@@ -230,7 +232,7 @@ HELP_GROUPS = {
              "max_refills"),
     "generation": ("temperature", "top_p", "top_k", "min_p", "max_prompt_length", "max_completion_length",
                    "max_turns", "enable_thinking"),
-    "optimization": ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "warmup_steps",
+    "optimization": ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "warmup_steps",
                      "lr_scheduler_type", "max_grad_norm", "sft_steps", "sft_batch", "sft_learning_rate"),
     "logging, eval and checkpoints": ("report_to", "log_completions_steps", "eval_steps", "eval_limit", "eval_n",
                                       "eval_temperature", "eval_max_completion_length", "eval_greedy", "eval_before_limit", "save_steps",

@@ -64,7 +64,7 @@ def warm_start(model, tokenizer, env, examples: list, cfg: Config, device, log):
     its share of every batch, the loss normalized by the batch's token count over all ranks, so
     any world size takes the same steps."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft_learning_rate,
-                                  betas=(cfg.adam_beta1, cfg.adam_beta2))
+                                  betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
     eos = model.eos_token_ids()[0]
     kw = dict(enable_thinking=cfg.enable_thinking)
     rng = random.Random(cfg.seed)  # the same batches on every rank

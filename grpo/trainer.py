@@ -187,8 +187,8 @@ def build(cfg: Config, device) -> tuple:
         ref_model.eval().requires_grad_(False)
         ref_model.autocast_bf16 = model.autocast_bf16
         dist.shard(ref_model, compute_dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate,
-                                  betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
     total_steps = cfg.max_steps * cfg.num_iterations * cfg.steps_per_generation  # optimizer steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
     # the KV cache takes the dtype of the weights it reads (bf16 under FSDP on GPU); sized per

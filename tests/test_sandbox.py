@@ -82,6 +82,23 @@ def test_stdout_then_stderr_and_a_fresh_interpreter(sb):
         assert sb.isolation.startswith("network, mount, pid, ipc, uts and cgroup namespaces"), sb.isolation
 
 
+@needs_ns
+def test_an_interpreter_under_tmp_keeps_its_packages(tmp_path):
+    """A virtual environment made under /tmp (as on a fresh machine): the call's private /tmp must
+    not hide its site-packages, and the rest of the real /tmp stays hidden."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    site = subprocess.run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (tmp_path / "venv" / site.split(str(venv) + "/", 1)[1] / "probe_in_venv.py").write_text("X = 41\n")
+    (tmp_path / "outside.txt").write_text("the trainer's")
+    code = (f"import os\nimport probe_in_venv\nprint(probe_in_venv.X + 1, os.path.exists({str(tmp_path / 'outside.txt')!r}))")
+    script = IMPORT + (f"with Sandbox(workers=1, allow_missing={not SECCOMP}) as box:\n"
+                       f"    print(box.run({code!r}), end='')\n")
+    r = subprocess.run([venv / "bin" / "python", "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.stdout.splitlines()[-1:] == ["42 False"], (r.stdout, r.stderr[-2000:])  # after the start line
+
+
 def test_run_code_default_pool(monkeypatch):
     if not SECCOMP:  # the default refuses where a layer is missing
         monkeypatch.setenv("GRPO_SANDBOX_ALLOW_MISSING", "1")
