@@ -188,8 +188,10 @@ def step_count(config: dict, B: int, layers: int, way: str, arch: int) -> dict:
         launches = stack.enter_context(compile_for(arch))
         if way != "triton":
             stack.enter_context(kernels.references())
-        if way == "model":
-            stack.enter_context(mock.patch.object(sampler_module, "decode", model_decode))
+        if way == "model":  # the model's forward gives logits, and the sampler samples them
+            stack.enter_context(mock.patch.object(sampler_module, "decode_hidden", model_decode))
+            stack.enter_context(mock.patch.object(sampler_module, "sample_hidden",
+                                                  lambda logits, weight, *a: sampler_module.sample(logits, *a)))
         stack.enter_context(mock.patch.object(kernels, "fused_sample", sample_kernel))
         with count:
             decode_step(sampler.weights, sampler.cache, st, SamplingParams(temperature=1.0, stop_token_ids=[]), B,

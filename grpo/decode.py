@@ -94,11 +94,18 @@ def _layout(model) -> tuple:  # (activation dtype, matmul dtype, device) of a de
 
 def decode(w: DecodeWeights, cache, tok: Tensor, pos: Tensor, n: int, span: int,
            backend: str | None = None) -> Tensor:
+    """decode_hidden's rows through the LM head -> logits (n, V), in the LM head's dtype (the
+    sampler samples from the hidden states instead: grpo.sampling.sample_hidden)."""
+    return _linear(decode_hidden(w, cache, tok, pos, n, span, backend), w.lm_head)
+
+
+def decode_hidden(w: DecodeWeights, cache, tok: Tensor, pos: Tensor, n: int, span: int,
+                  backend: str | None = None) -> Tensor:
     """Rows [0, n) of the cache each take one token: tok (n,) at positions pos (n,), attending
-    to cache positions [0, span) up to their own. Their k, v are written at pos. -> logits (n, V),
-    in the LM head's dtype. No host sync, static shapes: a CUDA graph can hold it. `backend`:
-    the kernels' ("triton" on CUDA when importable, else "torch"; tests force "triton" on a CPU
-    under TRITON_INTERPRET)."""
+    to cache positions [0, span) up to their own. Their k, v are written at pos. -> the final
+    norm's output (n, H), what the LM head reads. No host sync, static shapes: a CUDA graph can
+    hold it. `backend`: the kernels' ("triton" on CUDA when importable, else "torch"; tests force
+    "triton" on a CPU under TRITON_INTERPRET)."""
     a = w.args
     kb = "triton" if use_triton(tok, backend, "decode") else "torch"
     slot = torch.arange(n, device=tok.device)
@@ -122,7 +129,7 @@ def decode(w: DecodeWeights, cache, tok: Tensor, pos: Tensor, n: int, span: int,
         y, res = add_rmsnorm(x, res, w.ln2[i], a.norm_eps, backend=kb)
         x = _linear(silu_mul(_linear(y, w.w13[i]), backend=kb), w.w2[i]).to(res.dtype)
     y, _ = add_rmsnorm(x, res, w.norm, a.norm_eps, backend=kb)
-    return _linear(y, w.lm_head)
+    return y
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -148,8 +155,10 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, slot: Tensor, length: Tensor, span:
         return flash_attn_with_kvcache(q[:, None], k[:n], v[:n], cache_seqlens=length, causal=True)[:, 0]
     if kernel == "triton":  # the cache up to span (a view): the kernel splits the keys a row can have, not all S
         return decode_attention(q, k[:, :span], v[:, :span], slot, length, backend="triton")
-    k, v = k[:n, :span], v[:n, :span]
-    # CPU: fp32 attention (its bf16 kernels are the slower ones there; see Attention.forward)
-    y = F.scaled_dot_product_attention(q.float()[:, :, None], k.transpose(1, 2).float(), v.transpose(1, 2).float(),
-                                       attn_mask=bias, enable_gqa=q.shape[1] != k.shape[2])
-    return y[:, :, 0].to(q.dtype)
+    nh, nkv, D = q.shape[1], k.shape[2], q.shape[2]
+    k, v = k[:n, :span].transpose(1, 2), v[:n, :span].transpose(1, 2)  # (n, nkv, span, D): contiguous on CPU
+    # CPU: fp32 attention (its bf16 kernels are the slower ones there; see Attention.forward). The G = nh / nkv
+    # query heads of a KV head are one query block over its keys: one (G, span) score block per row and KV
+    # head, not G single-query ones, and no K/V copies (SDPA's enable_gqa repeats them)
+    y = F.scaled_dot_product_attention(q.float().view(n, nkv, nh // nkv, D), k.float(), v.float(), attn_mask=bias)
+    return y.reshape(n, nh, D).to(q.dtype)

@@ -34,9 +34,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from grpo.decode import DecodeWeights, decode
+from grpo.decode import DecodeWeights, decode_hidden
 from grpo.kv_cache import KVCache
-from grpo.sampling import request_key, sample
+from grpo.sampling import request_key, sample, sample_hidden
 
 
 @dataclass
@@ -128,8 +128,9 @@ def decode_step(weights: DecodeWeights, cache: KVCache, state: _State, params: S
     rows that hit a stop id or their max_tokens. No host sync."""
     st, p, rows = state, params, slice(0, num_slots)
     active, pos = st.active[rows], st.pos[rows]
-    logits = decode(weights, cache, st.tok[rows], pos, num_slots, cache_len)  # (num_slots, V)
-    tok, lp = sample(logits, st.key[rows], st.ntok[rows], p.temperature, p.top_k, p.top_p, p.min_p)
+    y = decode_hidden(weights, cache, st.tok[rows], pos, num_slots, cache_len)  # (num_slots, H)
+    tok, lp = sample_hidden(y, weights.lm_head, st.key[rows], st.ntok[rows], p.temperature, p.top_k, p.top_p,
+                            p.min_p)
     st.out_tok[rows, column], st.out_lp[rows, column], st.out_ok[rows, column] = tok, lp, active
     st.tok[rows] = torch.where(active, tok, st.tok[rows])
     st.pos[rows] += active

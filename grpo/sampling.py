@@ -23,10 +23,11 @@ tokens, without the (B, V) int64 noise buffer).
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 # the hash, one definition for the sampler and for the Triton kernel's reference
-from grpo.kernels.reference import GOLDEN, MASK32, gumbel, mix32  # noqa: F401
+from grpo.kernels.reference import GOLDEN, MASK32, gumbel, mix32, noise_seed  # noqa: F401
 
 from grpo import kernels
 
@@ -88,6 +89,35 @@ def sample(logits: Tensor, key: Tensor, step: Tensor, temperature: float, top_k:
     pieces = [slice(r, r + n) for r in range(0, len(z), n)]
     tokens = torch.cat([_race(z[r], key[r], step[r], None if keep is None else keep[r]) for r in pieces])
     return tokens, z.gather(-1, tokens[:, None])[:, 0] - z.logsumexp(-1)
+
+
+def sample_hidden(hidden: Tensor, weight: Tensor, key: Tensor, step: Tensor, temperature: float, top_k: int = 0,
+                  top_p: float = 1.0, min_p: float = 0.0, chunk: int = 2048) -> tuple[Tensor, Tensor]:
+    """sample(hidden @ weight.T, ...) from the last hidden states (B, H) and the LM head (V, H): the
+    same tokens. On a CPU with no filter set the vocabulary goes `chunk` rows at a time, each chunk's
+    logits, noise, race and log-sum-exp computed while its (B, chunk) block is in cache, so no (B, V)
+    logits exist (SmolLM2, 48 rows, one thread: LM head and sampling 61 ms a step against 80). The
+    race's winner is the best chunk winner (the first on a tie, as argmax); the log-sum-exp combines
+    the chunks', so a log-prob may differ from sample()'s in its last bits, a token never."""
+    filtered = top_k > 0 or top_p < 1.0 or min_p > 0.0
+    if filtered or kernels.gpu(hidden):
+        return sample(F.linear(hidden.to(weight.dtype), weight), key, step, temperature, top_k, top_p, min_p)
+    hidden, V = hidden.to(weight.dtype), weight.shape[0]
+    seed = noise_seed(key, step) if temperature > 0.0 else None
+    best, where, picked, lse = [], [], [], []  # per chunk: (B,) best score, its token, that token's z, lse(z)
+    for start in range(0, V, chunk):
+        z = F.linear(hidden, weight[start:start + chunk]).float()  # (B, c) logits of the chunk
+        if temperature == 0.0:
+            score = z  # greedy: the largest logit; its log-prob at T 1
+        else:
+            z = z / temperature
+            score = gumbel(key, step, z.shape[-1], start, seed).add_(z)  # z_v - log E_v
+        s, v = score.max(-1)
+        best.append(s), where.append(v + start), picked.append(z.gather(-1, v[:, None])[:, 0])
+        lse.append(z.logsumexp(-1))
+    c = torch.stack(best, -1).argmax(-1, keepdim=True)  # (B, 1): the winning chunk
+    tokens = torch.stack(where, -1).gather(-1, c)[:, 0]
+    return tokens, torch.stack(picked, -1).gather(-1, c)[:, 0] - torch.stack(lse, -1).logsumexp(-1)
 
 
 def _fused(logits: Tensor) -> bool:

@@ -42,21 +42,37 @@ def mix32(x):
     return x ^ (x >> 16)
 
 
-def gumbel(key: Tensor, step: Tensor, V: int) -> Tensor:  # (B,), (B,) int64 -> (B, V) fp32
+def gumbel(key: Tensor, step: Tensor, V: int, start: int = 0, seed: Tensor | None = None) -> Tensor:
     """Gumbel noise -log(-log u_v), one u_v per (request key, step, token v), a pure function of
     the three: a 32-bit seed per (key, step), then murmur3's finalizer over seed ^ (Weyl sequence
-    in v), in place: these (B, V) integer passes are the largest part of sampling's cost."""
-    seed = mix32((key >> 32) ^ mix32(key ^ mix32(step * GOLDEN + 0x165667B1)))  # (B,) per request and step
-    x = seed[:, None] ^ (torch.arange(V, device=key.device) * GOLDEN & MASK32)  # (B, V) int64 < 2^32
-    x ^= x >> 16
-    x *= 0x85EBCA6B
-    x &= MASK32
-    x ^= x >> 13
-    x *= 0xC2B2AE35
+    in v), in place: these (B, V) integer passes are the largest part of sampling's cost.
+    (B,), (B,) int64 -> (B, V) fp32. `start`: the noise of tokens [start, start + V) (a chunk of the
+    vocabulary); `seed`: noise_seed(key, step), when the caller has it (once for all chunks).
+    The (B, V) passes run on int32 holding the same 32 bits (multiplication keeps the low 32 bits of
+    the product in either type; a logical shift is an arithmetic one masked): half the bytes of
+    int64, and AVX2 has no 64-bit multiply (same bits: tested)."""
+    seed = noise_seed(key, step) if seed is None else seed
+    weyl = torch.arange(start, start + V, device=seed.device) * GOLDEN & MASK32  # (V,)
+    x = _int32(seed)[:, None] ^ _int32(weyl)  # (B, V) int32: the bits of seed ^ weyl < 2^32
+    x ^= (x >> 16) & 0xFFFF
+    x *= _int32(0x85EBCA6B)
+    x ^= (x >> 13) & 0x7FFFF
+    x *= _int32(0xC2B2AE35)
     x >>= 9  # keep bits 9..31 (the finalizer's last xorshift would change only 9..15: left out)
     x &= 0x7FFFFF
     u = x.float().add_(0.5).mul_(2.0**-23)  # 23 bits, so fp32 holds u exactly: 0 < u < 1, never 1
     return u.log_().neg_().log_().neg_()
+
+
+def noise_seed(key: Tensor, step: Tensor) -> Tensor:  # (B,), (B,) int64 -> (B,) int64 < 2^32
+    """The 32-bit seed of one request's noise at one completion position."""
+    return mix32((key >> 32) ^ mix32(key ^ mix32(step * GOLDEN + 0x165667B1)))
+
+
+def _int32(x):  # values in [0, 2^32) -> int32 with the same bits (two's complement); ints or int64 tensors
+    if isinstance(x, int):
+        return x - (1 << 32) if x >= 1 << 31 else x
+    return torch.where(x >= 1 << 31, x - (1 << 32), x).to(torch.int32)
 
 
 def sample_ref(logits: Tensor, key: Tensor, step: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
@@ -108,7 +124,11 @@ def qkv_rope_write_ref(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v
     if q_norm is not None:  # Qwen3: RMSNorm over each head's channels, before rotary
         q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
     cos, sin = cos.float()[:, None], sin.float()[:, None]       # (B, 1, D/2): every head
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    if q_norm is None:  # q and k heads are neighbours in qkv: one rotary over both (half the ops)
+        qk = _rope(qkv[:, :(n_heads + n_kv_heads) * D].view(B, n_heads + n_kv_heads, D), cos, sin)
+        q, k = qk[:, :n_heads], qk[:, n_heads:]
+    else:
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     k_cache[slot, pos] = k.to(k_cache.dtype)                     # (B, nkv, D) into (slots, S, nkv, D)
     v_cache[slot, pos] = v.to(v_cache.dtype)
     return q

@@ -47,8 +47,10 @@ def test_decode_equals_model_forward(tiny_dir, family):
     prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
     ref, ours, (c0, c1) = _both_ways(model, prompts, steps=6)
     torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(c1.k, c0.k, atol=1e-6, rtol=1e-6)  # the same keys and values written
-    torch.testing.assert_close(c1.v, c0.v, atol=1e-6, rtol=1e-6)
+    # the same keys and values written; a later position's come through earlier layers' attention, whose
+    # fp32 sums the two paths order differently (decode: a G-query block per KV head), as the logits' do
+    torch.testing.assert_close(c1.k, c0.k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(c1.v, c0.v, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])

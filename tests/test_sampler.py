@@ -10,7 +10,7 @@ import transformers
 from grpo.kv_cache import KVCache
 from grpo.model import Transformer
 from grpo.sampler import Sampler, SamplingParams
-from grpo.sampling import filter_mask, gumbel, request_key, sample
+from grpo.sampling import filter_mask, gumbel, request_key, sample, sample_hidden
 
 QUESTIONS = ["Hi", "What is 12 times 7?", "Write a haiku about the sea, the wind and the long winter nights.",
              "Name three prime numbers.", "Tell me a short fact about Paris."]
@@ -156,10 +156,10 @@ def test_seeded_sampling_independent_of_batch(tiny_dir):
 
 
 def _decoded_rows(monkeypatch) -> list[int]:
-    """The batch of every decode step from here on (grpo.sampler.decode wrapped)."""
+    """The batch of every decode step from here on (grpo.sampler.decode_hidden wrapped)."""
     import grpo.sampler as sampler_module
-    rows, inner = [], sampler_module.decode
-    monkeypatch.setattr(sampler_module, "decode", lambda w, cache, tok, pos, n, span: rows.append(n)
+    rows, inner = [], sampler_module.decode_hidden
+    monkeypatch.setattr(sampler_module, "decode_hidden", lambda w, cache, tok, pos, n, span: rows.append(n)
                         or inner(w, cache, tok, pos, n, span))
     return rows
 
@@ -243,6 +243,42 @@ def test_choice_stable_under_logit_noise():
     noisy = logits + 1e-5 * torch.randn(N, V)  # about fp32 matmul rounding at |logits| ~ 10-100
     key, step = torch.arange(N), torch.zeros(N, dtype=torch.int64)
     assert torch.equal(sample(logits, key, step, 1.0)[0], sample(noisy, key, step, 1.0)[0])
+
+
+def test_noise_bits_as_defined_in_int64():
+    """gumbel() runs its integer passes on int32; the bits are murmur3's finalizer on int64 (the
+    definition the Triton kernel implements), at every position of a vocabulary chunk."""
+    from grpo.kernels.reference import GOLDEN, MASK32, mix32
+
+    def int64_definition(key, step, V, start):
+        seed = mix32((key >> 32) ^ mix32(key ^ mix32(step * GOLDEN + 0x165667B1)))
+        x = seed[:, None] ^ (torch.arange(start, start + V) * GOLDEN & MASK32)
+        x = ((x ^ (x >> 16)) * 0x85EBCA6B) & MASK32
+        x = (((x ^ (x >> 13)) * 0xC2B2AE35) & MASK32) >> 9
+        return -(-((x.float() + 0.5) * 2.0**-23).log()).log()
+    g = torch.Generator().manual_seed(3)
+    key = torch.randint(-2**62, 2**62, (33,), generator=g)
+    step = torch.randint(0, 10_000, (33,), generator=g)
+    for V, start in ((4099, 0), (2048, 47_104), (5, 151_931)):
+        assert torch.equal(gumbel(key, step, V, start), int64_definition(key, step, V, start)), (V, start)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_sampling_from_hidden_states_in_chunks(temperature):
+    """sample_hidden (the CPU decode's LM head and race a vocabulary chunk at a time, no (B, V)
+    logits) draws sample()'s tokens from the same logits, with a vocabulary that is not a
+    multiple of the chunk; log-probs to fp32 rounding (the log-sum-exp is combined per chunk)."""
+    g = torch.Generator().manual_seed(4)
+    B, H, V = 19, 24, 1003
+    hidden, weight = torch.randn(B, H, generator=g), torch.randn(V, H, generator=g) / 2
+    key, step = torch.randint(0, 2**62, (B,), generator=g), torch.randint(0, 500, (B,), generator=g)
+    tokens, lp = sample(hidden @ weight.T, key, step, temperature)
+    for chunk in (64, 100, 1003, 4096):
+        t, l = sample_hidden(hidden, weight, key, step, temperature, chunk=chunk)
+        assert torch.equal(t, tokens), chunk
+        torch.testing.assert_close(l, lp, atol=1e-5, rtol=0)
+    filtered = sample_hidden(hidden, weight, key, step, 1.0, top_k=5)  # filters take the full-logits path
+    assert torch.equal(filtered[0], sample(hidden @ weight.T, key, step, 1.0, top_k=5)[0])
 
 
 def test_noise_is_gumbel_and_independent():

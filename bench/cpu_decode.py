@@ -1,0 +1,111 @@
+"""The sampler's CPU decode against this machine's floor, all measured in one process.
+
+    python bench/cpu_decode.py                  # SmolLM2-135M fp32, 48 rows (8 calculator prompts x 6), 160 tokens
+    python bench/cpu_decode.py --threads 1      # one core (the stand-in for a 2-core AVX2 machine on an AVX512 one)
+    python bench/cpu_decode.py --quick          # 16 rows, 32 tokens: checks the script
+
+Three decode rates, in tokens/s, at the same rows:
+- ours: `Sampler.generate` at temperature 1 with no stop (every row makes --new tokens), prefill left
+  out (the time of a 1-token call is subtracted);
+- torch's matmuls alone: a step that does nothing but the decode weights' matmuls (each layer's
+  fused qkv, o, gate|up and down, and the LM head) at these rows: what torch's GEMMs give;
+- the physical floor: the step's FLOPs at the best fp32 GEMM rate measured here (a 1024^3 matmul)
+  or one read of the weights at the measured read bandwidth, whichever is slower.
+Ratios: ours / floor (the goal is >= 0.50) and ours / matmuls. The CPU kind and thread count are printed.
+"""
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from grpo.cpu import matmul_gflops
+from grpo.envs.calculator import SHORT_SYSTEM_PROMPT, CalculatorEnv, generate_questions
+from grpo.model import Transformer
+from grpo.rollout import render_prompt
+from grpo.sampler import Sampler, SamplingParams
+from grpo.smollm2 import local_path
+from table import print_table  # bench/table.py
+
+
+def best(fn, reps: int) -> float:  # min over repeats: a shared machine only ever adds time
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def read_bandwidth(mib: int = 512) -> float:  # bytes/s of summing a buffer far larger than the caches
+    x = torch.ones(mib << 18)  # fp32
+    x.sum()
+    return x.numel() * 4 / best(x.sum, 5)
+
+
+def matmul_step(sampler: Sampler, rows: int, reps: int) -> float:
+    """Seconds of one decode step's weight matmuls alone, at `rows` rows, in the decode copy's dtypes."""
+    w = sampler.weights
+    x = {n: torch.randn(rows, n).to(w.mm_dtype) for n in {w.wqkv.shape[2], w.wo.shape[2], w.w2.shape[2]}}
+    head = torch.randn(rows, w.lm_head.shape[1]).to(w.lm_head.dtype)
+
+    def step():
+        for i in range(w.args.n_layers):
+            for W in (w.wqkv[i], w.wo[i], w.w13[i], w.w2[i]):
+                F.linear(x[W.shape[1]], W)
+        F.linear(head, w.lm_head)
+    step()
+    return best(step, reps)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=0, help="0: torch's default")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--n", type=int, default=6, help="samples per prompt (rows = prompts x n)")
+    ap.add_argument("--new", type=int, default=160, help="tokens each row decodes")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.prompts, args.n, args.new, args.reps = 4, 4, 32, 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+    path = local_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = Transformer.from_pretrained(path, dtype=torch.float32).eval()
+    model.autocast_bf16 = False  # fp32 matmuls: the floor below is fp32's
+    env = CalculatorEnv(system_prompt=SHORT_SYSTEM_PROMPT)
+    prompts = [render_prompt(tok, env.prompt(q))
+               for q in generate_questions(args.prompts, seed=1, split="eval", phrasing="heldout")]
+    rows = args.prompts * args.n
+    sampler = Sampler(model, tok, gen_batch=rows)
+    go = lambda k: sampler.generate(prompts, SamplingParams(n=args.n, temperature=1.0, max_tokens=k,  # noqa: E731
+                                                            stop_token_ids=[], seed=0))
+    go(2)  # warm-up: allocation, first calls
+    t_new, t_one = best(lambda: go(args.new), args.reps), best(lambda: go(1), args.reps)
+    ours = rows * (args.new - 1) / (t_new - t_one)  # the 1-token call: prefill and the first token
+
+    t_mm = matmul_step(sampler, rows, 3)
+    params = sum(t.numel() for t in (sampler.weights.wqkv, sampler.weights.wo, sampler.weights.w13,
+                                     sampler.weights.w2, sampler.weights.lm_head))
+    gemm = matmul_gflops(1024, 1024, 1024, torch.float32, seconds=1.0) * 1e9  # FLOP/s
+    bw = read_bandwidth()
+    t_floor = max(2 * params * rows / gemm, params * 4 / bw)
+    span = max(map(len, prompts)) + args.new
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads; "
+          f"SmolLM2-135M fp32, {rows} rows, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+          f"{args.new} new (keys up to {span}); fp32 GEMM {gemm / 1e9:.0f} GFLOP/s (1024^3), read "
+          f"{bw / 1e9:.1f} GB/s; a step: {2 * params * rows / 1e9:.1f} GFLOP, {params * 4 / 1e6:.0f} MB of weights")
+    table = [dict(threads=torch.get_num_threads(), rows=rows, ours=round(ours, 1), matmuls=round(rows / t_mm, 1),
+                  floor=round(rows / t_floor, 1), ours_ms=round(1e3 * rows / ours, 1), matmuls_ms=round(1e3 * t_mm, 1),
+                  floor_ms=round(1e3 * t_floor, 1), ours_of_floor=round(ours * t_floor / rows, 3),
+                  matmuls_of_floor=round(t_floor / t_mm, 3), ours_of_matmuls=round(ours * t_mm / rows, 3),
+                  capability=torch.backends.cpu.get_cpu_capability())]
+    print_table(table, ["threads", "rows", "ours", "matmuls", "floor", "ours_ms", "matmuls_ms", "floor_ms",
+                        "ours_of_floor", "matmuls_of_floor", "ours_of_matmuls"])
+
+
+if __name__ == "__main__":
+    main()
