@@ -5,7 +5,7 @@ shrunk when the whole run cannot fit, and the stop rule the RL loop asks after e
 RL and the last evals. A probe at start (a few seconds) times the sampler's decode and one
 training forward + backward; each phase is estimated from those rates and its token counts, and
 the phases run so far correct the rest (one factor, measured / estimated). When the plan does not
-fit, the evals shrink, never below MIN_EVAL questions, and the evals after the warm-start and
+fit, the evals shrink, never below `min_eval_questions` (MIN_EVAL by default), and the evals after the warm-start and
 after RL keep the same first questions, so that their comparison stays paired. RL always runs
 at least `min_rl_steps` steps; the plan line says when that takes the run past its budget.
 `time_budget_min` is a limit on RL alone.
@@ -69,13 +69,14 @@ def estimate(cfg, rates: Rates, prompt_len: float, sft_tokens: float, world: int
             "rl_step": rows * (L * rates.decode + cfg.num_iterations * (prompt_len + L) * rates.train)}
 
 
-def fit(left_s: float, per_q: float, per_before_q: float, eval_q: int, before_q: int) -> tuple[int, int]:
+def fit(left_s: float, per_q: float, per_before_q: float, eval_q: int, before_q: int,
+        floor: int = MIN_EVAL) -> tuple[int, int]:
     """(eval questions, before-eval questions): the configured sizes, or both scaled down alike
     until their evals take `left_s` seconds (what the budget leaves after the other phases), never
-    below MIN_EVAL (4 for the before-eval) nor above what was configured."""
+    below `floor` (4 for the before-eval) nor above what was configured."""
     cost = eval_q * per_q + before_q * per_before_q
     scale = min(1.0, max(left_s, 0.0) / cost) if cost > 0 else 1.0
-    return (max(math.floor(scale * eval_q), min(MIN_EVAL, eval_q)),
+    return (max(math.floor(scale * eval_q), min(floor, eval_q)),
             max(math.floor(scale * before_q), min(4, before_q)))
 
 
@@ -97,7 +98,8 @@ class Budget:
         self = cls(cfg, unit, eval_q, before_q)
         if self.budget_s:
             left = self.budget_s - cfg.sft_steps * unit["warm-start"] - cfg.min_rl_steps * unit["rl_step"]
-            self.eval_q, self.before_q = fit(left, self.per_eval_q(), unit["before"], eval_q, before_q)
+            self.eval_q, self.before_q = fit(left, self.per_eval_q(), unit["before"], eval_q, before_q,
+                                             cfg.min_eval_questions)
             if not cfg.eval_before_limit:  # before and after on the same questions: a paired comparison
                 self.before_q = self.eval_q
             self.note(eval_q, before_q)
@@ -126,7 +128,8 @@ class Budget:
             return False
         was = self.eval_q
         left = self.budget_s - spent_s - self.estimate("rl_step", self.cfg.min_rl_steps)
-        self.eval_q = fit(left, self.factor() * self.per_eval_q(), 0.0, self.configured_q, 0)[0]
+        self.eval_q = fit(left, self.factor() * self.per_eval_q(), 0.0, self.configured_q, 0,
+                          self.cfg.min_eval_questions)[0]
         if self.eval_q != was:
             self.shrunk = (f"after the warm-start: evals of {self.eval_q} questions (planned {was}, "
                            f"configured {self.configured_q})")

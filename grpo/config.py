@@ -67,8 +67,9 @@ class Config:
     enable_thinking: bool = True      # passed to the chat template (Qwen3: False = non-thinking mode)
     gen_batch: int = 64               # sampler slots (rows decoded together)
     kv_budget_gb: float = 0.0         # sampler KV-cache budget; 0 = sized from gen_batch
-    keep_kv_cache: bool = True        # GPU: the sampler's cache, state and CUDA graphs stay through the update
-                                      # (graphs captured once per run); false frees them for the update each step
+    keep_kv_cache: bool = True        # GPU: the sampler's cache, state, decode weights and CUDA graphs stay through
+                                      # the update (graphs captured once per run); false frees them for the update
+                                      # each step, as a CPU always does (no graphs to keep)
     cuda_graphs: bool = True          # GPU: each sampler decode window one CUDA graph; false = eager launches (slower)
     kernels: str = "auto"             # auto = grpo.kernels' Triton kernels on CUDA; torch = their PyTorch references
                                       # everywhere (slower; the way around a kernel that fails on your GPU)
@@ -129,6 +130,7 @@ class Config:
     time_budget_min: float = 0.0      # stop RL before a step that would end past this many minutes; 0 = no limit
     run_budget_min: float = 0.0       # ...or past what leaves the run (this process), its last eval included, within this; 0 = none
     min_rl_steps: int = 1             # RL steps run even when run_budget_min is spent (the plan says so at start)
+    min_eval_questions: int = 20      # run_budget_min never shrinks an eval below this many questions
     dist_timeout_min: float = 60.0    # how long a collective waits for the slowest rank (a long rollout)
 
     def check(self):
@@ -173,7 +175,7 @@ class Config:
              "eval_n >= 1, eval_limit >= 0, eval_before_limit >= 0, eval_temperature >= 0")
         need(min(self.sft_steps, self.sft_batch - 1, self.save_steps, self.eval_steps, self.warmup_steps,
                  self.log_completions_steps, self.max_refills, self.time_budget_min, self.run_budget_min,
-                 self.num_threads, self.min_rl_steps) >= 0,
+                 self.num_threads, self.min_rl_steps, self.min_eval_questions) >= 0,
              "step counts, sft_batch, max_refills, num_threads, min_rl_steps and the time budgets must not be negative")
         return self
 
@@ -236,7 +238,8 @@ HELP_GROUPS = {
                      "lr_scheduler_type", "max_grad_norm", "sft_steps", "sft_batch", "sft_learning_rate"),
     "logging, eval and checkpoints": ("report_to", "log_completions_steps", "eval_steps", "eval_limit", "eval_n",
                                       "eval_temperature", "eval_max_completion_length", "eval_greedy", "eval_before_limit", "save_steps",
-                                      "save_total_limit", "time_budget_min", "run_budget_min", "min_rl_steps"),
+                                      "save_total_limit", "time_budget_min", "run_budget_min", "min_rl_steps",
+                                      "min_eval_questions"),
     "hardware": ("dtype", "autocast_bf16", "num_threads", "profile", "gen_batch", "kv_budget_gb",
                  "keep_kv_cache", "cuda_graphs", "kernels", "micro_batch_tokens", "gradient_checkpointing",
                  "share_prompt", "dist_timeout_min"),

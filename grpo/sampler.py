@@ -184,22 +184,27 @@ class Sampler:
         if max_seq_len:
             self._allocate(max_seq_len)
 
-    def _allocate(self, max_seq_len: int):
+    def _allocate(self, max_seq_len: int, rows: int | None = None):
+        """A cache of rows of max_seq_len: gen_batch slots (within the budget), or with eager decode
+        (no graphs to keep) only the `rows` this call has, so that a 48-row call holds 48 rows."""
         slots = self.kv_budget_bytes // KVCache.slot_bytes(self.model.args, max_seq_len, self.dtype)
-        slots = min(self.gen_batch, slots)
+        slots = min(self.gen_batch, slots, self.gen_batch if self.use_graphs or rows is None else rows)
         if slots < 1:
             raise ValueError(f"kv_budget_bytes={self.kv_budget_bytes} holds no row of {max_seq_len} tokens")
-        self.release()  # the graphs read the old cache and state
+        self.release(weights=False)  # the graphs read the old cache and state
         self.cache = KVCache(self.model.args, slots, max_seq_len, self.dtype, self.device)
         self.state = _State(slots, self.window, self.model.args.vocab_size, self.device)
         pin = self.device.type == "cuda"  # page-locked: the copies back overlap the next window
         self.host_out = [[torch.empty(slots, self.window, dtype=t.dtype, pin_memory=pin)
                           for t in (self.state.out_tok, self.state.out_lp, self.state.out_ok)] for _ in range(2)]
 
-    def release(self):
-        """Free the KV cache and the graphs that read it (the trainer's update wants the memory,
-        where it is short); the next call allocates one sized to itself."""
+    def release(self, weights: bool = True):
+        """Free the KV cache, the graphs that read it and the resident decode weights (a second copy
+        of the model: the trainer's update wants the memory, where it is short); the next call
+        allocates a cache sized to itself and copies the weights in again."""
         self.cache, self.state, self.graphs, self.graph_pool = None, None, {}, None
+        if weights:
+            self.weights = None
 
     # ------------------------------------------------------------------------- the loop
 
@@ -266,10 +271,12 @@ class Sampler:
         seed = p.seed if p.seed is not None else int(torch.randint(2**31, ()))
         fits = self.kv_budget_bytes // KVCache.slot_bytes(self.model.args, 1, self.dtype)  # the longest row it holds
         need = min(self.max_positions, fits, max((len(x) for x in prompts), default=0) + p.max_tokens)
-        if self.cache is None or (self.fixed_len is None and self.cache.max_seq_len < need):
+        rows = min(self.gen_batch, len(prompts) * p.n)
+        if self.cache is None or (self.fixed_len is None and self.cache.max_seq_len < need) or (
+                not self.use_graphs and self.cache.slots < rows):
             # sized to this call; grown only if a later one needs more
-            self._allocate(self.fixed_len or min(-(-need // 64) * 64, fits))
-        if not self.weights.matches(self.model):  # autocast_bf16 switched since the last call
+            self._allocate(self.fixed_len or min(-(-need // 64) * 64, fits), rows)
+        if self.weights is None or not self.weights.matches(self.model):  # released, or autocast_bf16 switched
             self.weights, self.graphs, self.graph_pool = DecodeWeights(self.model), {}, None
         self.weights.refresh(self.model)  # this call samples from the weights as they are now
         S, V, n = self.cache.max_seq_len, self.model.args.vocab_size, p.n

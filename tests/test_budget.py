@@ -55,6 +55,8 @@ def test_fit_scales_both_evals_alike_within_bounds():
     assert fit(1e9, 2.0, 10.0, 200, 10) == (200, 10)        # never more than configured
     assert fit(1.0, 2.0, 10.0, 200, 10) == (budget.MIN_EVAL, 4)  # never below the floors
     assert fit(-100.0, 2.0, 10.0, 200, 10) == (budget.MIN_EVAL, 4)
+    assert fit(1.0, 2.0, 10.0, 200, 10, floor=100) == (100, 4)  # min_eval_questions (the CPU recipe's 100)
+    assert fit(250.0, 2.0, 10.0, 200, 10, floor=100) == (100, 5)
     assert fit(1.0, 2.0, 10.0, 12, 3) == (12, 3)             # a floor above the configured size: as configured
 
 

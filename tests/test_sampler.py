@@ -180,6 +180,27 @@ def test_decode_computes_only_live_rows(tiny_dir, monkeypatch):
     assert [c.token_ids for c in out] == [c.token_ids for c in Sampler(model, gen_batch=64).generate(prompts, p)]
 
 
+def test_cpu_cache_sized_to_the_call_and_release_frees_the_weights(tiny_dir):
+    """Eager decode (a CPU) has no graphs to keep, so a call's cache holds its own rows, not
+    gen_batch; it grows for a larger call. release() frees the cache and the decode copy of the
+    weights, and the next call samples the same tokens from fresh ones."""
+    path, _ = tiny_dir("qwen2", vocab_size=1000)
+    model = Transformer.from_pretrained(path)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16]]
+    p = lambda n: SamplingParams(n=n, temperature=1.0, max_tokens=6, stop_token_ids=[], seed=3)  # noqa: E731
+    sampler = Sampler(model, gen_batch=64)
+    first = sampler.generate(prompts[:3], p(2))
+    assert sampler.cache.slots == 6
+    sampler.generate(prompts, p(4))
+    assert sampler.cache.slots == 20
+    sampler.generate(prompts[:3], p(2))
+    assert sampler.cache.slots == 20  # kept: never shrunk within the sampler's life
+    sampler.release()
+    assert sampler.weights is None and sampler.cache is None
+    assert [c.token_ids for c in sampler.generate(prompts[:3], p(2))] == [c.token_ids for c in first]
+    assert Sampler(model, gen_batch=4).generate(prompts[:3], p(2))[5].token_ids == first[5].token_ids
+
+
 def test_batch_buckets(tiny_dir, monkeypatch):
     """buckets=True (what CUDA graphs decode): each step computes the live rows' count rounded up
     to a power of two (capped at the slots), the extra slots idle, and the tokens and log-probs
