@@ -82,7 +82,8 @@ class CalculatorCPU(Config):
     # all right or all wrong (most 1-op and 6-op ones) are left out of the update (a refill pass
     # would double the sampling time of a step)
     max_steps: int = 60
-    min_rl_steps: int = 3             # even where the budget is spent before RL: a run always shows some GRPO
+    min_rl_steps: int = 8             # even where the budget is spent before RL: a run always shows GRPO learn
+    min_eval_questions: int = 100     # the budget never shrinks an eval below 100 questions (+-0.1 at 95%)
     run_budget_min: float = 18.5      # GRPO takes what is left of 18.5 minutes after the other phases and
                                       # the last eval (planned as long as the warm-start's): 19.5 ran to 20.4
                                       # minutes once, its last eval the longer by 1.1 min; 5-8 steps, by the machine
@@ -101,7 +102,8 @@ class CalculatorCPU(Config):
     max_completion_length: int = 224     # gold answers to the eval questions take up to 188 tokens (160 cut 18% of them)
     max_turns: int = 3                # a tool call and the answer take 2; room for one correction
     gen_batch: int = 128              # eval decodes 128 rows at a time; GRPO's 48 completions fit in one wave
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 1024    # on a CPU small micro-batches are faster too (bench/cpu_memory.py, 12 sequences:
+                                      # 4096 tokens 86 s, 6.5 GB peak; 1024: 65 s, 3.2 GB)
     share_prompt: bool = True         # the update computes each group's prompt once (~1/3 of its tokens)
     # eval: held-out expressions worded from the HELDOUT book (no training template), greedy and
     # 1 sample at the training temperature, after the warm-start and after GRPO; the untrained

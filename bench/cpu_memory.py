@@ -1,0 +1,85 @@
+"""Peak resident memory and time of the CPU default's update, by micro-batch size and gradient
+checkpointing, each setting in a fresh process (a process's peak only grows).
+
+    python bench/cpu_memory.py               # SmolLM2-135M fp32, one thread: 28 sequences of 300 + 140 tokens
+    python bench/cpu_memory.py --quick       # 4 sequences: checks the script
+
+One setting's process: the model, AdamW, then one optimizer step over the sequences packed into
+micro-batches of at most `micro_batch_tokens` (the trainer's packing: whole sequences), forward +
+backward on each, then the AdamW step (its two fp32 states exist from then on, as in a run).
+Peak = the process's maximum resident set (ru_maxrss, Linux), with what importing torch costs.
+The recipe's step trains ~27 of its 48 rollouts (flat groups are left out).
+"""
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from table import print_table  # noqa: E402
+
+
+def one(setting: dict) -> dict:
+    import torch
+
+    from grpo.model import Transformer
+    from grpo.smollm2 import local_path
+    torch.set_num_threads(setting["threads"])
+    model = Transformer.from_pretrained(local_path(), dtype=torch.float32)
+    model.activation_checkpointing = setting["checkpointing"]
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    T = setting["prompt"] + setting["completion"]
+    per_mb = max(1, setting["micro_batch_tokens"] // T)  # whole sequences per micro-batch, padded to T
+    g = torch.Generator().manual_seed(0)
+    t = time.perf_counter()
+    for start in range(0, setting["rows"], per_mb):
+        rows = min(per_mb, setting["rows"] - start)
+        ids = torch.randint(0, model.args.vocab_size, (rows, T), generator=g)
+        labels = ids.roll(-1, dims=1)
+        labels[:, :setting["prompt"]] = -100  # the completion is scored
+        model(ids, labels=labels).sum().backward()
+    opt.step()
+    seconds = time.perf_counter() - t
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return {**setting, "seconds": round(seconds, 1), "peak_mib": round(peak_mib)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=28)
+    ap.add_argument("--prompt", type=int, default=300)
+    ap.add_argument("--completion", type=int, default=140)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sizes", default="4096,1024,512", help="micro_batch_tokens to try")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # a child: one setting as JSON
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one(json.loads(args.one))))
+        return
+    if args.quick:
+        args.rows, args.sizes = 4, "1024"
+    settings = [dict(rows=args.rows, prompt=args.prompt, completion=args.completion, threads=args.threads,
+                     micro_batch_tokens=int(m), checkpointing=ckpt)
+                for m in args.sizes.split(",") for ckpt in (False, True)]
+    out = []
+    for s in settings:
+        r = subprocess.run([sys.executable, __file__, "--one", json.dumps(s)], capture_output=True, text=True,
+                           check=True)
+        out.append(json.loads(r.stdout.strip().splitlines()[-1]))
+        print(out[-1], flush=True)
+    base = out[0]["seconds"]
+    for r in out:
+        r["x_time"] = round(r["seconds"] / base, 3)
+    import torch
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}; {args.rows} sequences of "
+          f"{args.prompt} + {args.completion} tokens, {args.threads} thread(s); x_time against the first row")
+    print_table(out, ["micro_batch_tokens", "checkpointing", "seconds", "x_time", "peak_mib"])
+
+
+if __name__ == "__main__":
+    main()
