@@ -6,6 +6,7 @@ rendered in the very token layout a rollout produces (gold_trajectory, with roll
 continuation_ids), packed end to end without padding (pack), and trained on the sampled-looking
 turns only (warm_start).
 """
+import math
 import random
 
 import torch
@@ -58,6 +59,20 @@ def pack(trajs: list, device) -> dict:
     return dict(input_ids=cat("input_ids"), position_ids=positions, labels=cat("labels"), loss_mask=cat("loss_mask"))
 
 
+def _split(trajs: list, sizes: list[int], n: int) -> list[list]:
+    """The trajectories in order, cut into n runs of about equal tokens (some may be empty)."""
+    total, parts, acc = sum(sizes), [[] for _ in range(n)], 0
+    for t, size in zip(trajs, sizes):
+        parts[min(n - 1, acc * n // max(total, 1))].append(t)
+        acc += size
+    return parts
+
+
+def _masked(t, device) -> dict:  # a one-token micro-batch that trains nothing: a rank's turn in the collectives
+    b = pack([t], device)
+    return {k: v[:, :1] for k, v in b.items()} | {"loss_mask": torch.zeros_like(b["loss_mask"][:, :1])}
+
+
 def warm_start(model, tokenizer, env, examples: list, cfg: Config, device, log):
     """Supervised cross-entropy on the sampled-token positions of gold trajectories rendered in
     the rollout layout, so RL starts from a model that knows the tool format. Each rank trains on
@@ -72,13 +87,20 @@ def warm_start(model, tokenizer, env, examples: list, cfg: Config, device, log):
     model.train()
     for step in tqdm(range(cfg.sft_steps), desc="warm-start", disable=not dist.is_main()):
         batch = rng.sample(examples, cfg.sft_batch)[rank * share:(rank + 1) * share]
-        b = pack([gold_trajectory(tokenizer, env, ex, eos, kw) for ex in batch], device)  # (1, sum of lengths)
-        logprobs = model(b["input_ids"], b["position_ids"], labels=b["labels"])
-        tokens = dist.all_sum(b["loss_mask"].sum().item())  # host sync: the global normalizer
-        nll = -(logprobs * b["loss_mask"]).sum()
-        (nll * world / tokens).backward()  # FSDP averages gradients over ranks: scale the local sum by world
+        trajs = [gold_trajectory(tokenizer, env, ex, eos, kw) for ex in batch]
+        # packed micro-batches of up to micro_batch_tokens (the activations of one at a time: a CPU's
+        # peak memory); every rank runs as many (FSDP's collectives pair up), an empty one a masked token
+        sizes = [len(t.prompt_ids) + len(t.completion_ids) for t in trajs]
+        n = int(dist.all_max_floats([math.ceil(sum(sizes) / cfg.micro_batch_tokens)])[0])
+        packs = [pack(part, device) if part else _masked(trajs[0], device) for part in _split(trajs, sizes, n)]
+        tokens = dist.all_sum(sum(b["loss_mask"].sum().item() for b in packs))  # host sync: the global normalizer
+        nll_sum = 0.0
+        for b in packs:  # (1, sum of lengths) each
+            nll = -(model(b["input_ids"], b["position_ids"], labels=b["labels"]) * b["loss_mask"]).sum()
+            (nll * world / tokens).backward()  # FSDP averages gradients over ranks: scale the local sum by world
+            nll_sum += nll.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        log({"sft/loss": dist.all_sum(nll.item()) / tokens}, step)
+        log({"sft/loss": dist.all_sum(nll_sum) / tokens}, step)
     del optimizer

@@ -48,6 +48,30 @@ class GoldToyEnv(ToyEnv):
         return [{"role": "assistant", "content": "w0 w1 w2 w3"}]
 
 
+def test_warm_start_in_micro_batches_takes_the_same_steps(tmp_path, monkeypatch):
+    """The warm-start packs its batch into micro-batches of up to micro_batch_tokens (one at a time
+    in memory) and normalizes by the whole batch's tokens: the weights after its steps are those
+    of one packed forward, to fp32 summation order."""
+    from transformers import AutoTokenizer
+    weights, forwards, inner = [], [], sft.pack
+    for mbt in (4096, 24):  # one pack of the 8 episodes; about one episode each
+        cfg = toy_config(tmp_path, sft_steps=3, sft_batch=8, micro_batch_tokens=mbt, sft_learning_rate=1e-2,
+                         adam_epsilon=1e-5)  # a rounding-noise gradient steps by lr x d / eps, not ~lr (test_dist)
+        model = Transformer.from_pretrained(cfg.model_path)
+        calls = []
+        monkeypatch.setattr(sft, "pack", lambda trajs, device: calls.append(len(trajs)) or inner(trajs, device))
+        sft.warm_start(model, AutoTokenizer.from_pretrained(cfg.model_path), GoldToyEnv(), EXAMPLES, cfg,
+                       torch.device("cpu"), lambda *a: None)
+        weights.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        forwards.append(calls)
+    assert forwards[0] == [8, 8, 8] and len(forwards[1]) > 3 * 3, forwards
+    moved = max((weights[0][k] - Transformer.from_pretrained(cfg.model_path).state_dict()[k]).abs().max()
+                for k in weights[0])
+    assert moved > 1e-3
+    for k in weights[0]:
+        torch.testing.assert_close(weights[1][k], weights[0][k], atol=5e-6, rtol=0, msg=k)  # 9e-7 seen
+
+
 def test_a_resumed_run_does_not_redo_the_warm_start(tmp_path, monkeypatch, capsys):
     kw = dict(sft_steps=2, sft_batch=4, save_steps=5)
     first = train(toy_config(tmp_path, max_steps=0, **kw), GoldToyEnv(), EXAMPLES, EXAMPLES[:8])
