@@ -54,13 +54,15 @@ def test_warm_start_in_micro_batches_takes_the_same_steps(tmp_path, monkeypatch)
     of one packed forward, to fp32 summation order."""
     from transformers import AutoTokenizer
     weights, forwards, inner = [], [], sft.pack
+    uneven = [{"question": " ".join(f"w{j}" for j in range(i, i + 1 + i % 7)), "answer": ""} for i in range(16)]
+    # plain SGD: Adam's first steps are ~lr x sign(gradient), blind to how the micro-batches are weighted
+    monkeypatch.setattr(torch.optim, "AdamW", lambda params, lr, **kw: torch.optim.SGD(params, lr=lr))
     for mbt in (4096, 24):  # one pack of the 8 episodes; about one episode each
-        cfg = toy_config(tmp_path, sft_steps=3, sft_batch=8, micro_batch_tokens=mbt, sft_learning_rate=1e-2,
-                         adam_epsilon=1e-5)  # a rounding-noise gradient steps by lr x d / eps, not ~lr (test_dist)
+        cfg = toy_config(tmp_path, sft_steps=3, sft_batch=8, micro_batch_tokens=mbt, sft_learning_rate=0.5)
         model = Transformer.from_pretrained(cfg.model_path)
         calls = []
         monkeypatch.setattr(sft, "pack", lambda trajs, device: calls.append(len(trajs)) or inner(trajs, device))
-        sft.warm_start(model, AutoTokenizer.from_pretrained(cfg.model_path), GoldToyEnv(), EXAMPLES, cfg,
+        sft.warm_start(model, AutoTokenizer.from_pretrained(cfg.model_path), GoldToyEnv(), uneven, cfg,
                        torch.device("cpu"), lambda *a: None)
         weights.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         forwards.append(calls)
