@@ -111,7 +111,11 @@ def planned_sample(plans: list[list[int]], keys: list[int], obs_len: int, eos: i
     def sample(logits, key, step, *args):
         end = [s in ends.get(k, ()) for k, s in zip(key.tolist(), step.tolist())]  # host sync: CPU bench
         return real(force_eos(logits, torch.tensor(end, device=logits.device), eos), key, step, *args)
-    with mock.patch.object(grpo.sampler, "sample", sample):
+
+    def sample_hidden(hidden, weight, key, step, *args):  # decode steps: the logits, then the rule above
+        return sample(torch.nn.functional.linear(hidden.to(weight.dtype), weight), key, step, *args)
+    with mock.patch.object(grpo.sampler, "sample", sample), \
+            mock.patch.object(grpo.sampler, "sample_hidden", sample_hidden):
         yield
 
 
@@ -121,9 +125,9 @@ def planned_sample(plans: list[list[int]], keys: list[int], obs_len: int, eos: i
 def counting(model):
     """Tokens through prefill forwards (B*T, T > 1) and rows of decode forwards (T == 1): a
     pre-hook on the top module, which sees (B, T) input ids on both sides, and our sampler's
-    decode steps (grpo.decode over its resident weights, not the module: wrapped here)."""
+    decode steps (grpo.decode.decode_hidden over its resident weights, not the module: wrapped here)."""
     import grpo.sampler as sampler_module
-    count, inner = {"prefill": 0, "decode": 0}, sampler_module.decode
+    count, inner = {"prefill": 0, "decode": 0}, sampler_module.decode_hidden
 
     def hook(module, args, kwargs):
         B, T = (args[0] if args else kwargs["input_ids"]).shape
@@ -134,7 +138,7 @@ def counting(model):
         return inner(w, cache, tok, pos, n, span, *rest, **kw)
     handle = model.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        with mock.patch.object(sampler_module, "decode", decode):
+        with mock.patch.object(sampler_module, "decode_hidden", decode):
             yield count
     finally:
         handle.remove()

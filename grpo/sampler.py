@@ -647,8 +647,13 @@ class _Bar:
     """Rows finished (tqdm: rate and ETA) and, every 2 s, the tokens decoded and tokens/s: in one
     call all rows decode together and finish near its end, so the row count alone barely moves."""
     def __init__(self, total: int, enabled: bool):
-        from tqdm import tqdm
-        self.bar = tqdm(total=total, desc="sampling", unit="seq", leave=False) if enabled else None
+        self.bar = None
+        if enabled:  # tqdm imported only for a bar, and none without it: a bare GPU box (bench/gpu_check.py)
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, desc="sampling", unit="seq", leave=False)
+            except ImportError:
+                pass
         self.t0 = self.shown = time.time()
 
     def update(self, k: int):

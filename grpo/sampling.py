@@ -123,7 +123,7 @@ def sample_hidden(hidden: Tensor, weight: Tensor, key: Tensor, step: Tensor, tem
 def _fused(logits: Tensor) -> bool:
     """Sample with the fused kernel? On CUDA when triton imports (said once when it does not:
     the eager path draws the same tokens, but a silent fallback would hide a slow path)."""
-    return kernels.use_triton(logits, None, "sampling")
+    return kernels.use_triton(logits, None, "sampling") and kernels.sampling.kernel_available()
 
 
 def _race(z: Tensor, key: Tensor, step: Tensor, keep: Tensor | None) -> Tensor:  # (b, V) -> (b,) int64

@@ -147,9 +147,26 @@ def loss_options(cfg: Config) -> LossOptions:
 
 
 def progress_bar(total: int):
-    """Rank 0's bar over the update's micro-batches (rows done, tokens/s, ETA), gone when done."""
-    from tqdm import tqdm
-    return tqdm(total=total, desc="update", unit="mb", leave=False, mininterval=2.0, disable=not dist.is_main())
+    """Rank 0's bar over the update's micro-batches (rows done, tokens/s, ETA), gone when done; other
+    ranks, and a bare GPU box without tqdm (bench/gpu_check.py needs torch and triton only), get one
+    that does nothing."""
+    if dist.is_main():
+        try:
+            from tqdm import tqdm
+            return tqdm(total=total, desc="update", unit="mb", leave=False, mininterval=2.0)
+        except ImportError:
+            pass
+    return _NoBar()
+
+
+class _NoBar:  # the calls the update makes on a tqdm bar, doing nothing
+    disable = True
+
+    def update(self, n: int = 1):
+        pass
+
+    def close(self):
+        pass
 
 
 def optimizer_step(model, optimizer, scheduler, cfg: Config) -> tuple[float, bool]:

@@ -26,6 +26,7 @@ Temperature 0: greedy argmax of the logits and the temperature-1 log-prob, as th
 Inference only: no autograd (the sampler's logits carry no graph).
 """
 import struct
+import warnings
 
 import torch
 from torch import Tensor
@@ -33,9 +34,13 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice
 except ImportError:  # CPU-only installs: the torch backend still works
     triton = None
+try:
+    from triton.language.extra import libdevice
+except ImportError:  # a Triton without libdevice: this kernel cannot build, its reference samples (said once)
+    libdevice = None
+HAS_KERNEL = triton is not None and libdevice is not None
 
 from .reference import sample_ref
 from .target import gpu, sm_count, use_triton
@@ -43,7 +48,7 @@ from .target import gpu, sm_count, use_triton
 # -----------------------------------------------------------------------------
 # Triton kernels
 
-if triton is not None:
+if HAS_KERNEL:
     @triton.jit
     def _mix32(x):
         # murmur3's 32-bit finalizer on uint32 (grpo.sampling.mix32); the products wrap mod 2^32
@@ -177,6 +182,18 @@ def _sample_triton(logits: Tensor, key: Tensor, step: Tensor, temperature: float
     return tokens, logprobs
 
 
+def kernel_available() -> bool:  # the GPU would take the kernel: is it there? (said once when not)
+    global _said
+    if not HAS_KERNEL and not _said:
+        warnings.warn("grpo.kernels.fused_sample: triton.language.extra.libdevice is not importable; "
+                      "sampling takes the PyTorch reference (the same tokens, slower)")
+        _said = True
+    return HAS_KERNEL
+
+
+_said = False
+
+
 def fused_sample(logits: Tensor, key: Tensor, step: Tensor, temperature: float,
                  backend: str | None = None) -> tuple[Tensor, Tensor]:
     """grpo.sampling.sample without filters, in one pass over the logits.
@@ -186,7 +203,8 @@ def fused_sample(logits: Tensor, key: Tensor, step: Tensor, temperature: float,
     (temperature 0: greedy, with the temperature-1 log-prob). Inference only (no autograd).
     backend: "triton" | "torch" (kernels.reference.sample_ref) | None (triton on CUDA when importable).
     """
-    backend = "triton" if use_triton(logits, backend, "fused_sample") else "torch"
+    assert backend != "triton" or HAS_KERNEL, "backend='triton' but triton.language.extra.libdevice is not importable"
+    backend = "triton" if use_triton(logits, backend, "fused_sample") and kernel_available() else "torch"
     assert logits.dim() == 2 and key.shape == step.shape == logits.shape[:1], \
         f"{logits.shape=} {key.shape=} {step.shape=}"
     assert temperature >= 0.0, f"{temperature=}"

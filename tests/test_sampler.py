@@ -556,3 +556,19 @@ def test_autocast_casts_each_weight_once_per_call_and_never_a_stale_one(tiny_dir
     fresh.autocast_bf16 = True
     assert [c.token_ids for c in second] == [c.token_ids for c in Sampler(fresh).generate(prompts, p)]
     assert [c.token_ids for c in second] != [c.token_ids for c in first]
+
+
+def test_sampling_and_update_bars_without_tqdm(tiny_dir, monkeypatch):
+    """bench/gpu_check.py runs on a bare GPU box (torch and triton only): with tqdm not importable,
+    a sampler call with progress=True samples as usual and the update's bar does nothing."""
+    import sys
+
+    from grpo.update import progress_bar
+    path, _ = tiny_dir("llama", vocab_size=1000)
+    model = Transformer.from_pretrained(path)
+    p = SamplingParams(n=2, temperature=1.0, max_tokens=5, stop_token_ids=[], seed=1)
+    want = [c.token_ids for c in Sampler(model).generate([[5, 6, 7]], p)]
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm raises ImportError
+    assert [c.token_ids for c in Sampler(model).generate([[5, 6, 7]], p, progress=True)] == want
+    bar = progress_bar(3)
+    assert bar.disable and bar.update(1) is None and bar.close() is None
