@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from grpo.cpu import trim
 from grpo.decode import DecodeWeights, decode_hidden
 from grpo.kv_cache import KVCache
 from grpo.sampling import request_key, sample, sample_hidden
@@ -205,6 +206,8 @@ class Sampler:
         self.cache, self.state, self.graphs, self.graph_pool = None, None, {}, None
         if weights:
             self.weights = None
+        if self.device.type == "cpu":
+            trim()  # the freed cache back to the OS, not kept by the allocator
 
     # ------------------------------------------------------------------------- the loop
 

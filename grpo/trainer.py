@@ -24,7 +24,7 @@ from grpo import dist
 from grpo.budget import make_plan, rl_budget, stop_reason
 from grpo.checkpoint import Checkpointer, export, note_run, open_run_dir, refuse_used_dir, run_meta
 from grpo.config import Config
-from grpo.cpu import measure, set_autocast, set_threads
+from grpo.cpu import measure, set_autocast, set_threads, trim
 from grpo.eval import evaluate, run_eval_settings, summarize
 from grpo.fallback import kernels_of
 from grpo.kv_cache import KVCache
@@ -309,6 +309,8 @@ def _train(cfg: Config, env, train_examples: list, eval_examples, reward_weights
         if cfg.sft_steps > 0:
             t = time.time()
             warm_start(model, tokenizer, env, sft_examples, cfg, device, log)
+            if device.type == "cpu":
+                trim()
             budget.done("warm-start", time.time() - t, cfg.sft_steps)
             if budget.refit(time.time() - t_run):  # the evals shrink further if the phases ran slower
                 dist.print0(budget.line(time.time() - t_run))
@@ -357,6 +359,8 @@ def _train(cfg: Config, env, train_examples: list, eval_examples, reward_weights
         # 3c. mu policy updates
         model.train()
         update = policy_update(model, ref_model, optimizer, scheduler, trajs, advantages, cfg, device, opts)
+        if device.type == "cpu":
+            trim()  # the update's freed activations back to the OS (the allocator kept GBs of them)
         t2, steps_done = time.time(), step + 1
         # 3d. logging (one line per step on rank 0), eval, checkpoints, stops
         metrics = step_metrics(trajs, rewards, advantages, flat_groups(rewards.tolist(), G), update,

@@ -26,7 +26,6 @@ Temperature 0: greedy argmax of the logits and the temperature-1 log-prob, as th
 Inference only: no autograd (the sampler's logits carry no graph).
 """
 import struct
-import warnings
 
 import torch
 from torch import Tensor
@@ -185,8 +184,8 @@ def _sample_triton(logits: Tensor, key: Tensor, step: Tensor, temperature: float
 def kernel_available() -> bool:  # the GPU would take the kernel: is it there? (said once when not)
     global _said
     if not HAS_KERNEL and not _said:
-        warnings.warn("grpo.kernels.fused_sample: triton.language.extra.libdevice is not importable; "
-                      "sampling takes the PyTorch reference (the same tokens, slower)")
+        print("grpo.kernels: triton.language.extra.libdevice is not importable, fused_sample runs its "
+              "PyTorch reference on CUDA (the same tokens, slower)")
         _said = True
     return HAS_KERNEL
 

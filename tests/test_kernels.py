@@ -205,12 +205,10 @@ def test_peak_memory_far_below_naive():
     assert ours - grad_weight < 0.1 * naive, f"workspace {ours - grad_weight:.0f} MiB vs {naive=:.0f} MiB"
 
 
-def test_sampling_without_libdevice_takes_the_reference_and_says_so(monkeypatch):
+def test_sampling_without_libdevice_takes_the_reference_and_says_so(monkeypatch, capsys):
     """A Triton that imports without triton.language.extra.libdevice: the fused sampler cannot
     build, so a GPU's sampling takes the PyTorch reference (the same tokens) with one warning,
     instead of launching a kernel that was never defined (HAS_TRITON alone said yes)."""
-    import warnings
-
     import grpo.sampling
     from grpo.kernels import sampling as ks, target
     from grpo.kernels.reference import sample_ref
@@ -220,11 +218,9 @@ def test_sampling_without_libdevice_takes_the_reference_and_says_so(monkeypatch)
     monkeypatch.setattr(target, "gpu", lambda t: True)  # as if the logits were on a GPU
     g = torch.Generator().manual_seed(0)
     logits, key, step = torch.randn(5, 300, generator=g), torch.arange(5), torch.zeros(5, dtype=torch.int64)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        tokens, lp = grpo.sampling.sample(logits, key, step, 1.0)
-        grpo.sampling.sample(logits, key, step, 1.0)
+    tokens, lp = grpo.sampling.sample(logits, key, step, 1.0)
+    grpo.sampling.sample(logits, key, step, 1.0)
     assert torch.equal(tokens, sample_ref(logits, key, step, 1.0)[0])
-    assert sum("libdevice" in str(w.message) for w in seen) == 1, [str(w.message) for w in seen]
+    assert capsys.readouterr().out.count("libdevice is not importable") == 1
     with pytest.raises(AssertionError, match="libdevice"):
         ks.fused_sample(logits, key, step, 1.0, backend="triton")
