@@ -274,7 +274,7 @@ class Sampler:
         seed = p.seed if p.seed is not None else int(torch.randint(2**31, ()))
         fits = self.kv_budget_bytes // KVCache.slot_bytes(self.model.args, 1, self.dtype)  # the longest row it holds
         need = min(self.max_positions, fits, max((len(x) for x in prompts), default=0) + p.max_tokens)
-        rows = min(self.gen_batch, len(prompts) * p.n)
+        rows = max(1, min(self.gen_batch, len(prompts) * p.n))  # a rank's share may be empty: one slot
         if self.cache is None or (self.fixed_len is None and self.cache.max_seq_len < need) or (
                 not self.use_graphs and self.cache.slots < rows):
             # sized to this call; grown only if a later one needs more

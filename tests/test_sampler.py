@@ -195,6 +195,7 @@ def test_cpu_cache_sized_to_the_call_and_release_frees_the_weights(tiny_dir):
     assert sampler.cache.slots == 20
     sampler.generate(prompts[:3], p(2))
     assert sampler.cache.slots == 20  # kept: never shrunk within the sampler's life
+    assert Sampler(model, gen_batch=64).generate([], p(2)) == []  # a rank whose share is empty
     sampler.release()
     assert sampler.weights is None and sampler.cache is None
     assert [c.token_ids for c in sampler.generate(prompts[:3], p(2))] == [c.token_ids for c in first]
