@@ -148,8 +148,9 @@ def bucket(n: int, slots: int) -> int:
 class Sampler:
     """`max_seq_len`: a fixed cache of rows of that length, allocated now (a longer prompt is
     refused); without it, the first call sizes the cache, and a later one grows it within
-    `kv_budget_bytes` when needed. The cache, the decode state, the decode weights and the CUDA
-    graphs stay for the next call; `release()` frees the cache and the graphs until then.
+    `kv_budget_bytes` when needed (with graphs gen_batch slots; eager, the call's own rows). The
+    cache, the decode state, the decode weights and the CUDA graphs stay for the next call;
+    `release()` frees them until then.
     `buckets`: decode the occupied slots rounded up to a power of two (the graphs' batch sizes;
     default: with graphs), instead of exactly the occupied ones. `pipeline` (default: with graphs):
     launch the next decode window before taking the last one's tokens, so the device does not wait
