@@ -189,8 +189,8 @@ class Sampler:
     def _allocate(self, max_seq_len: int, rows: int | None = None):
         """A cache of rows of max_seq_len: gen_batch slots (within the budget), or with eager decode
         (no graphs to keep) only the `rows` this call has, so that a 48-row call holds 48 rows."""
-        slots = self.kv_budget_bytes // KVCache.slot_bytes(self.model.args, max_seq_len, self.dtype)
-        slots = min(self.gen_batch, slots, self.gen_batch if self.use_graphs or rows is None else rows)
+        wanted = self.gen_batch if self.use_graphs or rows is None else rows  # rows: at most gen_batch
+        slots = min(wanted, self.kv_budget_bytes // KVCache.slot_bytes(self.model.args, max_seq_len, self.dtype))
         if slots < 1:
             raise ValueError(f"kv_budget_bytes={self.kv_budget_bytes} holds no row of {max_seq_len} tokens")
         self.release(weights=False)  # the graphs read the old cache and state
