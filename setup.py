@@ -35,6 +35,7 @@ setup(
         # report_to trackers beside TensorBoard (grpo/report.py); both run offline
         "wandb": ["wandb"],
         "trackio": ["trackio"],
-        "test": ["pytest", "gguf", "accelerate", "pyarrow"],
+        # peft: LoRA's tests load our adapter folders in it (the package never imports it)
+        "test": ["pytest", "gguf", "accelerate", "pyarrow", "peft"],
     },
 )

@@ -1,11 +1,10 @@
 """TRL's GRPOTrainer, in its shape, over grpo.trainer.train: the same run as the recipes.
 
-    from grpo.api import GRPOTrainer
-    from grpo.config import Config
+    from grpo import GRPOTrainer, GRPOConfig
     def correct(prompts, completions, answer, **kwargs):       # written for TRL, unchanged
         return [1.0 if a in c[0]["content"] else 0.0 for c, a in zip(completions, answer)]
     trainer = GRPOTrainer(model="path/to/checkpoint", reward_funcs=[correct],
-                          args=Config(output_dir="runs/mine", max_steps=50), train_dataset=dataset)
+                          args=GRPOConfig(output_dir="runs/mine", max_steps=50), train_dataset=dataset)
     trainer.train()
 
 Datasets: a `datasets.Dataset` or a list of dicts with a `prompt` column, in TRL's standard form
@@ -21,7 +20,10 @@ Where we differ from TRL:
 - eval: `eval_dataset` is scored by the first reward function (mean@k, pass@k with intervals),
   before and after training, not an eval loss;
 - `env`: an env of our own protocol (grpo.trainer.train) for prompts and multi-turn tools
-  (`step`, `stop_strings`); the reward functions then score its episodes.
+  (`step`, `stop_strings`); the reward functions then score its episodes;
+- `peft_config`: a `peft.LoraConfig` (its r, lora_alpha, lora_dropout, target_modules, use_rslora),
+  trained by grpo.lora without peft; the same as the Config fields use_peft, lora_r, ...
+`from grpo import GRPOTrainer, GRPOConfig` works as in TRL (GRPOConfig is grpo.config.Config).
 """
 import dataclasses
 
@@ -81,9 +83,28 @@ def reward_names(funcs: list) -> dict:
     return out
 
 
+def lora_fields(peft_config) -> dict:
+    """A peft.LoraConfig (read by its field names: peft itself is not imported) -> our Config's LoRA
+    fields; None -> none. Options that change the arithmetic of grpo.lora are refused, not ignored."""
+    if peft_config is None:
+        return {}
+    if str(getattr(peft_config, "peft_type", "LORA")).rsplit(".", 1)[-1] != "LORA":
+        raise ValueError(f"peft_config: {type(peft_config).__name__} is not a LoRA config (only LoRA is supported)")
+    from grpo.lora import UNSUPPORTED
+    odd = [f"{k}={getattr(peft_config, k)!r}" for k, default in UNSUPPORTED.items()
+           if getattr(peft_config, k, default) not in (default, None, {}, [])]
+    if odd:
+        raise ValueError(f"peft_config: unsupported LoRA options {', '.join(odd)}")
+    targets = getattr(peft_config, "target_modules", None) or "all-linear"
+    return dict(use_peft=True, lora_r=int(peft_config.r), lora_alpha=peft_config.lora_alpha,
+                lora_dropout=float(peft_config.lora_dropout), use_rslora=bool(getattr(peft_config, "use_rslora", False)),
+                lora_target_modules=targets if isinstance(targets, str) else ",".join(sorted(targets)))
+
+
 class GRPOTrainer:
     def __init__(self, model, reward_funcs=None, args: Config | None = None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, reward_weights: list | None = None, env=None):
+                 eval_dataset=None, processing_class=None, reward_weights: list | None = None, env=None,
+                 peft_config=None):
         if processing_class is not None:
             raise ValueError("processing_class: the tokenizer is the model folder's own; pass None")
         if train_dataset is None:
@@ -92,7 +113,9 @@ class GRPOTrainer:
         self.reward_funcs = reward_names(funcs)
         if not self.reward_funcs and env is None:
             raise ValueError("reward_funcs: pass at least one reward function (or an env that rewards)")
-        self.args = dataclasses.replace(args or Config(), model_path=model_folder_of(model))
+        self.args = dataclasses.replace(args or Config(), model_path=model_folder_of(model),
+                                        **lora_fields(peft_config))
+        self.args.check()
         weights = reward_weights if reward_weights is not None else getattr(self.args, "reward_weights", None)
         if isinstance(weights, str):  # a recipe's comma-separated field
             weights = [float(w) for w in weights.split(",")] if weights.strip() else None

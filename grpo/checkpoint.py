@@ -30,6 +30,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from grpo import dist
 
+# What a checkpoint holds of the model: the trained parameters. Under LoRA that is the adapters (the
+# frozen base is the run's model_path, loaded again on resume); otherwise every weight. Not strict on
+# load: the frozen base is not in the file (DCP still fails on any trained key the file lacks)
+TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
 # Test hook (tests/test_dist.py): the save of this step sleeps between the shard write and
 # the commit (rename), so a test can SIGKILL a save in flight. Unset in real runs.
 HANG_ENV = "GRPO_TEST_HANG_SAVE_AT_STEP"
@@ -58,7 +62,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier interrupted save
             tmp.mkdir(parents=True)
         dist.barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINED)
         with one_process_quiet():
             dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))  # DCP fsyncs its files
         torch.save(_rng_state(), tmp / f"rng_{dist.rank()}.pt")
@@ -112,12 +116,12 @@ class Checkpointer:
             error = None
             try:
                 meta = json.loads((path / "meta.json").read_text())
-                model_sd, optim_sd = get_state_dict(model, optimizer)
+                model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINED)
                 state = {"model": model_sd, "optimizer": optim_sd}
                 with one_process_quiet():
                     dcp.load(state, checkpoint_id=str(path))  # errors reach every rank (DCP gathers them)
                 set_state_dict(model, optimizer, model_state_dict=state["model"],
-                               optim_state_dict=state["optimizer"])
+                               optim_state_dict=state["optimizer"], options=TRAINED)
                 scheduler.load_state_dict(meta["scheduler"])
                 rng_file = path / f"rng_{dist.rank()}.pt"  # absent for new ranks after a change of world size
                 rng = torch.load(rng_file, weights_only=False) if rng_file.exists() else None
@@ -145,10 +149,12 @@ class Checkpointer:
 # a folder holding one of these holds a run (config.json alone: a run that failed before its first
 # log line, e.g. on a wrong model_path; it is overwritten)
 RUN_FILES = ("metrics.jsonl", "checkpoints")
-# what a resumed run must share with the run it continues: the weights it started from, and what
-# decides its data order and groups (a recipe's data fields too, where it has them)
+# what a resumed run must share with the run it continues: the weights it started from (the base and,
+# under LoRA, the adapters' shape and first values), and what decides its data order and groups (a
+# recipe's data fields too, where it has them)
 SAME_RUN_FIELDS = ("model_path", "seed", "prompts_per_step", "num_generations",
-                   "train_data", "question_field", "answer_field")
+                   "train_data", "question_field", "answer_field",
+                   "use_peft", "lora_r", "lora_alpha", "lora_target_modules", "use_rslora", "adapter_path")
 
 
 def refuse_used_dir(out_dir: str) -> None:
@@ -279,12 +285,17 @@ def _remove(path: Path):
     shutil.rmtree(gone, ignore_errors=True)
 
 
-def export(model, path: str, dtype: torch.dtype | None = None):
+def export(model, path: str, dtype: torch.dtype | None = None, adapter_dir: str | None = None,
+           base_model: str = ""):
     """Hugging Face folder (weights, config, tokenizer, chat template, generation_config) that
-    transformers loads. Every rank calls it: under FSDP the full state dict is gathered to rank
-    0's CPU (the other ranks get an empty dict), and rank 0 writes."""
+    transformers loads, LoRA adapters merged in; with `adapter_dir`, the adapters also as a PEFT
+    folder (over `base_model`). Every rank calls it: under FSDP the full state dict is gathered to
+    rank 0's CPU (the other ranks get an empty dict), and rank 0 writes."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.is_main():
+        if adapter_dir is not None:
+            from grpo.lora import save_adapter
+            save_adapter(adapter_dir, state, model.lora, base_model)
         if dtype is not None:
             state = {k: v.to(dtype) for k, v in state.items()}
         model.save_pretrained(path, state_dict=state)

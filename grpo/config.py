@@ -108,6 +108,17 @@ class Config:
     gradient_checkpointing: bool = False  # recompute each block's activations in backward
     share_prompt: bool = False        # update: each prompt computed once for all its completions (CPU,
                                       # G=6: 37% fewer tokens, update 1.14-1.34x; not yet measured on a GPU)
+    # ---- LoRA (TRL's ModelConfig names; off = every weight is trained)
+    use_peft: bool = False            # train LoRA adapters on a frozen base (grpo.lora) instead of every weight; adapters
+                                      # usually want ~10x a full fine-tune's learning_rate
+    lora_r: int = 16                  # the adapters' rank r
+    lora_alpha: int = 32              # the adapters' output scaled by lora_alpha / r (lora_alpha / sqrt(r) with use_rslora)
+    lora_dropout: float = 0.05        # dropout on the adapters' input, in training only
+    lora_target_modules: str = "all-linear"  # comma-separated among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+                                      # down_proj; all-linear = all seven
+    use_rslora: bool = False          # rank-stabilized LoRA (arXiv 2312.03732): scale by lora_alpha / sqrt(r)
+    adapter_path: str = ""            # start from a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors);
+                                      # its r, alpha and modules replace the flags'
     # ---- supervised warm-start (before RL; 0 steps = off)
     sft_steps: int = 0                # supervised steps on the env's gold trajectories before RL
     sft_batch: int = 8                # examples per warm-start step
@@ -173,6 +184,15 @@ class Config:
         need(self.gen_batch >= 1 and self.kv_budget_gb >= 0, "gen_batch >= 1 and kv_budget_gb >= 0")
         need(self.eval_n >= 1 and min(self.eval_limit, self.eval_before_limit, self.eval_temperature) >= 0,
              "eval_n >= 1, eval_limit >= 0, eval_before_limit >= 0, eval_temperature >= 0")
+        need(self.lora_r >= 1 and self.lora_alpha > 0 and 0 <= self.lora_dropout < 1,
+             f"lora_r={self.lora_r} >= 1, lora_alpha={self.lora_alpha} > 0, lora_dropout={self.lora_dropout} in [0, 1)")
+        need(not self.adapter_path or self.use_peft, f"adapter_path={self.adapter_path!r} needs --use_peft")
+        if self.use_peft:
+            from grpo.lora import parse_targets
+            try:
+                parse_targets(self.lora_target_modules)
+            except ValueError as e:
+                need(False, str(e))
         need(min(self.sft_steps, self.sft_batch - 1, self.save_steps, self.eval_steps, self.warmup_steps,
                  self.log_completions_steps, self.max_refills, self.time_budget_min, self.run_budget_min,
                  self.num_threads, self.min_rl_steps, self.min_eval_questions) >= 0,
@@ -197,9 +217,11 @@ TRL_NAMES = {
     "vllm_importance_sampling_correction": "always on: truncated importance sampling against the sampler's "
                                            "log-probs, capped by --tis_cap (0 = off)",
     "vllm_importance_sampling_cap": "use --tis_cap",
-    "use_peft": "not supported: full fine-tuning only (FSDP shards the weights and optimizer state)",
-    "peft_config": "not supported: full fine-tuning only",
-    "lora_r": "not supported: full fine-tuning only",
+    "peft_config": "in Python GRPOTrainer(peft_config=peft.LoraConfig(...)); on the command line --use_peft with "
+                   "--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules, --use_rslora",
+    "use_dora": "not supported: LoRA only (--use_peft)",
+    "load_in_4bit": "not supported: the frozen base is bf16 on a GPU, fp32 on a CPU",
+    "load_in_8bit": "not supported: the frozen base is bf16 on a GPU, fp32 on a CPU",
     "use_liger_loss": "not needed: the log-probs and the loss are fused Triton kernels on CUDA",
     "use_liger_kernel": "not needed: the log-probs and the loss are fused Triton kernels on CUDA",
     "num_train_epochs": "use --max_steps (one epoch = number of prompts / prompts_per_step steps)",
@@ -236,6 +258,7 @@ HELP_GROUPS = {
                    "max_turns", "enable_thinking"),
     "optimization": ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "warmup_steps",
                      "lr_scheduler_type", "max_grad_norm", "sft_steps", "sft_batch", "sft_learning_rate"),
+    "LoRA": ("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "use_rslora", "adapter_path"),
     "logging, eval and checkpoints": ("report_to", "log_completions_steps", "eval_steps", "eval_limit", "eval_n",
                                       "eval_temperature", "eval_max_completion_length", "eval_greedy", "eval_before_limit", "save_steps",
                                       "save_total_limit", "time_budget_min", "run_budget_min", "min_rl_steps",

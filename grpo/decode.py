@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from grpo.kernels import add_rmsnorm, decode_attention, qkv_rope_write, silu_mul, use_triton
+from grpo.lora import effective_weight
 
 try:  # optional: flash-attn's KV-cache kernel, where installed (CUDA)
     from flash_attn import flash_attn_with_kvcache
@@ -63,19 +64,21 @@ class DecodeWeights:
         """Copy the model's current weights in (casting to this copy's dtypes): after an optimizer
         step the next decode reads the new ones. Always a full copy: a version counter would miss
         writes through .data, and under FSDP2 the gathered tensors are new in every call (a 0.5B
-        model in bf16 is 1 GB: ~0.3 ms on an H200; SmolLM2-135M on 2 CPU cores ~0.1 s a call)."""
+        model in bf16 is 1 GB: ~0.3 ms on an H200; SmolLM2-135M on 2 CPU cores ~0.1 s a call). Under
+        LoRA (grpo/lora.py) each adapted weight is merged on the way in, W + s B A: the sampler samples
+        from the adapted model with no other step."""
         a = self.args
         qd, kd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
         for i, b in enumerate(model.layers):
             at, mlp = b.self_attn, b.mlp
             for w, lo, hi in ((at.q_proj, 0, qd), (at.k_proj, qd, qd + kd), (at.v_proj, qd + kd, qd + 2 * kd)):
-                self.wqkv[i, lo:hi].copy_(w.weight)
+                self.wqkv[i, lo:hi].copy_(effective_weight(w))
                 if self.bqkv is not None:
                     self.bqkv[i, lo:hi].copy_(w.bias)
-            self.wo[i].copy_(at.o_proj.weight)
-            self.w13[i, : a.ffn_dim].copy_(mlp.gate_proj.weight)
-            self.w13[i, a.ffn_dim:].copy_(mlp.up_proj.weight)
-            self.w2[i].copy_(mlp.down_proj.weight)
+            self.wo[i].copy_(effective_weight(at.o_proj))
+            self.w13[i, : a.ffn_dim].copy_(effective_weight(mlp.gate_proj))
+            self.w13[i, a.ffn_dim:].copy_(effective_weight(mlp.up_proj))
+            self.w2[i].copy_(effective_weight(mlp.down_proj))
             self.ln1[i].copy_(b.input_layernorm.weight)
             self.ln2[i].copy_(b.post_attention_layernorm.weight)
             if self.q_norm is not None:

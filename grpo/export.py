@@ -1,11 +1,14 @@
-"""Any saved checkpoint as a Hugging Face folder that `transformers` loads.
+"""Any saved checkpoint as a Hugging Face folder that `transformers` loads, or as a PEFT adapter.
 
     python -m grpo.export runs/NAME/checkpoints/step_000040 OUT_DIR [--model_path BASE] [--push_to_hub REPO]
+    python -m grpo.export runs/NAME/checkpoints/step_000040 OUT_DIR --adapter      # a LoRA run's adapters
 
 A checkpoint (grpo/checkpoint.py) holds the trained weights and the optimizer as DCP shards;
 the architecture, tokenizer and chat template come from the base model the run started from:
-`--model_path`, or the run's own `config.json` (two folders up from the checkpoint). Only the
-model's entries are read, into fp32 weights on the CPU, whatever world size wrote them.
+`--model_path`, or the run's own `config.json` (two folders up from the checkpoint), which also
+says whether the run trained LoRA adapters (their settings). Only the model's entries are read,
+into fp32 weights on the CPU, whatever world size wrote them. A LoRA run's export is the merged
+model (W + s B A), or with `--adapter` a PEFT folder that `peft.PeftModel.from_pretrained` loads.
 """
 import argparse
 import json
@@ -15,32 +18,47 @@ from pathlib import Path
 import torch
 
 
+def run_config(checkpoint: Path) -> dict:
+    """OUTPUT_DIR/config.json beside OUTPUT_DIR/checkpoints/step_N ({} when there is none)."""
+    config = checkpoint.resolve().parents[1] / "config.json"
+    if not config.exists():
+        return {}
+    try:
+        return json.loads(config.read_text())
+    except ValueError as e:
+        raise SystemExit(f"error: {config}: not valid JSON ({e})") from None
+
+
 def base_model_path(checkpoint: Path) -> str:
     """The run's model_path, from OUTPUT_DIR/config.json beside OUTPUT_DIR/checkpoints/step_N."""
     config = checkpoint.resolve().parents[1] / "config.json"
     if not config.exists():
         raise SystemExit(f"error: {config} not found: pass --model_path (the model the run started from)")
-    try:
-        return json.loads(config.read_text())["model_path"]
-    except (ValueError, KeyError) as e:
-        raise SystemExit(f"error: {config}: no readable model_path ({type(e).__name__}); "
-                         "pass --model_path") from None
+    path = run_config(checkpoint).get("model_path")
+    if not path:
+        raise SystemExit(f"error: {config}: no model_path; pass --model_path")
+    return path
 
 
-def load_checkpoint(checkpoint: str, model_path: str, dtype: torch.dtype = torch.float32):
-    """A Transformer built from `model_path`'s config with the checkpoint's weights."""
+def load_checkpoint(checkpoint: str, model_path: str, dtype: torch.dtype = torch.float32, lora=None):
+    """A Transformer built from `model_path`'s config with the checkpoint's weights; `lora`
+    (grpo.lora.LoraSettings): the run trained adapters, read into a model that has them."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+    from grpo.checkpoint import TRAINED
+    from grpo.lora import add_lora
     from grpo.model import Transformer
     path = Path(checkpoint)
     if not (path / ".metadata").exists():
         raise SystemExit(f"error: {path} is not a complete checkpoint (no .metadata): pass a "
                          "runs/NAME/checkpoints/step_NNNNNN folder")
     model = Transformer.from_pretrained(model_path, dtype=dtype, device="cpu")
-    state = {"model": get_model_state_dict(model)}
+    if lora is not None:
+        add_lora(model, lora)
+    state = {"model": get_model_state_dict(model, options=TRAINED)}  # the adapters only, under LoRA
     dcp.load(state, checkpoint_id=str(path))       # reads only the keys asked for: no optimizer state
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=TRAINED)
     return model
 
 
@@ -50,14 +68,26 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("out_dir", help="the Hugging Face folder to write")
     p.add_argument("--model_path", help="the base model (default: model_path in the run's config.json)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights on disk")
+    p.add_argument("--adapter", action="store_true",
+                   help="a LoRA run: write its adapters as a PEFT folder instead of the merged model")
     p.add_argument("--push_to_hub", metavar="REPO",
                    help="then upload the folder (needs huggingface_hub and a login)")
     args = p.parse_args(argv)
     checkpoint = Path(args.checkpoint)
-    model = load_checkpoint(args.checkpoint, args.model_path or base_model_path(checkpoint))
-    model.save_pretrained(args.out_dir, state_dict={k: v.to(getattr(torch, args.dtype))
-                                                    for k, v in model.state_dict().items()})
-    print(f"export: {checkpoint} -> {args.out_dir}")
+    run = run_config(checkpoint)
+    from grpo.lora import save_adapter, settings_of
+    lora = settings_of(argparse.Namespace(**run)) if run.get("use_peft") else None
+    if args.adapter and lora is None:
+        raise SystemExit(f"error: --adapter: {checkpoint} is from a run without LoRA (its config.json has no "
+                         "use_peft): export the model without --adapter")
+    base = args.model_path or base_model_path(checkpoint)
+    model = load_checkpoint(args.checkpoint, base, lora=lora)
+    if args.adapter:
+        save_adapter(args.out_dir, model.state_dict(), lora, base)
+    else:
+        model.save_pretrained(args.out_dir, state_dict={k: v.to(getattr(torch, args.dtype))
+                                                        for k, v in model.state_dict().items()})
+    print(f"export: {checkpoint} -> {args.out_dir}" + (" (PEFT adapter)" if args.adapter else ""))
     if args.push_to_hub:
         try:
             from huggingface_hub import HfApi

@@ -269,6 +269,7 @@ class Transformer(nn.Module):
         # precision (the LM head's two gradient matmuls take bf16); on CPUs with AVX512-BF16 a bf16
         # matmul runs ~2.8-4x the fp32 one (grpo/cpu.py)
         self.autocast_bf16 = False
+        self.lora = None  # grpo.lora.LoraSettings once add_lora gave the blocks adapters
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, *, labels: Tensor | None = None,
                 temperature: float = 1.0, cache=None, output_index: Tensor | None = None,
@@ -381,11 +382,15 @@ class Transformer(nn.Module):
     def save_pretrained(self, path: str, state_dict: dict | None = None, max_shard_bytes: int = 4 << 30):
         """Write config.json, safetensors (sharded above `max_shard_bytes`), generation_config and the
         tokenizer files of the folder we came from, so that transformers loads the result.
-        `state_dict`: a full (unsharded) state dict, as gathered under FSDP; default ours."""
+        `state_dict`: a full (unsharded) state dict, as gathered under FSDP; default ours. LoRA adapters
+        are merged into the weights they adapt."""
         from safetensors.torch import save_file
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = state_dict if state_dict is not None else self.state_dict()
+        if self.lora is not None:  # adapters merged: transformers loads a plain model (grpo.lora.save_adapter: PEFT's)
+            from grpo.lora import merged_state
+            state = merged_state(state, self.lora)
         state = {"model." + k if k != "lm_head.weight" else k: v.detach().contiguous()
                  for k, v in state.items()
                  if not (k == "lm_head.weight" and self.args.tie_embeddings) and k != "inv_freq"}

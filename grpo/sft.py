@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from grpo import dist
 from grpo.config import Config
+from grpo.lora import trainable
 from grpo.rollout import Trajectory, continuation_ids, render_prompt
 from grpo.update import collate
 
@@ -78,7 +79,8 @@ def warm_start(model, tokenizer, env, examples: list, cfg: Config, device, log):
     the rollout layout, so RL starts from a model that knows the tool format. Each rank trains on
     its share of every batch, the loss normalized by the batch's token count over all ranks, so
     any world size takes the same steps."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft_learning_rate,
+    params = trainable(model)  # the adapters under LoRA
+    optimizer = torch.optim.AdamW(params, lr=cfg.sft_learning_rate,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
     eos = model.eos_token_ids()[0]
     kw = dict(enable_thinking=cfg.enable_thinking)
@@ -99,7 +101,7 @@ def warm_start(model, tokenizer, env, examples: list, cfg: Config, device, log):
             nll = -(model(b["input_ids"], b["position_ids"], labels=b["labels"]) * b["loss_mask"]).sum()
             (nll * world / tokens).backward()  # FSDP averages gradients over ranks: scale the local sum by world
             nll_sum += nll.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         log({"sft/loss": dist.all_sum(nll_sum) / tokens}, step)

@@ -28,6 +28,7 @@ from grpo.cpu import measure, set_autocast, set_threads, trim
 from grpo.eval import evaluate, run_eval_settings, summarize
 from grpo.fallback import kernels_of
 from grpo.kv_cache import KVCache
+from grpo.lora import BaseModel, add_lora, load_adapter, read_adapter, save_adapter, settings_of, trainable
 from grpo.loss import group_advantages, overlong_penalty
 from grpo.metrics import Logger, credit_metrics, rollout_records, step_metrics
 from grpo.model import Transformer, _local_or_hub
@@ -136,6 +137,10 @@ def check_inputs(cfg: Config, env, train_examples: list, sft_examples: list):
                          f"{world} (each rank samples prompts_per_step / world size prompts)")
     if cfg.dist_timeout_min <= 0:
         raise ValueError(f"dist_timeout_min={cfg.dist_timeout_min} must be > 0")
+    if cfg.adapter_path:  # the adapter's own shape wins over the flags (recorded in config.json as used)
+        lora, _ = read_adapter(cfg.adapter_path)
+        cfg.lora_r, cfg.lora_alpha, cfg.use_rslora = lora.r, lora.alpha, lora.rslora
+        cfg.lora_target_modules = ",".join(lora.targets)
     if cfg.sft_steps > 0:
         if not hasattr(env, "gold_messages"):
             raise ValueError(f"sft_steps={cfg.sft_steps}: the warm-start needs env.gold_messages(example), "
@@ -174,7 +179,16 @@ def build(cfg: Config, device) -> tuple:
     threads = set_threads(cfg.num_threads) if device.type == "cpu" else torch.get_num_threads()
     dist.print0(f"grpo | {cfg.model_path} | world {dist.world_size()} | {compute_dtype} | {threads} threads | "
                 f"{cfg.max_steps} steps x {cfg.prompts_per_step} prompts x G={cfg.num_generations}")
-    model = Transformer.from_pretrained(path, dtype=torch.float32, device=device)
+    # fp32 master weights; under LoRA only the adapters are trained, and the frozen base stays in the compute
+    # dtype (bf16 on a GPU: a 3B base is 6 GB, not 6 + 12 of master copy and 24 of Adam)
+    model = Transformer.from_pretrained(path, dtype=compute_dtype if cfg.use_peft else torch.float32, device=device)
+    if cfg.use_peft:
+        add_lora(model, settings_of(cfg), seed=cfg.seed)
+        if cfg.adapter_path:
+            load_adapter(model, read_adapter(cfg.adapter_path)[1], cfg.adapter_path)
+        n = sum(p.numel() for p in trainable(model))
+        dist.print0(f"LoRA: r {cfg.lora_r}, alpha {cfg.lora_alpha} on {cfg.lora_target_modules}: {n / 1e6:.2f}M "
+                    f"trainable parameters ({n / sum(p.numel() for p in model.parameters()):.2%})")
     model.activation_checkpointing = cfg.gradient_checkpointing
     # the sampler and the evals run this same model; rank 0's measurement decides for every rank
     rates = lambda: dist.broadcast(measure(model.args.dim, model.args.ffn_dim) if dist.is_main() else None)  # noqa: E731
@@ -182,12 +196,14 @@ def build(cfg: Config, device) -> tuple:
     dist.on_rank0(note_run, cfg.output_dir, {"autocast_bf16_chosen": model.autocast_bf16})
     dist.shard(model, compute_dtype)
     ref_model = None
-    if cfg.beta > 0:
+    if cfg.beta > 0 and cfg.use_peft:  # the reference is the frozen base: the same model, adapters off
+        ref_model = BaseModel(model)
+    elif cfg.beta > 0:
         ref_model = Transformer.from_pretrained(path, dtype=torch.float32, device=device)
         ref_model.eval().requires_grad_(False)
         ref_model.autocast_bf16 = model.autocast_bf16
         dist.shard(ref_model, compute_dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+    optimizer = torch.optim.AdamW(trainable(model), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
     total_steps = cfg.max_steps * cfg.num_iterations * cfg.steps_per_generation  # optimizer steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
@@ -393,8 +409,10 @@ def _train(cfg: Config, env, train_examples: list, eval_examples, reward_weights
     # ---- 4. eval after, export (not after SIGTERM: the job is being stopped, the checkpoint is what counts)
     if not stop:
         run_eval("after", steps_done)
-        if cfg.export:
-            export(model, os.path.join(cfg.output_dir, "export"))
+        if cfg.export:  # merged weights (transformers loads them); under LoRA also the adapters (PEFT loads them)
+            export(model, os.path.join(cfg.output_dir, "export"),
+                   adapter_dir=os.path.join(cfg.output_dir, "adapter") if cfg.use_peft else None,
+                   base_model=cfg.model_path)
     if dist.is_main():  # before -> after with intervals, the paired gain, the export: printed and summary.json
         write_summary(cfg.output_dir, results, steps_done, time.time() - t_run,
                       os.path.join(cfg.output_dir, "export") if cfg.export and not stop else None)

@@ -176,6 +176,24 @@ def test_two_ranks_with_uneven_updates_match_one_process(toy, tmp_path):
     assert [r.get("update/sequences") for r in m1] == [r.get("update/sequences") for r in m2]
 
 
+def test_lora_two_ranks_match_one_process_and_resume_bitwise(toy, tmp_path):
+    """LoRA under FSDP2: blocks whose base is frozen and whose adapters train (only theirs are
+    reduced), the KL reference as the base with adapters off (TRAIN's beta > 0). Two ranks against one
+    process without dropout (its masks depend on how rows fall on ranks); then with dropout, 2 steps,
+    SIGTERM, resume from a checkpoint that holds the adapters only, 2 steps: bitwise the straight run."""
+    lora = dict(model_path=toy, use_peft=True, lora_r=4, lora_alpha=16)  # TRAIN's lr: the tolerance holds (s = 4)
+    launch(1, tmp_path / "one", **lora, lora_dropout=0.0)
+    launch(2, tmp_path / "two", **lora, lora_dropout=0.0)
+    assert_same_training(weights(tmp_path / "one"), weights(tmp_path / "two"), toy)
+    launch(1, tmp_path / "straight", **lora)
+    log = launch(1, tmp_path / "resumed", **lora, sigterm_at_step=2)
+    assert "SIGTERM: checkpoint written at step 2" in log
+    launch(1, tmp_path / "resumed", **lora, resume=True)
+    assert_bitwise(tmp_path / "straight", tmp_path / "resumed")
+    with pytest.raises(AssertionError, match="lora_r: 4 there, 8 now"):  # a resume keeps the adapters' shape
+        launch(1, tmp_path / "resumed", **(lora | {"lora_r": 8}), resume=True)
+
+
 def test_exports_from_two_ranks_load_in_transformers(straight, tied):
     import transformers
     (two, _) = straight(2)

@@ -145,7 +145,8 @@ def test_reward_funcs_take_modules_files_and_paths(tmp_path, monkeypatch):
     (["--generation_batch_size", "8"], "use --prompts_per_step"),
     (["--gradient_accumulation_steps=2"], "--micro_batch_tokens"),
     (["--use_vllm"], "not needed: the sampler runs on the training weights"),
-    (["--use_peft"], "full fine-tuning only"),
+    (["--peft_config=x"], r"GRPOTrainer\(peft_config=peft.LoraConfig"),
+    (["--use_dora"], "LoRA only"),
     (["--num_generation=4"], r"did you mean --num_generations"),
 ])
 def test_trl_names_say_what_to_use(argv, message):
@@ -184,7 +185,7 @@ def test_help_is_grouped_with_required_fields_first(capsys, monkeypatch):
     print_help(module.CustomTask)
     text = capsys.readouterr().out
     heads = [line for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
-    assert heads == ["required:", "model and data:", "GRPO:", "generation:", "optimization:",
+    assert heads == ["required:", "model and data:", "GRPO:", "generation:", "optimization:", "LoRA:",
                      "logging, eval and checkpoints:", "hardware:"]
     required = text.split("required:")[1].split("model and data:")[0]
     for name in ("model_path", "train_data", "reward_funcs"):

@@ -1,0 +1,230 @@
+"""LoRA (Hu et al., arXiv 2106.09685): low-rank adapters trained on a frozen base.
+
+    settings = LoraSettings(r=16, alpha=32, dropout=0.05)
+    add_lora(model, settings)           # the chosen linear layers of every block gain adapters
+
+Each chosen nn.Linear becomes a LoRALinear that holds the same weight and bias tensors under the
+same names (checkpoints and transformers' keys are unchanged) and two small matrices:
+    y = x W^T + b + s * dropout(x) A^T B^T      A (r, in), B (out, r), s = alpha / r
+(rsLoRA, arXiv 2312.03732: s = alpha / sqrt(r)). B starts at zero, so the adapted model starts
+exactly equal to the base; A starts as PEFT initialises it (Kaiming-uniform, a = sqrt(5)). Every
+other weight is frozen: no gradient, no optimizer state, and under FSDP only the adapters'
+gradients are reduced.
+
+The sampler needs no extra step: its resident decode copy (grpo/decode.py) is refreshed at the
+start of every call from `effective_weight`, W + s B A, merged once there. The KL reference
+(beta > 0) is the base itself with the adapters switched off (`BaseModel`): no second model.
+Also here: PEFT's adapter folder (adapter_config.json, adapter_model.safetensors with PEFT's key
+names) written and read, and the merged state dict of a Hugging Face export.
+"""
+import contextlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# the linear layers of a block, in PEFT's names (transformers' module names)
+ATTENTION, MLP = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
+TARGETS = ATTENTION + MLP
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model.model."  # PeftModelForCausalLM > LoraModel > *ForCausalLM > the decoder
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.05
+    targets: tuple = TARGETS
+    rslora: bool = False
+
+    @property
+    def scale(self) -> float:  # s: the adapters' output multiplier
+        return self.alpha / (math.sqrt(self.r) if self.rslora else self.r)
+
+
+def parse_targets(names) -> tuple:
+    """"q_proj,v_proj", a list of names, or "all-linear" (PEFT's name for every one) -> the names in
+    block order; a name that is not a linear layer of the blocks is a one-line error."""
+    if isinstance(names, str):
+        names = TARGETS if names.strip() == "all-linear" else [n.strip() for n in names.split(",") if n.strip()]
+    names = set(names)
+    bad = sorted(names - set(TARGETS))
+    if bad or not names:
+        raise ValueError(f"lora_target_modules: {', '.join(bad) or 'empty'}: not a linear layer of the blocks; "
+                         f"choose from {', '.join(TARGETS)} (comma-separated), or all-linear")
+    return tuple(n for n in TARGETS if n in names)
+
+
+def settings_of(cfg) -> LoraSettings:
+    """A Config's LoRA fields (use_peft, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora)."""
+    return LoraSettings(cfg.lora_r, float(cfg.lora_alpha), cfg.lora_dropout, parse_targets(cfg.lora_target_modules),
+                        cfg.use_rslora)
+
+
+class LoRALinear(nn.Module):
+    """A frozen nn.Linear's weight (out, in) and bias, plus the trainable adapters A (r, in), B (out, r)."""
+
+    def __init__(self, base: nn.Linear, r: int, scale: float, dropout: float, generator: torch.Generator):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias  # the same tensors, under the same names
+        # the adapters' master weights are fp32 whatever the base's dtype (bf16 on a GPU)
+        a = torch.empty(r, self.in_features)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)  # PEFT's init_lora_weights=True
+        self.lora_A = nn.Parameter(a.to(base.weight.device))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, device=base.weight.device))
+        self.scale, self.dropout, self.enabled = scale, dropout, True
+
+    def forward(self, x: Tensor) -> Tensor:  # x (..., in) -> (..., out)
+        y = F.linear(x, self.weight, self.bias)
+        if not self.enabled:
+            return y
+        h = F.dropout(x, self.dropout, self.training) if self.dropout else x
+        return y + self.scale * F.linear(F.linear(h, self.lora_A), self.lora_B)  # (..., r) between: cheap
+
+
+def add_lora(model, settings: LoraSettings, seed: int = 0):
+    """Adapters on `settings.targets` in every block of our Transformer (in place); every other
+    weight frozen. A's initialisation comes from its own generator seeded by `seed`, so every rank
+    starts from the same adapters whatever else drew from torch's global one."""
+    generator = torch.Generator().manual_seed(seed)
+    model.requires_grad_(False)
+    for block in model.layers:
+        for parent, names in ((block.self_attn, ATTENTION), (block.mlp, MLP)):
+            for name in names:
+                if name in settings.targets:
+                    setattr(parent, name, LoRALinear(getattr(parent, name), settings.r, settings.scale,
+                                                     settings.dropout, generator))
+    model.lora = settings  # save_pretrained merges, the trainer writes the adapter folder
+    return model
+
+
+def adapters(model) -> list[LoRALinear]:
+    return [m for m in model.modules() if isinstance(m, LoRALinear)]
+
+
+def trainable(model) -> list[nn.Parameter]:
+    """What the optimizer holds: the adapters under LoRA, every parameter otherwise."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def effective_weight(linear: nn.Module) -> Tensor:
+    """The (out, in) weight a layer applies: W, or W + s B A for an adapted one, merged in W's
+    dtype with fp32 accumulation (what the sampler's decode copy holds). Costs 2 r in out FLOPs,
+    about 2 r / (tokens a step decodes) of a step's matmul work."""
+    if not isinstance(linear, LoRALinear) or not linear.enabled:
+        return linear.weight
+    w = linear.weight
+    return torch.addmm(w, linear.lora_B.to(w.dtype), linear.lora_A.to(w.dtype), alpha=linear.scale)
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """The base model's forward: every adapter skipped (the KL reference under LoRA)."""
+    mods = adapters(model)
+    for m in mods:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.enabled = True
+
+
+class BaseModel:
+    """Called like the model, computed by the frozen base: the update's KL reference under LoRA."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        with adapters_off(self.model):
+            return self.model(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- state dicts and PEFT folders
+
+def is_adapter_key(name: str) -> bool:
+    return name.endswith((".lora_A", ".lora_B"))
+
+
+def merged_state(state: dict, settings: LoraSettings) -> dict:
+    """A full state dict with adapters -> a plain model's: each adapted W replaced by W + s B A."""
+    out = {k: v for k, v in state.items() if not is_adapter_key(k)}
+    for key, a in state.items():
+        if key.endswith(".lora_A"):
+            name = key.removesuffix(".lora_A")
+            w = out[name + ".weight"]
+            out[name + ".weight"] = (w.float() + settings.scale * state[name + ".lora_B"].float() @ a.float()).to(w.dtype)
+    return out
+
+
+def save_adapter(path, state: dict, settings: LoraSettings, base_model: str = ""):
+    """A PEFT adapter folder from a state dict holding the adapters (ours: layers.0.self_attn.q_proj.lora_A):
+    peft.PeftModel.from_pretrained(base, path) loads it."""
+    from safetensors.torch import save_file
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    weights = {PEFT_PREFIX + k + ".weight": v.detach().float().contiguous() for k, v in state.items() if is_adapter_key(k)}
+    if not weights:
+        raise ValueError("save_adapter: the state dict holds no adapters (a model without add_lora?)")
+    save_file(weights, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+              "r": settings.r, "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
+              "target_modules": list(settings.targets), "use_rslora": settings.rslora, "bias": "none",
+              "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
+              "modules_to_save": None, "use_dora": False}
+    (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+# PEFT options that change the arithmetic above: an adapter using one is refused, not misread
+UNSUPPORTED = {"use_dora": False, "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
+               "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
+
+
+def read_adapter(path) -> tuple[LoraSettings, dict]:
+    """A PEFT LoRA folder -> (its settings, {our name: tensor}); one-line errors for what we cannot load."""
+    from safetensors.torch import load_file
+    path = Path(path)
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"adapter_path {path}: no {name} (a PEFT LoRA folder holds {ADAPTER_CONFIG} "
+                                    f"and {ADAPTER_WEIGHTS})")
+    cfg = json.loads((path / ADAPTER_CONFIG).read_text())
+    if cfg.get("peft_type") != "LORA":
+        raise ValueError(f"adapter_path {path}: peft_type {cfg.get('peft_type')!r}, only LORA is supported")
+    odd = [f"{k}={cfg[k]!r}" for k, default in UNSUPPORTED.items() if cfg.get(k) not in (default, None, {}, [])]
+    if odd:
+        raise ValueError(f"adapter_path {path}: unsupported LoRA options {', '.join(odd)}")
+    targets = cfg.get("target_modules") or ()
+    settings = LoraSettings(int(cfg["r"]), float(cfg.get("lora_alpha", 8)), float(cfg.get("lora_dropout", 0.0)),
+                            parse_targets(targets if isinstance(targets, str) else list(targets)),
+                            bool(cfg.get("use_rslora", False)))
+    state = {}
+    for key, value in load_file(str(path / ADAPTER_WEIGHTS)).items():
+        name = key.removeprefix(PEFT_PREFIX).removesuffix(".weight").replace(".default", "")
+        if key == name or not is_adapter_key(name):
+            raise ValueError(f"adapter_path {path}: unexpected tensor {key!r} (expected {PEFT_PREFIX}"
+                             "layers.N.<module>.lora_A.weight / lora_B.weight)")
+        state[name] = value
+    return settings, state
+
+
+@torch.no_grad()
+def load_adapter(model, state: dict, source: str = "adapter"):
+    """Copy {name: tensor} adapters into a model that has them (shapes checked, every one present)."""
+    params = {k: p for k, p in model.named_parameters() if is_adapter_key(k)}
+    missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+    if missing or extra:
+        raise ValueError(f"{source}: adapters do not match the model's (missing {missing[:3]}, unexpected "
+                         f"{extra[:3]}): the same base model, r and target modules?")
+    for k, p in params.items():
+        if tuple(state[k].shape) != tuple(p.shape):
+            raise ValueError(f"{source}: {k} has shape {tuple(state[k].shape)}, the model's is {tuple(p.shape)}")
+        p.copy_(state[k])

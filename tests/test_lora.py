@@ -1,0 +1,214 @@
+"""grpo.lora against peft + transformers on the same adapter weights, the sampler through merged
+adapters, what trains and what a checkpoint and an export hold, and the errors for what we cannot
+load. (Two ranks and a bitwise resume with LoRA: tests/test_dist.py.)"""
+import json
+
+import pytest
+import torch
+import transformers
+
+from grpo import lora
+from grpo.lora import LoraSettings, add_lora, effective_weight, read_adapter, save_adapter
+from grpo.model import Transformer
+from grpo.sampler import Sampler, SamplingParams
+
+peft = pytest.importorskip("peft")  # the test extra installs it; the package never imports it
+
+ATOL = 1e-4  # fp32, two implementations: op order only (as tests/test_model.py)
+CASES = [("qwen2", {}), ("qwen3", {}), ("llama", {})]
+SETTINGS = [LoraSettings(r=4, alpha=8, dropout=0.0), LoraSettings(r=8, alpha=4, dropout=0.0, rslora=True,
+                                                                    targets=("q_proj", "v_proj", "down_proj"))]
+
+
+def randomize(model, seed: int = 1, std: float = 0.1):
+    """B starts at zero (the adapted model equals the base): give every adapter values that show."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in lora.adapters(model):
+            m.lora_A.copy_(torch.randn(m.lora_A.shape, generator=g) * std)
+            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * std)
+    return model
+
+
+def adapted(path: str, settings: LoraSettings, seed: int = 1) -> Transformer:
+    return randomize(add_lora(Transformer.from_pretrained(path), settings), seed)
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=["all-linear", "rslora-3-modules"])
+@pytest.mark.parametrize("family,overrides", CASES, ids=[c[0] for c in CASES])
+def test_logits_match_peft_and_the_exports_load(tiny_dir, tmp_path, family, overrides, settings):
+    """Our adapted model, its PEFT folder loaded by peft over transformers' base, and its merged
+    export loaded by transformers: one set of logits."""
+    path, _ = tiny_dir(family, **overrides)
+    model = adapted(path, settings)
+    save_adapter(tmp_path / "adapter", model.state_dict(), settings, path)
+    model.save_pretrained(tmp_path / "merged")
+    ids = torch.randint(0, model.args.vocab_size, (2, 13))
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        ours = model.eval()(ids)
+        plain = base(ids).logits
+        theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(ids).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)(ids).logits
+    assert (ours - plain).abs().max() > 0.1, "the adapters change nothing: the test would not see them"
+    torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
+    torch.testing.assert_close(merged, theirs, atol=ATOL, rtol=0)
+
+
+def test_adapted_model_starts_equal_to_the_base_and_only_adapters_get_gradients(tiny_dir):
+    path, _ = tiny_dir("qwen2")
+    base, model = Transformer.from_pretrained(path), add_lora(Transformer.from_pretrained(path), LoraSettings(dropout=0.1))
+    ids = torch.randint(0, 131, (2, 9))
+    assert torch.equal(model.eval()(ids), base.eval()(ids))  # B = 0: exactly the base, not approximately
+    assert len(lora.adapters(model)) == 2 * 7 and model.lora.targets == lora.TARGETS
+    model.train()(ids).logsumexp(-1).sum().backward()
+    for name, p in model.named_parameters():
+        if lora.is_adapter_key(name):
+            assert p.requires_grad and p.grad is not None and p.dtype == torch.float32, name
+        else:
+            assert not p.requires_grad and p.grad is None, name
+    assert all(m.lora_B.grad.abs().sum() > 0 for m in lora.adapters(model))  # dL/dA = 0 while B = 0
+    assert set(map(id, lora.trainable(model))) == {id(p) for n, p in model.named_parameters() if lora.is_adapter_key(n)}
+
+
+def test_adapters_initialise_as_peft_and_every_rank_alike(tiny_dir):
+    """A ~ Kaiming-uniform(a=sqrt(5)) = U(+-1/sqrt(in)), from the seed alone (not torch's global RNG)."""
+    path, _ = tiny_dir("llama")
+    a = add_lora(Transformer.from_pretrained(path), LoraSettings(), seed=3)
+    torch.rand(100)  # a rank that drew something else first
+    b = add_lora(Transformer.from_pretrained(path), LoraSettings(), seed=3)
+    for x, y in zip(lora.adapters(a), lora.adapters(b)):
+        assert torch.equal(x.lora_A, y.lora_A) and not x.lora_B.any()
+        bound = 1 / x.in_features ** 0.5
+        assert x.lora_A.abs().max() <= bound and x.lora_A.abs().max() > 0.8 * bound
+
+
+def test_sampler_greedy_tokens_equal_a_model_holding_the_merged_weights(tiny_dir, tmp_path):
+    """The decode copy is merged at the start of every call: after the adapters change, the next
+    call samples from the new ones."""
+    path, _ = tiny_dir("qwen3")
+    model = adapted(path, SETTINGS[0])
+    sampler = Sampler(model)
+    prompts = [[5, 9, 17, 3], [7, 7, 1], [100, 2, 30, 44, 12]]
+    params = SamplingParams(temperature=0, max_tokens=12)
+
+    def merged_tokens():
+        model.save_pretrained(tmp_path / "m")
+        plain = Transformer.from_pretrained(tmp_path / "m")
+        return [c.token_ids for c in Sampler(plain).generate(prompts, params)]
+
+    base_tokens = [c.token_ids for c in Sampler(Transformer.from_pretrained(path)).generate(prompts, params)]
+    first = [c.token_ids for c in sampler.generate(prompts, params)]
+    assert first == merged_tokens() and first != base_tokens
+    randomize(model, seed=2)  # as an optimizer step would
+    second = [c.token_ids for c in sampler.generate(prompts, params)]
+    assert second == merged_tokens() and second != first
+
+
+def test_effective_weight_is_w_plus_s_b_a():
+    lin = torch.nn.Linear(6, 5)
+    layer = lora.LoRALinear(lin, r=3, scale=0.5, dropout=0.0, generator=torch.Generator().manual_seed(0))
+    torch.nn.init.normal_(layer.lora_B)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    expected = x @ (lin.weight.double() + 0.5 * layer.lora_B.double() @ layer.lora_A.double()).T + lin.bias.double()
+    torch.testing.assert_close(layer(x.float()).double(), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(x.float() @ effective_weight(layer).T + lin.bias, expected.float(), atol=1e-5, rtol=0)
+    layer.enabled = False
+    assert effective_weight(layer) is lin.weight
+
+
+def test_the_kl_reference_is_the_base(tiny_dir):
+    path, _ = tiny_dir("llama")
+    base, model = Transformer.from_pretrained(path), adapted(path, SETTINGS[0])
+    ids = torch.randint(0, 131, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(lora.BaseModel(model)(ids), base(ids))
+        assert not torch.equal(model(ids), base(ids))  # and the adapters are back on afterwards
+
+
+def test_adapter_folder_round_trip_and_what_is_refused(tiny_dir, tmp_path):
+    path, _ = tiny_dir("qwen2")
+    model = adapted(path, SETTINGS[1])
+    save_adapter(tmp_path / "a", model.state_dict(), SETTINGS[1], path)
+    settings, state = read_adapter(tmp_path / "a")
+    assert settings == SETTINGS[1]
+    fresh = add_lora(Transformer.from_pretrained(path), settings, seed=9)
+    lora.load_adapter(fresh, state)
+    assert all(torch.equal(a, b) for a, b in zip(lora.trainable(fresh), lora.trainable(model)))
+    config = json.loads((tmp_path / "a" / lora.ADAPTER_CONFIG).read_text())
+    for change, message in [({"use_dora": True}, "use_dora=True"), ({"peft_type": "IA3"}, "only LORA"),
+                            ({"target_modules": ["q_proj", "lm_head"]}, "lm_head: not a linear layer")]:
+        (tmp_path / "a" / lora.ADAPTER_CONFIG).write_text(json.dumps({**config, **change}))
+        with pytest.raises(ValueError, match=message):
+            read_adapter(tmp_path / "a")
+    with pytest.raises(FileNotFoundError, match="no adapter_config.json"):
+        read_adapter(tmp_path)
+    other = add_lora(Transformer.from_pretrained(path), LoraSettings(r=2, targets=SETTINGS[1].targets))
+    with pytest.raises(ValueError, match="has shape"):
+        lora.load_adapter(other, state)
+
+
+def test_config_errors_and_trl_names():
+    from grpo.config import Config, parse_args
+    with pytest.raises(ValueError, match="qkv_proj: not a linear layer of the blocks; choose from q_proj"):
+        parse_args(Config, ["--use_peft", "--lora_target_modules", "q_proj,qkv_proj"])
+    with pytest.raises(ValueError, match="needs --use_peft"):
+        parse_args(Config, ["--adapter_path", "somewhere"])
+    with pytest.raises(ValueError, match="lora_r=0"):
+        parse_args(Config, ["--use_peft", "--lora_r", "0"])
+    cfg = parse_args(Config, ["--use_peft", "--lora_r", "8", "--lora_target_modules", "v_proj,q_proj"])
+    assert lora.settings_of(cfg) == LoraSettings(r=8, alpha=32, dropout=0.05, targets=("q_proj", "v_proj"))
+
+
+def test_grpo_trainer_takes_a_peft_lora_config(tiny_dir):
+    from grpo import GRPOConfig, GRPOTrainer
+    path, _ = tiny_dir("llama")
+    data = [{"prompt": "a b", "answer": "c"}]
+    reward = lambda completions, **kw: [0.0] * len(completions)  # noqa: E731
+    t = GRPOTrainer(path, reward, GRPOConfig(), data,
+                    peft_config=peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=["q_proj", "v_proj"]))
+    a = t.args
+    assert (a.use_peft, a.lora_r, a.lora_alpha, a.lora_dropout, a.lora_target_modules) == (True, 8, 16, 0.1, "q_proj,v_proj")
+    with pytest.raises(ValueError, match="use_dora=True"):
+        GRPOTrainer(path, reward, GRPOConfig(), data, peft_config=peft.LoraConfig(use_dora=True))
+    with pytest.raises(ValueError, match="not a linear layer"):
+        GRPOTrainer(path, reward, GRPOConfig(), data, peft_config=peft.LoraConfig(target_modules=["lm_head"]))
+
+
+def test_a_lora_run_checkpoints_the_adapters_and_exports_both_ways(tmp_path):
+    """A run with --use_peft and beta > 0 (the reference: the base, adapters off): its checkpoint
+    holds the adapters and their optimizer state, not the base; its merged export loads in
+    transformers and its adapter folder in peft, with one set of logits; `python -m grpo.export`
+    writes the same two from the checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from grpo.config import Config
+    from grpo.export import main as export_main
+    from grpo.trainer import train
+    from toy import ToyEnv, make_toy_dir
+    base_path = make_toy_dir(tmp_path / "model")
+    cfg = Config(model_path=base_path, output_dir=str(tmp_path / "run"), max_steps=2, prompts_per_step=2,
+                 num_generations=4, learning_rate=1e-2, max_prompt_length=16, max_completion_length=8,
+                 micro_batch_tokens=256, gen_batch=8, eval_limit=0, save_steps=1, beta=0.04, use_peft=True,
+                 lora_r=4, lora_target_modules="q_proj,v_proj,down_proj")
+    train(cfg, ToyEnv(), [{"question": f"w{i} w{i + 1}", "answer": ""} for i in range(8)])
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_000002"
+    keys = [k for k in dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata if k.startswith("model.")]
+    assert keys and all(lora.is_adapter_key(k) for k in keys), keys[:5]  # 2 layers x 3 modules x (A, B)
+    assert len(keys) == 12
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        merged = transformers.AutoModelForCausalLM.from_pretrained(run / "export", dtype=torch.float32)(ids).logits
+        base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+        plain = base(ids).logits
+        adapted = peft.PeftModel.from_pretrained(base, run / "adapter")(ids).logits
+    assert (merged - plain).abs().max() > 1e-3  # training moved the adapters
+    torch.testing.assert_close(adapted, merged, atol=ATOL, rtol=0)
+    export_main([str(ckpt), str(tmp_path / "cli_adapter"), "--adapter"])
+    export_main([str(ckpt), str(tmp_path / "cli_merged")])
+    for name in ("cli_adapter/adapter_model.safetensors", "cli_merged/model.safetensors"):
+        ours, theirs = load_file(tmp_path / name), load_file(run / name.replace("cli_adapter", "adapter")
+                                                               .replace("cli_merged", "export"))
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), name
