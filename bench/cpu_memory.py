@@ -1,14 +1,17 @@
 """Peak resident memory and time of the CPU default's update, by micro-batch size and gradient
-checkpointing, each setting in a fresh process (a process's peak only grows).
+checkpointing, or LoRA against full fine-tuning; each setting in a fresh process (a process's peak
+only grows).
 
     python bench/cpu_memory.py               # SmolLM2-135M fp32, one thread: 28 sequences of 300 + 140 tokens
+    python bench/cpu_memory.py --lora 16     # full fine-tuning against LoRA r 16 (all seven linear layers)
     python bench/cpu_memory.py --quick       # 4 sequences: checks the script
 
 One setting's process: the model, AdamW, then one optimizer step over the sequences packed into
 micro-batches of at most `micro_batch_tokens` (the trainer's packing: whole sequences), forward +
 backward on each, then the AdamW step (its two fp32 states exist from then on, as in a run).
 Peak = the process's maximum resident set (ru_maxrss, Linux), with what importing torch costs.
-The recipe's step trains ~27 of its 48 rollouts (flat groups are left out).
+The recipe's step trains ~27 of its 48 rollouts (flat groups are left out). With --lora each
+setting also times the sampler's per-call refresh of its decode copy (under LoRA: W + s B A merged).
 """
 import argparse
 import json
@@ -30,8 +33,17 @@ def one(setting: dict) -> dict:
     torch.set_num_threads(setting["threads"])
     model = Transformer.from_pretrained(local_path(), dtype=torch.float32)
     model.activation_checkpointing = setting["checkpointing"]
+    refresh = None
+    if setting.get("lora_r"):
+        from grpo.lora import LoraSettings, add_lora
+        add_lora(model, LoraSettings(r=setting["lora_r"], dropout=setting["lora_dropout"]))
+    if "lora_r" in setting:  # the sampler's refresh at the start of each call (a merge under LoRA): best of 3
+        from grpo.decode import DecodeWeights
+        w = DecodeWeights(model)
+        refresh = min(_timed(lambda: w.refresh(model)) for _ in range(3))
+        del w
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
     T = setting["prompt"] + setting["completion"]
     per_mb = max(1, setting["micro_batch_tokens"] // T)  # whole sequences per micro-batch, padded to T
     g = torch.Generator().manual_seed(0)
@@ -45,7 +57,14 @@ def one(setting: dict) -> dict:
     opt.step()
     seconds = time.perf_counter() - t
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    return {**setting, "seconds": round(seconds, 1), "peak_mib": round(peak_mib)}
+    return {**setting, "seconds": round(seconds, 1), "peak_mib": round(peak_mib),
+            **({"refresh_s": round(refresh, 3)} if refresh is not None else {})}
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def main():
@@ -55,6 +74,8 @@ def main():
     ap.add_argument("--completion", type=int, default=140)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--sizes", default="4096,1024,512", help="micro_batch_tokens to try")
+    ap.add_argument("--lora", type=int, default=0, help="r: each size with full fine-tuning and with LoRA r")
+    ap.add_argument("--lora_dropout", default="0.05", help="LoRA's dropout(s), comma-separated: a row each")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a child: one setting as JSON
     args = ap.parse_args()
@@ -63,9 +84,14 @@ def main():
         return
     if args.quick:
         args.rows, args.sizes = 4, "1024"
-    settings = [dict(rows=args.rows, prompt=args.prompt, completion=args.completion, threads=args.threads,
-                     micro_batch_tokens=int(m), checkpointing=ckpt)
-                for m in args.sizes.split(",") for ckpt in (False, True)]
+    common = dict(rows=args.rows, prompt=args.prompt, completion=args.completion, threads=args.threads)
+    if args.lora:
+        settings = [dict(common, micro_batch_tokens=int(m), checkpointing=False, lora_r=r, lora_dropout=float(p))
+                    for m in args.sizes.split(",") for r, drops in ((0, "0"), (args.lora, args.lora_dropout))
+                    for p in drops.split(",")]
+    else:
+        settings = [dict(common, micro_batch_tokens=int(m), checkpointing=ckpt)
+                    for m in args.sizes.split(",") for ckpt in (False, True)]
     out = []
     for s in settings:
         r = subprocess.run([sys.executable, __file__, "--one", json.dumps(s)], capture_output=True, text=True,
@@ -78,7 +104,9 @@ def main():
     import torch
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}; {args.rows} sequences of "
           f"{args.prompt} + {args.completion} tokens, {args.threads} thread(s); x_time against the first row")
-    print_table(out, ["micro_batch_tokens", "checkpointing", "seconds", "x_time", "peak_mib"])
+    print_table(out, ["micro_batch_tokens"] + (["lora_r", "lora_dropout"] if args.lora else ["checkpointing"])
+                + ["seconds", "x_time", "peak_mib"]
+                + (["refresh_s"] if args.lora else []))
 
 
 if __name__ == "__main__":

@@ -212,3 +212,27 @@ def test_a_lora_run_checkpoints_the_adapters_and_exports_both_ways(tmp_path):
         ours, theirs = load_file(tmp_path / name), load_file(run / name.replace("cli_adapter", "adapter")
                                                                .replace("cli_merged", "export"))
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), name
+
+
+def test_a_run_starts_from_an_adapter_folder(tmp_path):
+    """--adapter_path: the run's model is the base plus that adapter (its r and modules win over
+    the flags, and config.json records them)."""
+    from safetensors.torch import load_file
+
+    from grpo.config import Config
+    from grpo.trainer import train
+    from toy import ToyEnv, make_toy_dir
+    base_path = make_toy_dir(tmp_path / "model")
+    settings = LoraSettings(r=2, alpha=4, dropout=0.0, targets=("k_proj", "up_proj"))
+    model = randomize(add_lora(Transformer.from_pretrained(base_path), settings))
+    save_adapter(tmp_path / "adapter", model.state_dict(), settings, base_path)
+    cfg = Config(model_path=base_path, output_dir=str(tmp_path / "run"), max_steps=0, eval_limit=0, save_steps=0,
+                 max_prompt_length=16, max_completion_length=8, micro_batch_tokens=256, use_peft=True,
+                 adapter_path=str(tmp_path / "adapter"))
+    train(cfg, ToyEnv(), [{"question": "w1 w2", "answer": ""}])
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (recorded["lora_r"], recorded["lora_alpha"], recorded["lora_target_modules"]) == (2, 4, "k_proj,up_proj")
+    model.save_pretrained(tmp_path / "expected")
+    got, expected = load_file(tmp_path / "run" / "export" / "model.safetensors"), \
+        load_file(tmp_path / "expected" / "model.safetensors")
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
