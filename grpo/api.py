@@ -93,9 +93,12 @@ def lora_fields(peft_config) -> dict:
     from grpo.lora import UNSUPPORTED
     odd = [f"{k}={getattr(peft_config, k)!r}" for k, default in UNSUPPORTED.items()
            if getattr(peft_config, k, default) not in (default, None, {}, [])]
+    if getattr(peft_config, "init_lora_weights", True) is not True:  # ours: PEFT's default init, nothing else
+        odd.append(f"init_lora_weights={peft_config.init_lora_weights!r}")
     if odd:
         raise ValueError(f"peft_config: unsupported LoRA options {', '.join(odd)}")
-    targets = getattr(peft_config, "target_modules", None) or "all-linear"
+    # no target_modules: PEFT's own default for Llama, Qwen2 and Qwen3, the q and v projections
+    targets = getattr(peft_config, "target_modules", None) or "q_proj,v_proj"
     return dict(use_peft=True, lora_r=int(peft_config.r), lora_alpha=peft_config.lora_alpha,
                 lora_dropout=float(peft_config.lora_dropout), use_rslora=bool(getattr(peft_config, "use_rslora", False)),
                 lora_target_modules=targets if isinstance(targets, str) else ",".join(sorted(targets)))

@@ -178,8 +178,10 @@ def open_run_dir(out_dir: str, config: dict, resume: bool, meta: dict) -> None:
         refuse_used_dir(out_dir)
     elif record.exists():
         recorded = read_json(record)
+        lora = recorded.get("use_peft") or config.get("use_peft")  # the LoRA fields matter only under LoRA
         differ = [f"{k}: {recorded[k]!r} there, {config[k]!r} now" for k in SAME_RUN_FIELDS
-                  if k in recorded and k in config and recorded[k] != config[k]]
+                  if k in recorded and k in config and recorded[k] != config[k]
+                  and (lora or not (k.startswith("lora_") or k in ("use_rslora", "adapter_path")))]
         if differ:
             raise ValueError(f"--resume: {record} was written by another run ({'; '.join(differ)}); "
                              "resume with its settings, or use another --output_dir")
@@ -296,6 +298,9 @@ def export(model, path: str, dtype: torch.dtype | None = None, adapter_dir: str 
         if adapter_dir is not None:
             from grpo.lora import save_adapter
             save_adapter(adapter_dir, state, model.lora, base_model)
+        if getattr(model, "lora", None) is not None:  # merged in fp32 before any cast (save_pretrained would merge after it)
+            from grpo.lora import merged_state
+            state = merged_state(state, model.lora)
         if dtype is not None:
             state = {k: v.to(dtype) for k, v in state.items()}
         model.save_pretrained(path, state_dict=state)

@@ -187,10 +187,10 @@ class Config:
         need(self.lora_r >= 1 and self.lora_alpha > 0 and 0 <= self.lora_dropout < 1,
              f"lora_r={self.lora_r} >= 1, lora_alpha={self.lora_alpha} > 0, lora_dropout={self.lora_dropout} in [0, 1)")
         need(not self.adapter_path or self.use_peft, f"adapter_path={self.adapter_path!r} needs --use_peft")
-        if self.use_peft:
+        if self.use_peft:  # one spelling of the modules (all-linear, any order), so a resume compares like with like
             from grpo.lora import parse_targets
             try:
-                parse_targets(self.lora_target_modules)
+                self.lora_target_modules = ",".join(parse_targets(self.lora_target_modules))
             except ValueError as e:
                 need(False, str(e))
         need(min(self.sft_steps, self.sft_batch - 1, self.save_steps, self.eval_steps, self.warmup_steps,

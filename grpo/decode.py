@@ -72,13 +72,13 @@ class DecodeWeights:
         for i, b in enumerate(model.layers):
             at, mlp = b.self_attn, b.mlp
             for w, lo, hi in ((at.q_proj, 0, qd), (at.k_proj, qd, qd + kd), (at.v_proj, qd + kd, qd + 2 * kd)):
-                self.wqkv[i, lo:hi].copy_(effective_weight(w))
+                effective_weight(w, out=self.wqkv[i, lo:hi])
                 if self.bqkv is not None:
                     self.bqkv[i, lo:hi].copy_(w.bias)
-            self.wo[i].copy_(effective_weight(at.o_proj))
-            self.w13[i, : a.ffn_dim].copy_(effective_weight(mlp.gate_proj))
-            self.w13[i, a.ffn_dim:].copy_(effective_weight(mlp.up_proj))
-            self.w2[i].copy_(effective_weight(mlp.down_proj))
+            effective_weight(at.o_proj, out=self.wo[i])
+            effective_weight(mlp.gate_proj, out=self.w13[i, : a.ffn_dim])
+            effective_weight(mlp.up_proj, out=self.w13[i, a.ffn_dim:])
+            effective_weight(mlp.down_proj, out=self.w2[i])
             self.ln1[i].copy_(b.input_layernorm.weight)
             self.ln2[i].copy_(b.post_attention_layernorm.weight)
             if self.q_norm is not None:

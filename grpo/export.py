@@ -53,6 +53,10 @@ def load_checkpoint(checkpoint: str, model_path: str, dtype: torch.dtype = torch
     if not (path / ".metadata").exists():
         raise SystemExit(f"error: {path} is not a complete checkpoint (no .metadata): pass a "
                          "runs/NAME/checkpoints/step_NNNNNN folder")
+    adapters = [k for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata if k.endswith(".lora_A")]
+    if adapters and lora is None:
+        raise SystemExit(f"error: {path} holds LoRA adapters, and no run config.json beside its checkpoints folder "
+                         "gives their settings (use_peft, lora_r, ...): export from the run's own folder")
     model = Transformer.from_pretrained(model_path, dtype=dtype, device="cpu")
     if lora is not None:
         add_lora(model, lora)
@@ -75,7 +79,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = p.parse_args(argv)
     checkpoint = Path(args.checkpoint)
     run = run_config(checkpoint)
-    from grpo.lora import save_adapter, settings_of
+    from grpo.lora import merged_state, save_adapter, settings_of
     lora = settings_of(argparse.Namespace(**run)) if run.get("use_peft") else None
     if args.adapter and lora is None:
         raise SystemExit(f"error: --adapter: {checkpoint} is from a run without LoRA (its config.json has no "
@@ -84,9 +88,9 @@ def main(argv: list[str] | None = None) -> Path:
     model = load_checkpoint(args.checkpoint, base, lora=lora)
     if args.adapter:
         save_adapter(args.out_dir, model.state_dict(), lora, base)
-    else:
-        model.save_pretrained(args.out_dir, state_dict={k: v.to(getattr(torch, args.dtype))
-                                                        for k, v in model.state_dict().items()})
+    else:  # adapters merged in fp32, then cast
+        state = merged_state(model.state_dict(), lora) if lora is not None else model.state_dict()
+        model.save_pretrained(args.out_dir, state_dict={k: v.to(getattr(torch, args.dtype)) for k, v in state.items()})
     print(f"export: {checkpoint} -> {args.out_dir}" + (" (PEFT adapter)" if args.adapter else ""))
     if args.push_to_hub:
         try:

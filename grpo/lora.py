@@ -85,7 +85,9 @@ class LoRALinear(nn.Module):
         if not self.enabled:
             return y
         h = F.dropout(x, self.dropout, self.training) if self.dropout else x
-        return y + self.scale * F.linear(F.linear(h, self.lora_A), self.lora_B)  # (..., r) between: cheap
+        # in the adapters' dtype: fp32 beside a bf16 base outside FSDP (which otherwise casts both for us)
+        a = F.linear(F.linear(h.to(self.lora_A.dtype), self.lora_A), self.lora_B)  # (..., r) between: cheap
+        return y + self.scale * a.to(y.dtype)
 
 
 def add_lora(model, settings: LoraSettings, seed: int = 0):
@@ -114,14 +116,16 @@ def trainable(model) -> list[nn.Parameter]:
 
 
 @torch.no_grad()
-def effective_weight(linear: nn.Module) -> Tensor:
-    """The (out, in) weight a layer applies: W, or W + s B A for an adapted one, merged in W's
-    dtype with fp32 accumulation (what the sampler's decode copy holds). Costs 2 r in out FLOPs,
-    about 2 r / (tokens a step decodes) of a step's matmul work."""
+def effective_weight(linear: nn.Module, out: Tensor | None = None) -> Tensor:
+    """The (out, in) weight a layer applies: W, or W + s B A for an adapted one, merged in `out`'s
+    dtype (default W's) with the GEMM's fp32 accumulation. `out`: written in place (the sampler's
+    decode copy: no temporary the size of W). The merge is 2 r in out FLOPs on a K = r GEMM, bound
+    by reading W and writing `out`, as the plain copy is."""
     if not isinstance(linear, LoRALinear) or not linear.enabled:
-        return linear.weight
-    w = linear.weight
-    return torch.addmm(w, linear.lora_B.to(w.dtype), linear.lora_A.to(w.dtype), alpha=linear.scale)
+        return linear.weight if out is None else out.copy_(linear.weight)
+    dtype = linear.weight.dtype if out is None else out.dtype
+    b, a = linear.lora_B.to(dtype), linear.lora_A.to(dtype)
+    return torch.addmm(linear.weight.to(dtype), b, a, alpha=linear.scale, out=out)
 
 
 @contextlib.contextmanager
@@ -184,8 +188,11 @@ def save_adapter(path, state: dict, settings: LoraSettings, base_model: str = ""
 
 
 # PEFT options that change the arithmetic above: an adapter using one is refused, not misread
-UNSUPPORTED = {"use_dora": False, "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
-               "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
+UNSUPPORTED = {"use_dora": False, "bias": "none", "lora_bias": False, "fan_in_fan_out": False,
+               "modules_to_save": None, "layers_to_transform": None, "exclude_modules": None,
+               "layer_replication": None, "rank_pattern": {}, "alpha_pattern": {}}
+# initialisations whose adapters are relative to a modified base (PiSSA, OLoRA, CorDA, LoftQ): refused
+PLAIN_INITS = (True, False, "gaussian", None)
 
 
 def read_adapter(path) -> tuple[LoraSettings, dict]:
@@ -200,6 +207,7 @@ def read_adapter(path) -> tuple[LoraSettings, dict]:
     if cfg.get("peft_type") != "LORA":
         raise ValueError(f"adapter_path {path}: peft_type {cfg.get('peft_type')!r}, only LORA is supported")
     odd = [f"{k}={cfg[k]!r}" for k, default in UNSUPPORTED.items() if cfg.get(k) not in (default, None, {}, [])]
+    odd += [f"init_lora_weights={cfg['init_lora_weights']!r}"] if cfg.get("init_lora_weights") not in PLAIN_INITS else []
     if odd:
         raise ValueError(f"adapter_path {path}: unsupported LoRA options {', '.join(odd)}")
     targets = cfg.get("target_modules") or ()

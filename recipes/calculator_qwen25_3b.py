@@ -4,6 +4,16 @@ github.com/Danau5tin/calculator_agent_rl).
     torchrun --nproc_per_node=8 recipes/calculator_qwen25_3b.py --model_path=/models/Qwen2.5-3B-Instruct
     # 4x A100 80GB:
     torchrun --nproc_per_node=4 recipes/calculator_qwen25_3b.py --model_path=... --prompts_per_step=4
+    # one 48 GB GPU (RTX 6000 Ada, L40S): LoRA adapters on the frozen bf16 base
+    python recipes/calculator_qwen25_3b.py --model_path=... --use_peft --learning_rate=1e-5 --prompts_per_step=1
+
+A full fine-tune does not fit one 48 GB card: fp32 weights, gradients and AdamW's two states are
+46 GiB before any activation or KV cache. LoRA r 16 on the seven linear layers of every block
+trains 30M parameters (0.45 GiB with their gradients and AdamW states) beside a 5.75 GiB bf16 base;
+with FSDP's unsharded copy while sampling and the sampler's decode copy (5.75 GiB each) and a 128-row
+KV cache of 1,524 tokens (6.7 GiB), ~24 GiB, about 20 GiB stay for the update's checkpointed
+activations (computed, not yet run: bench/RESULTS.md). The learning rate is the reference's x10, the
+usual ratio for adapters (not tuned here).
 
 Reference: accuracy 27% -> 89% on held-out calculator questions, one epoch over ~1,500
 questions, about 3 h on 8x RTX 6000 Ada or 4x A100 (with vLLM on separate GPUs; here the

@@ -158,6 +158,10 @@ def frozen_copy(cfg: Config, device: torch.device) -> Transformer:
     bf16 = cfg.dtype == "bfloat16" or cfg.dtype == "auto" and device.type == "cuda"
     model = Transformer.from_pretrained(cfg.model_path, dtype=torch.bfloat16 if bf16 else torch.float32,
                                         device=device)
+    if cfg.adapter_path:  # a run from a LoRA adapter starts from the base plus that adapter
+        from grpo.lora import add_lora, load_adapter, read_adapter
+        settings, state = read_adapter(cfg.adapter_path)
+        load_adapter(add_lora(model, settings), state, cfg.adapter_path)
     return model.eval().requires_grad_(False)
 
 

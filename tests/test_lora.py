@@ -113,6 +113,9 @@ def test_effective_weight_is_w_plus_s_b_a():
     expected = x @ (lin.weight.double() + 0.5 * layer.lora_B.double() @ layer.lora_A.double()).T + lin.bias.double()
     torch.testing.assert_close(layer(x.float()).double(), expected, atol=1e-5, rtol=0)
     torch.testing.assert_close(x.float() @ effective_weight(layer).T + lin.bias, expected.float(), atol=1e-5, rtol=0)
+    out = torch.zeros(7, 6)  # the decode copy's rows: merged in place
+    effective_weight(layer, out=out[1:6])
+    assert torch.equal(out[1:6], effective_weight(layer)) and not out[0].any() and not out[6].any()
     layer.enabled = False
     assert effective_weight(layer) is lin.weight
 
@@ -194,6 +197,8 @@ def test_a_lora_run_checkpoints_the_adapters_and_exports_both_ways(tmp_path):
                  lora_r=4, lora_target_modules="q_proj,v_proj,down_proj")
     train(cfg, ToyEnv(), [{"question": f"w{i} w{i + 1}", "answer": ""} for i in range(8)])
     run = tmp_path / "run"
+    kl = [r["kl"] for r in map(json.loads, open(run / "metrics.jsonl")) if "kl" in r]
+    assert kl and kl[-1] > 0  # the reference is the base: after a step the adapted policy differs from it
     ckpt = run / "checkpoints" / "step_000002"
     keys = [k for k in dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata if k.startswith("model.")]
     assert keys and all(lora.is_adapter_key(k) for k in keys), keys[:5]  # 2 layers x 3 modules x (A, B)
@@ -236,3 +241,27 @@ def test_a_run_starts_from_an_adapter_folder(tmp_path):
     got, expected = load_file(tmp_path / "run" / "export" / "model.safetensors"), \
         load_file(tmp_path / "expected" / "model.safetensors")
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+
+
+def test_dropout_is_on_the_adapters_input_in_training_only_and_a_bf16_base_runs_outside_fsdp(tiny_dir):
+    path, _ = tiny_dir("qwen2")
+    model = adapted(path, LoraSettings(r=4, dropout=0.5))
+    ids = torch.randint(0, 131, (2, 9))
+    with torch.no_grad():
+        eval_logits = model.eval()(ids)
+        for m in lora.adapters(model):
+            m.dropout = 0.0
+        assert torch.equal(model(ids), eval_logits)  # eval: no dropout at all
+        for m in lora.adapters(model):
+            m.dropout = 0.5
+        a, b = model.train()(ids), model(ids)
+        assert not torch.equal(a, b) and not torch.equal(a, eval_logits)
+        for m in lora.adapters(model):  # adapters off: dropout touches nothing else
+            m.enabled = False
+        assert torch.equal(model(ids), model.eval()(ids))
+    bf16 = add_lora(Transformer.from_pretrained(path, dtype=torch.bfloat16), LoraSettings(r=4))
+    randomize(bf16)
+    assert lora.adapters(bf16)[0].lora_A.dtype == torch.float32
+    with torch.no_grad():
+        out = bf16.eval()(ids)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
