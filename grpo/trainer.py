@@ -28,7 +28,7 @@ from grpo.cpu import measure, set_autocast, set_threads, trim
 from grpo.eval import evaluate, run_eval_settings, summarize
 from grpo.fallback import kernels_of
 from grpo.kv_cache import KVCache
-from grpo.lora import BaseModel, add_lora, load_adapter, read_adapter, save_adapter, settings_of, trainable
+from grpo.lora import BaseModel, add_lora, cast_base, load_adapter, read_adapter, settings_of, trainable
 from grpo.loss import group_advantages, overlong_penalty
 from grpo.metrics import Logger, credit_metrics, rollout_records, step_metrics
 from grpo.model import Transformer, _local_or_hub
@@ -193,6 +193,8 @@ def build(cfg: Config, device) -> tuple:
     # the sampler and the evals run this same model; rank 0's measurement decides for every rank
     rates = lambda: dist.broadcast(measure(model.args.dim, model.args.ffn_dim) if dist.is_main() else None)  # noqa: E731
     dist.print0(set_autocast(model, cfg.autocast_bf16, device, rates))
+    if cfg.use_peft and model.autocast_bf16:  # the frozen base in its matmuls' dtype (grpo.lora.cast_base says why)
+        cast_base(model, torch.bfloat16)
     dist.on_rank0(note_run, cfg.output_dir, {"autocast_bf16_chosen": model.autocast_bf16})
     dist.shard(model, compute_dtype)
     ref_model = None

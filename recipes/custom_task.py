@@ -19,8 +19,9 @@ with prompts and completions as text (question rows) or chat messages (conversat
 every other data column as a list (e.g. `answer`), and None for "not applicable" (left out of
 the weighted sum). The first function is the eval's score (mean@k, pass@k); --reward_weights
 weighs them (default 1 each). `boxed_answer` (math-verify on the last \\boxed{}) and
-`boxed_format` below are examples. The same from Python: grpo.api.GRPOTrainer. For a multi-turn
-task with a tool, write an env class: see the README's "Your own task" and envs/calculator.py.
+`boxed_format` below are examples. The same from Python: `from grpo import GRPOTrainer, GRPOConfig`.
+For a multi-turn task with a tool, write an env class: see the README's "Your own task" and
+envs/calculator.py.
 """
 import os
 import sys

@@ -5,8 +5,10 @@ process). And the sampler check's rule for
 near-ties, on fixed logits.
 
 The two runs go in parallel, one thread each (the dry run is small and mostly Python). The passing
-one runs the Triton kernels under TRITON_INTERPRET=1, the script's GPU branch for the kernels; the
-perturbed one runs the torch kernels, the branch a CPU without the interpreter takes.
+one runs the Triton kernels under TRITON_INTERPRET=1, the script's GPU branch for the kernels, as a
+bare GPU box would: tqdm, transformers, tokenizers and flash_attn cannot be imported in it (a
+sitecustomize on its PYTHONPATH blocks them, for any child it starts too); the perturbed one runs
+the torch kernels, the branch a CPU without the interpreter takes.
 """
 import json
 import os
@@ -23,14 +25,27 @@ SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
 PARITY_PARTS = {"kernels", "update", "sampler"}
 
 
+BARE_BOX = ("tqdm", "transformers", "tokenizers", "flash_attn")  # what a box with torch and triton only lacks
+BLOCKER = f"""import sys
+class _BareBox:  # tests/test_gpu_check.py: these packages are absent here, as on a bare GPU box
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {BARE_BOX!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked: a bare GPU box)")
+sys.meta_path.insert(0, _BareBox())
+"""
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu_check")
+    (tmp / "bare").mkdir()
+    (tmp / "bare" / "sitecustomize.py").write_text(BLOCKER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
+    bare = {"TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(tmp / "bare"), env.get("PYTHONPATH", "")])}
     procs = {}
     # the perturbed run also takes the GPU's default path: each part in its own process
-    for name, flags, extra in (("ok", [], {"TRITON_INTERPRET": "1"}),
+    for name, flags, extra in (("ok", [], bare),
                                ("perturbed", ["--perturb", "--isolate"], {})):
         out = tmp / f"{name}.json"
         procs[name] = (subprocess.Popen([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), *flags],
@@ -47,6 +62,14 @@ def table_rows(stdout: str) -> list[list[str]]:
     lines = [line for line in stdout.splitlines() if line.startswith("| ")]
     assert lines[0].startswith("| part | model | check or figure | value | target | result |"), lines[:1]
     return [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def test_the_bare_box_blocker_blocks(tmp_path):
+    """The check above is only as good as its blocker: a child under it cannot import tqdm."""
+    (tmp_path / "sitecustomize.py").write_text(BLOCKER)
+    r = subprocess.run([sys.executable, "-c", "import tqdm"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 1 and "blocked: a bare GPU box" in r.stderr, r.stderr[-500:]
 
 
 def test_dry_run_passes(runs):

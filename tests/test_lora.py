@@ -265,3 +265,22 @@ def test_dropout_is_on_the_adapters_input_in_training_only_and_a_bf16_base_runs_
     with torch.no_grad():
         out = bf16.eval()(ids)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+
+
+def test_a_bf16_base_under_autocast_computes_what_autocast_did_and_merges_in_fp32(tiny_dir):
+    """grpo.lora.cast_base (a CPU under autocast_bf16): the same matmul inputs as autocast's own cast
+    of the fp32 base, so the same logits, bitwise; and the merged export keeps s B A in fp32."""
+    path, _ = tiny_dir("qwen2")
+    fp32, bf16 = adapted(path, SETTINGS[0]), adapted(path, SETTINGS[0])
+    lora.cast_base(bf16, torch.bfloat16)
+    assert bf16.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16 and not bf16.layers[0].mlp.up_proj.weight.requires_grad
+    fp32.autocast_bf16 = bf16.autocast_bf16 = True
+    ids = torch.randint(0, 131, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(fp32.eval()(ids), bf16.eval()(ids))
+    merged = lora.merged_state(bf16.state_dict(), SETTINGS[0])
+    w = "layers.0.self_attn.q_proj.weight"
+    assert merged[w].dtype == torch.float32
+    expected = bf16.state_dict()[w].float() + SETTINGS[0].scale * (bf16.layers[0].self_attn.q_proj.lora_B
+                                                                  @ bf16.layers[0].self_attn.q_proj.lora_A).detach()
+    torch.testing.assert_close(merged[w], expected, atol=1e-6, rtol=0)
