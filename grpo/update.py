@@ -204,8 +204,8 @@ def policy_update(model, ref_model, optimizer, scheduler, trajs: list, advantage
         num_tokens = dist.all_sum(float(sum(sum(t.loss_mask) for t in sub if not masked_out(t, cfg))))
         steps.append((update_batches(sub, adv, cfg, device), num_sequences, num_tokens))
     from_rollout = cfg.num_iterations > 1 or S > 1  # else old = the current policy, detached (rho = 1)
-    # the old policy and the reference in eval mode, as the sampler ran: no dropout (LoRA's lora_dropout) in them
-    training, _ = model.training, model.eval()
+    training = model.training
+    model.eval()  # the old policy and the reference as the sampler ran them: no dropout (LoRA's lora_dropout)
     old = [batch_logprobs(model, b, cfg.temperature) for b, _, _ in steps] if from_rollout else None
     ref = [batch_logprobs(ref_model, b, cfg.temperature) for b, _, _ in steps] if ref_model is not None else None
     model.train(training)
