@@ -86,8 +86,8 @@ class LoRALinear(nn.Module):
             return y
         h = F.dropout(x, self.dropout, self.training) if self.dropout else x
         # in the adapters' dtype: fp32 beside a bf16 base outside FSDP (which otherwise casts both for us)
-        a = F.linear(F.linear(h.to(self.lora_A.dtype), self.lora_A), self.lora_B)  # (..., r) between: cheap
-        return y + self.scale * a.to(y.dtype)
+        delta = F.linear(F.linear(h.to(self.lora_A.dtype), self.lora_A), self.lora_B)  # (..., r) between: cheap
+        return y + self.scale * delta.to(y.dtype)
 
 
 def add_lora(model, settings: LoraSettings, seed: int = 0):
