@@ -90,11 +90,10 @@ def lora_fields(peft_config) -> dict:
         return {}
     if str(getattr(peft_config, "peft_type", "LORA")).rsplit(".", 1)[-1] != "LORA":
         raise ValueError(f"peft_config: {type(peft_config).__name__} is not a LoRA config (only LoRA is supported)")
-    from grpo.lora import UNSUPPORTED
-    odd = [f"{k}={getattr(peft_config, k)!r}" for k, default in UNSUPPORTED.items()
-           if getattr(peft_config, k, default) not in (default, None, {}, [])]
-    if getattr(peft_config, "init_lora_weights", True) is not True:  # ours: PEFT's default init, nothing else
-        odd.append(f"init_lora_weights={peft_config.init_lora_weights!r}")
+    from grpo.lora import UNSUPPORTED, refused_options
+    names = [*UNSUPPORTED, "init_lora_weights"]
+    # adapters start as ours do: PEFT's default init (True), nothing else
+    odd = refused_options({k: getattr(peft_config, k) for k in names if hasattr(peft_config, k)}, inits=(True,))
     if odd:
         raise ValueError(f"peft_config: unsupported LoRA options {', '.join(odd)}")
     # no target_modules: PEFT's own default for Llama, Qwen2 and Qwen3, the q and v projections

@@ -152,9 +152,9 @@ RUN_FILES = ("metrics.jsonl", "checkpoints")
 # what a resumed run must share with the run it continues: the weights it started from (the base and,
 # under LoRA, the adapters' shape and first values), and what decides its data order and groups (a
 # recipe's data fields too, where it has them)
+LORA_FIELDS = ("use_peft", "lora_r", "lora_alpha", "lora_target_modules", "use_rslora", "adapter_path")
 SAME_RUN_FIELDS = ("model_path", "seed", "prompts_per_step", "num_generations",
-                   "train_data", "question_field", "answer_field",
-                   "use_peft", "lora_r", "lora_alpha", "lora_target_modules", "use_rslora", "adapter_path")
+                   "train_data", "question_field", "answer_field") + LORA_FIELDS
 
 
 def refuse_used_dir(out_dir: str) -> None:
@@ -181,7 +181,7 @@ def open_run_dir(out_dir: str, config: dict, resume: bool, meta: dict) -> None:
         lora = recorded.get("use_peft") or config.get("use_peft")  # the LoRA fields matter only under LoRA
         differ = [f"{k}: {recorded[k]!r} there, {config[k]!r} now" for k in SAME_RUN_FIELDS
                   if k in recorded and k in config and recorded[k] != config[k]
-                  and (lora or not (k.startswith("lora_") or k in ("use_rslora", "adapter_path")))]
+                  and (lora or k not in LORA_FIELDS)]
         if differ:
             raise ValueError(f"--resume: {record} was written by another run ({'; '.join(differ)}); "
                              "resume with its settings, or use another --output_dir")
@@ -298,10 +298,5 @@ def export(model, path: str, dtype: torch.dtype | None = None, adapter_dir: str 
         if adapter_dir is not None:
             from grpo.lora import save_adapter
             save_adapter(adapter_dir, state, model.lora, base_model)
-        if getattr(model, "lora", None) is not None:  # merged in fp32 before any cast (save_pretrained would merge after it)
-            from grpo.lora import merged_state
-            state = merged_state(state, model.lora)
-        if dtype is not None:
-            state = {k: v.to(dtype) for k, v in state.items()}
-        model.save_pretrained(path, state_dict=state)
+        model.save_pretrained(path, state_dict=state, dtype=dtype)
     dist.barrier()

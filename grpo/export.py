@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = p.parse_args(argv)
     checkpoint = Path(args.checkpoint)
     run = run_config(checkpoint)
-    from grpo.lora import merged_state, save_adapter, settings_of
+    from grpo.lora import save_adapter, settings_of
     lora = settings_of(argparse.Namespace(**run)) if run.get("use_peft") else None
     if args.adapter and lora is None:
         raise SystemExit(f"error: --adapter: {checkpoint} is from a run without LoRA (its config.json has no "
@@ -89,8 +89,7 @@ def main(argv: list[str] | None = None) -> Path:
     if args.adapter:
         save_adapter(args.out_dir, model.state_dict(), lora, base)
     else:  # adapters merged in fp32, then cast
-        state = merged_state(model.state_dict(), lora) if lora is not None else model.state_dict()
-        model.save_pretrained(args.out_dir, state_dict={k: v.to(getattr(torch, args.dtype)) for k, v in state.items()})
+        model.save_pretrained(args.out_dir, dtype=getattr(torch, args.dtype))
     print(f"export: {checkpoint} -> {args.out_dir}" + (" (PEFT adapter)" if args.adapter else ""))
     if args.push_to_hub:
         try:

@@ -96,12 +96,10 @@ def add_lora(model, settings: LoraSettings, seed: int = 0):
     starts from the same adapters whatever else drew from torch's global one."""
     generator = torch.Generator().manual_seed(seed)
     model.requires_grad_(False)
-    for block in model.layers:
-        for parent, names in ((block.self_attn, ATTENTION), (block.mlp, MLP)):
-            for name in names:
-                if name in settings.targets:
-                    setattr(parent, name, LoRALinear(getattr(parent, name), settings.r, settings.scale,
-                                                     settings.dropout, generator))
+    for parent, name in block_linears(model):
+        if name in settings.targets:
+            setattr(parent, name, LoRALinear(getattr(parent, name), settings.r, settings.scale, settings.dropout,
+                                             generator))
     model.lora = settings  # save_pretrained merges, the trainer writes the adapter folder
     return model
 
@@ -113,13 +111,19 @@ def cast_base(model, dtype: torch.dtype):
     grad, so a frozen fp32 one would be cast anew in every forward: each of the sampler's prefills
     and tool turns, and each micro-batch (measured on the CPU default: the warm-start 2:35 -> 2:10 min,
     a 100-question eval 93 -> 80 s). Same matmul inputs, half the bytes."""
+    for parent, name in block_linears(model):
+        m = getattr(parent, name)
+        m.weight = nn.Parameter(m.weight.to(dtype), requires_grad=False)
+        if m.bias is not None:
+            m.bias = nn.Parameter(m.bias.to(dtype), requires_grad=False)
+
+
+def block_linears(model):
+    """(parent module, name) of each of the seven linear layers of every block."""
     for block in model.layers:
         for parent, names in ((block.self_attn, ATTENTION), (block.mlp, MLP)):
             for name in names:
-                m = getattr(parent, name)
-                m.weight = nn.Parameter(m.weight.to(dtype), requires_grad=False)
-                if m.bias is not None:
-                    m.bias = nn.Parameter(m.bias.to(dtype), requires_grad=False)
+                yield parent, name
 
 
 def adapters(model) -> list[LoRALinear]:
@@ -214,9 +218,16 @@ UNSUPPORTED = {"use_dora": False, "bias": "none", "lora_bias": False, "fan_in_fa
 PLAIN_INITS = (True, False, "gaussian", None)
 
 
-def read_adapter(path) -> tuple[LoraSettings, dict]:
-    """A PEFT LoRA folder -> (its settings, {our name: tensor}); one-line errors for what we cannot load."""
-    from safetensors.torch import load_file
+def refused_options(options: dict, inits: tuple = PLAIN_INITS) -> list[str]:
+    """"name=value" of each PEFT option in `options` (a LoraConfig's fields) that we would misread:
+    a non-default UNSUPPORTED one, or an init_lora_weights outside `inits`."""
+    odd = [f"{k}={options[k]!r}" for k, default in UNSUPPORTED.items() if options.get(k) not in (default, None, {}, [])]
+    init = options.get("init_lora_weights", True)
+    return odd + ([f"init_lora_weights={init!r}"] if init not in inits else [])
+
+
+def adapter_settings(path) -> LoraSettings:
+    """A PEFT LoRA folder's adapter_config.json -> its settings; one-line errors for what we cannot load."""
     path = Path(path)
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if not (path / name).is_file():
@@ -225,14 +236,19 @@ def read_adapter(path) -> tuple[LoraSettings, dict]:
     cfg = json.loads((path / ADAPTER_CONFIG).read_text())
     if cfg.get("peft_type") != "LORA":
         raise ValueError(f"adapter_path {path}: peft_type {cfg.get('peft_type')!r}, only LORA is supported")
-    odd = [f"{k}={cfg[k]!r}" for k, default in UNSUPPORTED.items() if cfg.get(k) not in (default, None, {}, [])]
-    odd += [f"init_lora_weights={cfg['init_lora_weights']!r}"] if cfg.get("init_lora_weights") not in PLAIN_INITS else []
+    odd = refused_options(cfg)
     if odd:
         raise ValueError(f"adapter_path {path}: unsupported LoRA options {', '.join(odd)}")
     targets = cfg.get("target_modules") or ()
-    settings = LoraSettings(int(cfg["r"]), float(cfg.get("lora_alpha", 8)), float(cfg.get("lora_dropout", 0.0)),
-                            parse_targets(targets if isinstance(targets, str) else list(targets)),
-                            bool(cfg.get("use_rslora", False)))
+    return LoraSettings(int(cfg["r"]), float(cfg.get("lora_alpha", 8)), float(cfg.get("lora_dropout", 0.0)),
+                        parse_targets(targets if isinstance(targets, str) else list(targets)),
+                        bool(cfg.get("use_rslora", False)))
+
+
+def read_adapter(path) -> tuple[LoraSettings, dict]:
+    """A PEFT LoRA folder -> (its settings, {our name: tensor})."""
+    from safetensors.torch import load_file
+    settings, path = adapter_settings(path), Path(path)
     state = {}
     for key, value in load_file(str(path / ADAPTER_WEIGHTS)).items():
         name = key.removeprefix(PEFT_PREFIX).removesuffix(".weight").replace(".default", "")

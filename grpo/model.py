@@ -379,11 +379,12 @@ class Transformer(nn.Module):
         eos = self.generation_config.get("eos_token_id", self.config.get("eos_token_id"))
         return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
-    def save_pretrained(self, path: str, state_dict: dict | None = None, max_shard_bytes: int = 4 << 30):
+    def save_pretrained(self, path: str, state_dict: dict | None = None, max_shard_bytes: int = 4 << 30,
+                        dtype: torch.dtype | None = None):
         """Write config.json, safetensors (sharded above `max_shard_bytes`), generation_config and the
         tokenizer files of the folder we came from, so that transformers loads the result.
         `state_dict`: a full (unsharded) state dict, as gathered under FSDP; default ours. LoRA adapters
-        are merged into the weights they adapt."""
+        are merged into the weights they adapt, before any cast to `dtype` (the weights on disk)."""
         from safetensors.torch import save_file
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
@@ -391,6 +392,8 @@ class Transformer(nn.Module):
         if self.lora is not None:  # adapters merged: transformers loads a plain model (grpo.lora.save_adapter: PEFT's)
             from grpo.lora import merged_state
             state = merged_state(state, self.lora)
+        if dtype is not None:
+            state = {k: v.to(dtype) for k, v in state.items()}
         state = {"model." + k if k != "lm_head.weight" else k: v.detach().contiguous()
                  for k, v in state.items()
                  if not (k == "lm_head.weight" and self.args.tie_embeddings) and k != "inv_freq"}

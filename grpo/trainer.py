@@ -28,7 +28,8 @@ from grpo.cpu import measure, set_autocast, set_threads, trim
 from grpo.eval import evaluate, run_eval_settings, summarize
 from grpo.fallback import kernels_of
 from grpo.kv_cache import KVCache
-from grpo.lora import BaseModel, add_lora, cast_base, load_adapter, read_adapter, settings_of, trainable
+from grpo.lora import (BaseModel, adapter_settings, add_lora, cast_base, load_adapter, read_adapter, settings_of,
+                       trainable)
 from grpo.loss import group_advantages, overlong_penalty
 from grpo.metrics import Logger, credit_metrics, rollout_records, step_metrics
 from grpo.model import Transformer, _local_or_hub
@@ -138,7 +139,7 @@ def check_inputs(cfg: Config, env, train_examples: list, sft_examples: list):
     if cfg.dist_timeout_min <= 0:
         raise ValueError(f"dist_timeout_min={cfg.dist_timeout_min} must be > 0")
     if cfg.adapter_path:  # the adapter's own shape wins over the flags (recorded in config.json as used)
-        lora, _ = read_adapter(cfg.adapter_path)
+        lora = adapter_settings(cfg.adapter_path)
         cfg.lora_r, cfg.lora_alpha, cfg.use_rslora = lora.r, lora.alpha, lora.rslora
         cfg.lora_target_modules = ",".join(lora.targets)
     if cfg.sft_steps > 0:
