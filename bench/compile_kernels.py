@@ -65,12 +65,13 @@ PLEN, NEW = 256, 512
 # ----------------------------------------------------------------------------- part 1: compile
 
 
-def training_cases():
-    """(name, shape, call) for the training-path kernels, at a Qwen2.5-0.5B update's shapes."""
+def training_cases(dtype: torch.dtype = torch.bfloat16):
+    """(name, shape, call) for the training-path kernels, at a Qwen2.5-0.5B update's shapes, the
+    log-prob kernel's operands in `dtype` (bf16 under FSDP's mixed precision, fp32 without)."""
     g = torch.Generator().manual_seed(0)
     N, H, V = 256, 896, 151936
-    hidden = torch.randn(N, H, generator=g).bfloat16().requires_grad_()
-    weight = (torch.randn(V, H, generator=g) * H ** -0.5).bfloat16().requires_grad_()
+    hidden = torch.randn(N, H, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(V, H, generator=g) * H ** -0.5).to(dtype).requires_grad_()
     labels = torch.randint(0, V, (N,), generator=g)
     B, T, G = 16, 1024, 8
     lp, old, ref = (torch.randn(B, T, generator=g) for _ in range(3))
@@ -80,7 +81,7 @@ def training_cases():
     def logprobs():
         kernels.linear_logprobs(hidden, weight, labels, 0.9, return_entropy=True)[0].sum().backward()
 
-    return [("linear_logprobs fwd + bwd", f"({N}, {H}) x ({V}, {H}) bf16", logprobs),
+    return [("linear_logprobs fwd + bwd", f"({N}, {H}) x ({V}, {H}) {str(dtype)[6:]}", logprobs),
             ("grpo_token_loss", f"({B}, {T}), KL + TIS",
              lambda: kernels.grpo_token_loss(lp, old, adv, mask, ref_logprobs=ref, beta=0.04,
                                              sampler_logprobs=old, tis_cap=2.0).sum().backward()),
@@ -104,14 +105,16 @@ def resources(cubin: bytes) -> dict:
     return dict(regs=int(fields["REG"]), spill_bytes=int(fields["STACK"]) + int(fields["LOCAL"]))
 
 
-def compile_rows(archs: list[int]) -> list[dict]:
-    """One row per kernel specialization launched by each case, for each arch."""
-    calls = [(model, n, s, (lambda c=c: c(None))) for model in decode_kernels.SHAPES
-             for n, s, c in decode_kernels.cases(torch.bfloat16, "cpu", model)]
-    calls += [("qwen2.5-0.5b", *case) for case in training_cases()]
+def compile_rows(archs: list[int], dtypes=(torch.bfloat16, torch.float32)) -> list[dict]:
+    """One row per kernel specialization launched by each case, for each arch, with the operands in
+    each of `dtypes` (bf16: FSDP's mixed precision; fp32: a run without it, whose fp32 tiles take
+    twice the registers and shared memory)."""
+    calls = [(model, dt, n, s, (lambda c=c: c(None))) for dt in dtypes for model in decode_kernels.SHAPES
+             for n, s, c in decode_kernels.cases(dt, "cpu", model)]
+    calls += [("qwen2.5-0.5b", dt, *case) for dt in dtypes for case in training_cases(dt)]
     rows = []
     for arch in archs:
-        for model, name, shape, call in calls:
+        for model, dtype, name, shape, call in calls:
             with compile_for(arch) as launches:
                 t0 = time.perf_counter()
                 call()
@@ -124,7 +127,8 @@ def compile_rows(archs: list[int]) -> list[dict]:
                 r = resources(k.asm["cubin"])
                 shared = k.metadata.shared
                 status = ("spills" if r["spill_bytes"] else "") + (" shared > max" if shared > SHARED_MAX[arch] else "")
-                rows.append(dict(arch=f"sm_{arch}", gpu=ARCHS[arch], model=model, case=name, kernel=kname,
+                rows.append(dict(arch=f"sm_{arch}", gpu=ARCHS[arch], model=model, dtype=str(dtype)[6:],
+                                 case=name, kernel=kname,
                                  shape=shape, warps=k.metadata.num_warps, stages=k.metadata.num_stages,
                                  regs=r["regs"], spill_bytes=r["spill_bytes"], shared_bytes=shared,
                                  compile_s=seconds, status=status.strip() or "ok"))
@@ -225,7 +229,7 @@ def main():
     print(f"torch {torch.__version__}, triton {triton.__version__}, CPU {torch.backends.cpu.get_cpu_capability()}; "
           f"compiled for CUDA, launched nowhere")
     rows = compile_rows(a.arch)
-    print_table(rows, ["arch", "gpu", "model", "case", "kernel", "shape", "warps", "stages", "regs", "spill_bytes",
+    print_table(rows, ["arch", "gpu", "model", "dtype", "case", "kernel", "shape", "warps", "stages", "regs", "spill_bytes",
                        "shared_bytes", "compile_s", "status"])
     if not a.skip_count:
         arch = 90 if 90 in a.arch else a.arch[0]

@@ -55,7 +55,7 @@ def cases(dtype: torch.dtype, dev: str = "cuda", model: str = "qwen2.5-0.5b"):
     key = torch.randint(0, 1 << 62, (B,), generator=g, device=dev)
     step = torch.randint(0, 4096, (B,), generator=g, device=dev)
     out = []
-    for ldt in (torch.float32, dtype):
+    for ldt in dict.fromkeys((torch.float32, dtype)):  # fp32 logits, and the model dtype's
         logits = rand(B, V, dt=ldt) * 4
         for T in (1.0, 0.0):
             out.append((f"fused_sample T={T:g}", f"({B}, {V}) {str(ldt)[6:]}",
@@ -98,24 +98,24 @@ def measure(dtype: torch.dtype, iters: int, reps: int) -> list[dict]:
 
 # (keys a block, warps, stages) tried by the sweep; the shipped one is layers._attention_launch's
 SWEEP = [(16, 4, 1), (16, 4, 3), (16, 8, 3), (32, 4, 2), (32, 4, 3), (32, 8, 2), (32, 8, 3), (64, 4, 1),
-         (64, 8, 3), (64, 4, 3)]
+         (64, 4, 2), (64, 8, 3), (64, 4, 3), (128, 4, 2), (128, 8, 2)]
 
 
 def sweep(dtype: torch.dtype, iters: int, reps: int, dev: str = "cuda") -> list[dict]:
     """The decode attention's launch alternatives at both shapes, against the shipped one (CUDA).
-    A spilling configuration (64 keys x 4 warps x 3 stages, the first shipped) is timed too; one
+    A spilling configuration (fp32: 64 keys x 4 warps x 3 stages) is timed too; one
     the GPU cannot launch (too much shared memory) is a row saying so."""
     from triton.runtime.errors import OutOfResources
     rows = []
     with torch.no_grad():
         for model in SHAPES:
             call = next(c for name, _, c in cases(dtype, dev, model) if name == "decode_attention")
-            shipped = layers._attention_launch(SHAPES[model]["D"])
+            shipped = layers._attention_launch(SHAPES[model]["D"], dtype)
             base = time_ms(lambda: call("triton"), iters, reps)
             for cfg in SWEEP:
                 r = dict(model=model, keys_warps_stages=str(cfg), shipped=cfg == shipped)
                 try:
-                    with mock.patch.object(layers, "_attention_launch", lambda D, cfg=cfg: cfg):
+                    with mock.patch.object(layers, "_attention_launch", lambda D, dtype, cfg=cfg: cfg):
                         us = 1e3 * time_ms(lambda: call("triton"), iters, reps)
                     rows.append(dict(r, us=us, speed=1e3 * base / us, error=""))
                 except OutOfResources as e:  # e.g. 136 KB of shared memory on an RTX 6000 Ada

@@ -133,6 +133,20 @@ def doc_mask(position_ids: Tensor) -> Tensor:  # (B, T) -> (B, 1, T, T) bool, Tr
 
 # ----------------------------------------------------------------------------- blocks
 
+def lm_logits(h: Tensor, weight: Tensor) -> Tensor:
+    """h (..., H) through the LM head (V, H) -> logits (..., V) in fp32, summed in fp32 from the
+    weight's dtype: the logits the trainer's log-probs come from (grpo.kernels.linear_logprobs), so
+    that a sampled token's log-prob differs from the trainer's by the order of sums only, not by a
+    bf16 rounding of each logit (a relative 2^-9, seen as `sampler_gap` and in the TIS weights)."""
+    h = h.to(weight.dtype)
+    if weight.dtype == torch.float32:
+        return F.linear(h, weight)
+    if h.device.type == "cpu":  # no mixed-dtype GEMM on a CPU: 16-bit products are exact in fp32
+        return F.linear(h.float(), weight.float())
+    flat = torch.mm(h.reshape(-1, h.shape[-1]), weight.t(), out_dtype=torch.float32)  # (N, V), cuBLAS
+    return flat.view(*h.shape[:-1], weight.shape[0])
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -310,8 +324,9 @@ class Transformer(nn.Module):
             return linear_logprobs(h, self.lm_head.weight, labels, temperature=temperature,
                                    return_entropy=return_entropy,
                                    grad_dtype=torch.bfloat16 if self.autocast_bf16 else None)
-        if output_index is not None:
+        if output_index is not None:  # the sampler's: a few rows, in fp32 as the trainer scores them
             h = h.gather(1, output_index[..., None].expand(-1, -1, h.shape[-1]))  # (B, K, H)
+            return lm_logits(h, self.lm_head.weight)
         return self.lm_head(h)
 
     @staticmethod

@@ -23,13 +23,13 @@ tokens, without the (B, V) int64 noise buffer).
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 # the hash, one definition for the sampler and for the Triton kernel's reference
 from grpo.kernels.reference import GOLDEN, MASK32, gumbel, mix32, noise_seed  # noqa: F401
 
 from grpo import kernels
+from grpo.model import lm_logits
 
 
 def request_key(seed: int, prompt_id: int, sample_id: int) -> int:
@@ -100,13 +100,13 @@ def sample_hidden(hidden: Tensor, weight: Tensor, key: Tensor, step: Tensor, tem
     race's winner is the best chunk winner (the first on a tie, as argmax); the log-sum-exp combines
     the chunks', so a log-prob may differ from sample()'s in its last bits, a token never."""
     filtered = top_k > 0 or top_p < 1.0 or min_p > 0.0
-    if filtered or kernels.gpu(hidden):
-        return sample(F.linear(hidden.to(weight.dtype), weight), key, step, temperature, top_k, top_p, min_p)
+    if filtered or kernels.gpu(hidden):  # fp32 logits (V of them a row) from the LM head's dtype
+        return sample(lm_logits(hidden, weight), key, step, temperature, top_k, top_p, min_p)
     hidden, V = hidden.to(weight.dtype), weight.shape[0]
     seed = noise_seed(key, step) if temperature > 0.0 else None
     best, where, picked, lse = [], [], [], []  # per chunk: (B,) best score, its token, that token's z, lse(z)
     for start in range(0, V, chunk):
-        z = F.linear(hidden, weight[start:start + chunk]).float()  # (B, c) logits of the chunk
+        z = lm_logits(hidden, weight[start:start + chunk])  # (B, c) fp32 logits of the chunk
         if temperature == 0.0:
             score = z  # greedy: the largest logit; its log-prob at T 1
         else:

@@ -123,10 +123,14 @@ if triton is not None:
         acc_ptr, ml_ptr,                             # (B, nh, splits, D) fp32, (2, B, nh, splits) fp32
         NH, G, D, n_per_split, scale, stride_qb, stride_qh,
         stride_cslot, stride_cpos, stride_chead,
-        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
     ):
         # program (b, kv head, split): the G query heads sharing that KV head, over positions
-        # [split * n_per_split, +n_per_split) of the row's first length[b]
+        # [split * n_per_split, +n_per_split) of the row's first length[b]. Both dots take the
+        # operands in the cache's dtype and accumulate in fp32: bf16 runs on the tensor cores (the
+        # MMA pads the BLOCK_G heads to its own tile; no padding of ours beyond a power of two), fp32
+        # runs "ieee" (no tf32), as the fp32 accumulation the reference gets
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -139,7 +143,8 @@ if triton is not None:
         heads = kvh * G + g
         qd_ok = (g[:, None] < G) & (d[None, :] < D)
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=qd_ok, other=0.0)
-        q = q.to(tl.float32) * scale                     # (BLOCK_G, BLOCK_D)
+        if UPCAST:  # the interpreter has no bf16 arithmetic: the same values, in fp32
+            q = q.to(tl.float32)
         base = tl.load(slot_ptr + b) * stride_cslot + kvh * stride_chead
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)   # running max score
         l = tl.zeros([BLOCK_G], tl.float32)                 # sum exp(score - m)
@@ -148,16 +153,24 @@ if triton is not None:
             n = n0 + tl.arange(0, BLOCK_N)
             nd_ok = (n[:, None] < end) & (d[None, :] < D)
             at = base + n[:, None] * stride_cpos + d[None, :]
-            k = tl.load(k_ptr + at, mask=nd_ok, other=0.0).to(tl.float32)     # (BLOCK_N, BLOCK_D)
-            v = tl.load(v_ptr + at, mask=nd_ok, other=0.0).to(tl.float32)
-            # fp32 products ("ieee": no tf32), as the fp32 accumulation the reference gets
-            score = tl.dot(q, tl.trans(k), input_precision="ieee")               # (BLOCK_G, BLOCK_N)
+            k = tl.load(k_ptr + at, mask=nd_ok, other=0.0)                      # (BLOCK_N, BLOCK_D)
+            v = tl.load(v_ptr + at, mask=nd_ok, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            # q.k exact products, fp32 sums, then the scale (as SDPA: scores in fp32, scaled)
+            score = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale   # (BLOCK_G, BLOCK_N) fp32
             score = tl.where(n[None, :] < end, score, float("-inf"))
             m_new = tl.maximum(m, tl.max(score, axis=1))     # finite: n0 < end, one key at least
             alpha = tl.exp(m - m_new)
             p = tl.exp(score - m_new[:, None])
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            # p rounded to v's dtype for the MMA (bf16: a relative 2^-9 a weight, as SDPA's flash
+            # kernels round their probabilities); its sum l stays fp32
+            pv = p.to(v_ptr.dtype.element_ty)
+            if UPCAST:
+                pv = pv.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
             m = m_new
         out = (b * NH + heads) * SPLITS + sp                 # (BLOCK_G,) index into (B, nh, splits)
         g_ok = g < G
@@ -267,14 +280,19 @@ def silu_mul(gu: Tensor, backend: str | None = None) -> Tensor:
     return out
 
 
-def _attention_launch(D: int) -> tuple[int, int, int]:
+def _attention_launch(D: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(keys a block, warps, pipeline stages) of the decode attention on a GPU, for head dim D.
-    The k and v tiles are upcast to fp32 for the "ieee" dots: at 64 keys x 4 warps the kernel
-    spilled (D 64), or spilled 3-4 KB a thread and asked 136 KB of shared memory (D 128: more than
-    an RTX 6000 Ada gives a block). 8 warps and 32 (D <= 64) or 16 keys leave 162-166 registers
-    and no spill on sm_80-sm_100 (bench/compile_kernels.py, tests/test_compile.py);
-    bench/decode_kernels.py --sweep times the alternatives on a GPU."""
-    return (32 if D <= 64 else 16), 8, 3
+    16-bit caches: the k and v tiles stay in their dtype and feed the tensor cores; 64 keys x 4
+    warps x 2 stages compiles to 65-72 registers, no spill and 18 KB (D 64) / 36 KB (D 128) of
+    shared memory on sm_80-sm_100 (128 keys: up to 159 registers; 3 stages: 69 KB at D 128, a third
+    of an RTX 6000 Ada SM's). fp32 caches: the "ieee" dots run on the FMA units from fp32 tiles, twice
+    the registers and shared memory: 8 warps and 32 (D <= 64) or 16 keys leave no spill (64 keys
+    x 4 warps spilled; 128 spilled up to 648 bytes and asked 139 KB at D 128). Compiled, not timed
+    (bench/compile_kernels.py, tests/test_compile.py); bench/decode_kernels.py --sweep times the
+    alternatives on a GPU."""
+    if dtype == torch.float32:
+        return (32 if D <= 64 else 16), 8, 3
+    return 64, 4, 2
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor, length: Tensor,
@@ -297,7 +315,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor, 
     q = q if q.stride(2) == 1 else q.contiguous()
     G = nh // nkv
     if gpu(q):
-        BLOCK_N, warps, stages = _attention_launch(D)
+        BLOCK_N, warps, stages = _attention_launch(D, q.dtype)
         # split the keys when B * nkv programs would leave SMs idle (flash-decoding)
         programs = 4 * sm_count(q)
         splits = max(1, min(triton.cdiv(programs, B * nkv), triton.cdiv(S, 4 * BLOCK_N)))
@@ -311,8 +329,10 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor, 
     _decode_attention_kernel[(B, nkv, splits)](
         q, k_cache, v_cache, slot, length, acc, ml, nh, G, D, n_per_split, float(scale),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, num_warps=warps,
-        num_stages=stages, enable_fp_fusion=True)
+        BLOCK_G=triton.next_power_of_2(G), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit operands
+        UPCAST=not gpu(q),
+        num_warps=warps, num_stages=stages, enable_fp_fusion=True)
     out = torch.empty(B, nh, D, dtype=q.dtype, device=q.device)
     _decode_attention_combine_kernel[(B * nh,)](acc, ml, out, B * nh, D, splits,
                                                BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=BLOCK_D,

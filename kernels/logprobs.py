@@ -164,10 +164,15 @@ def _forward_triton(hidden, weight, labels, temperature, want_entropy):
     N, H = hidden.shape
     V = weight.shape[0]
     if gpu(hidden):
-        BLOCK_N, BLOCK_V, BLOCK_H, warps = 64, 128, 64, 8
+        # 16-bit operands: tensor-core tiles. fp32 operands ("ieee" dots on the FMA units, tiles twice
+        # the bytes): the 16-bit launch spilled 248 bytes on sm_80 (255 registers) and took 98 KB of
+        # the 99 KB an sm_89 block gets; half the tokens and hidden a step, 2 stages: 110-184
+        # registers, no spill, 20 KB on sm_80-sm_100 (bench/compile_kernels.py)
+        BLOCK_N, BLOCK_V, BLOCK_H, warps, stages = (32, 128, 32, 8, 2) if hidden.dtype == torch.float32 else (
+            64, 128, 64, 8, 3)
         programs = 2 * sm_count(hidden)
     else:  # interpreter: small tiles, and 2 splits so the split combine is tested
-        BLOCK_N, BLOCK_V, BLOCK_H, warps = 16, 32, 16, 1
+        BLOCK_N, BLOCK_V, BLOCK_H, warps, stages = 16, 32, 16, 1, 1
         programs = 2 * triton.cdiv(N, BLOCK_N)
     n_blocks = triton.cdiv(N, BLOCK_N)
     # split the vocab when there are too few token blocks to fill the GPU
@@ -180,7 +185,7 @@ def _forward_triton(hidden, weight, labels, temperature, want_entropy):
         N, V, H, v_per_split, 1.0 / temperature, hidden.stride(0), weight.stride(0),
         BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H,
         UPCAST=not gpu(hidden),
-        num_warps=warps, enable_fp_fusion=True,  # FMA, explicitly: Triton 3.10 flips the default
+        num_warps=warps, num_stages=stages, enable_fp_fusion=True,  # FMA, explicitly: Triton 3.10 flips the default
     )
     lse_s, tgt_s, ez_s = stats                                 # (S, N) each
     lse = lse_s.logsumexp(0)

@@ -92,3 +92,26 @@ def test_the_attention_sweep_compiles_each_launch(monkeypatch):
     # each launch a kernel of its own (keys a block is a constexpr) per shape; the shipped launch, timed
     # first as the base, is one of them
     assert len({k.hash for k in attention}) == 2 * len(set(decode_kernels.SWEEP)), len(attention)
+
+
+@pytest.mark.parametrize("G", [2, 4, 7])
+def test_decode_attention_on_tensor_cores_for_16_bit_caches(G):
+    """bf16 caches: both dots on the tensor cores (mma in the PTX), the query heads of a KV head
+    padded only to a power of two (Qwen3-0.6B's 2, Qwen3-4B's 4, Qwen2.5-0.5B's 7 -> 8; the MMA pads
+    to its own tile); fp32 caches: "ieee" dots on the FMA units (no mma, no tf32). No spill."""
+    import compile_kernels
+
+    from grpo.kernels import compile_for, decode_attention
+    B, nkv, D, S = 4, 2, 64, 256
+    g = torch.Generator().manual_seed(0)
+    for dtype, mma in ((torch.bfloat16, True), (torch.float32, False)):
+        q = torch.randn(B, nkv * G, D, generator=g).to(dtype)
+        k_cache, v_cache = (torch.randn(B, S, nkv, D, generator=g).to(dtype) for _ in range(2))
+        with compile_for(90) as launches:
+            decode_attention(q, k_cache, v_cache, torch.arange(B), torch.full((B,), S))
+        k = next(k for name, k in launches if name == "_decode_attention_kernel")
+        ptx = k.asm["ptx"]
+        assert ("mma" in ptx) == mma, (dtype, G)
+        assert "tf32" not in ptx
+        assert compile_kernels.resources(k.asm["cubin"])["spill_bytes"] == 0
+        assert k.src.constants[(k.src.fn.arg_names.index("BLOCK_G"),)] == 1 << (G - 1).bit_length()

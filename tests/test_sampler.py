@@ -303,6 +303,39 @@ def test_sampling_from_hidden_states_in_chunks(temperature):
     assert torch.equal(filtered[0], sample(hidden @ weight.T, key, step, 1.0, top_k=5)[0])
 
 
+@pytest.mark.parametrize("filtered", [False, True])
+def test_bf16_lm_head_samples_from_fp32_logits(tiny_dir, filtered):
+    """A 16-bit LM head (a GPU's compute dtype) gives the sampler fp32 logits summed in fp32, as the
+    trainer's log-probs are: a sampled token's log-prob is float64's to fp32 rounding, not to a bf16
+    rounding of each logit (a relative 2^-9: ~3e-2 at these logits' size). The decode's LM head
+    (sample_hidden, both paths) and prefill's (the model's output_index) alike; on a GPU the same
+    comes from one cuBLAS GEMM with an fp32 output (checked here for its shape and dtype on meta)."""
+    from grpo.model import lm_logits
+    g = torch.Generator().manual_seed(5)
+    B, H, V = 6, 64, 999
+    hidden = (torch.randn(B, H, generator=g) * 2).bfloat16()
+    weight = (torch.randn(V, H, generator=g) * 2).bfloat16()
+    key, step = torch.randint(0, 2**62, (B,), generator=g), torch.randint(0, 500, (B,), generator=g)
+    exact = (hidden.double() @ weight.double().T).log_softmax(-1)  # (B, V)
+    tok, lp = sample_hidden(hidden, weight, key, step, 1.0, top_k=V if filtered else 0, chunk=256)
+    assert lp.dtype == torch.float32
+    torch.testing.assert_close(lp.double(), exact.gather(-1, tok[:, None])[:, 0], atol=2e-5, rtol=0)
+    rounded = (hidden @ weight.T).double().log_softmax(-1)  # what a bf16 LM head gave
+    assert (rounded - exact).abs().max() > 1e-2  # so the check above can tell them apart
+    meta = lm_logits(torch.empty(3, 2, H, dtype=torch.bfloat16, device="meta"),
+                     torch.empty(V, H, dtype=torch.bfloat16, device="meta"))
+    assert meta.shape == (3, 2, V) and meta.dtype == torch.float32
+    path, _ = tiny_dir("qwen2", vocab_size=1000)
+    model = Transformer.from_pretrained(path).bfloat16()
+    ids = torch.randint(0, 1000, (2, 9), generator=g)
+    with torch.no_grad():
+        logits = model(ids, output_index=torch.tensor([[8], [4]]))[:, 0]  # (2, V)
+        full = model(ids)[[0, 1], [8, 4]]                                  # (2, V) through nn.Linear: bf16
+    assert logits.dtype == torch.float32 and full.dtype == torch.bfloat16 and logits.shape == (2, 1000)
+    torch.testing.assert_close(logits.bfloat16(), full, atol=0, rtol=2 ** -7)  # the same sums, rounded
+    assert (logits != logits.bfloat16().float()).float().mean() > 0.9  # fp32 values, not bf16 ones
+
+
 def test_noise_is_gumbel_and_independent():
     """The hashed noise has Gumbel(0, 1) moments, and no correlation between neighbouring
     tokens, positions, or samples of one prompt (requests' keys as the sampler makes them)."""
