@@ -10,6 +10,7 @@ after RL keep the same first questions, so that their comparison stays paired. R
 at least `min_rl_steps` steps; the plan line says when that takes the run past its budget.
 `time_budget_min` is a limit on RL alone.
 """
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -31,23 +32,35 @@ class Rates:
 def probe(model, sampler, prompt: list[int], rows: int, k: int = 8, train_tokens: int = 128) -> Rates:
     """Rates from one sampler call (`rows` rows of k tokens from one prompt: its prefill is a
     small share, counted in, so the rate errs slow) and one forward + backward of `train_tokens`
-    tokens, its gradients discarded; the slowest rank's, the same on every rank."""
+    tokens, its gradients discarded; the slowest rank's, the same on every rank. Each is timed
+    after one untimed run of the same shapes, which compiles the Triton kernels and captures the
+    CUDA graphs a GPU's first call would (seconds, once a run, not a rate), and between device
+    synchronizations (a GPU's work is queued: the host clock alone times the queueing)."""
     from grpo.sampler import SamplingParams
     model.eval()
     with dist.gathered(model):
         params = SamplingParams(n=rows, temperature=1.0, max_tokens=k, stop_token_ids=[], seed=0)
-        t = time.perf_counter()
-        sampler.generate([prompt], params)
-        decode_s = (time.perf_counter() - t) / (k * rows)
+        sampler.generate([prompt], dataclasses.replace(params, max_tokens=2))  # warm-up, untimed
+        decode_s = timed(lambda: sampler.generate([prompt], params)) / (k * rows)
         sampler.release()
     ids = torch.tensor([(prompt * (1 + train_tokens // max(len(prompt), 1)))[:train_tokens]], device=dist.device())
     model.train()
-    t = time.perf_counter()
-    model(ids, labels=ids).sum().backward()
-    train_s = (time.perf_counter() - t) / train_tokens
+    step = lambda: model(ids, labels=ids).sum().backward()  # noqa: E731
+    step()  # warm-up, untimed
+    train_s = timed(step) / train_tokens
     model.zero_grad(set_to_none=True)
     decode_s, train_s = dist.all_max_floats([decode_s, train_s])  # the slowest rank sets the pace
     return Rates(decode=decode_s, train=train_s)
+
+
+def timed(fn) -> float:
+    """Seconds `fn` takes, its device work included: synchronized before and after on a GPU."""
+    sync = torch.cuda.synchronize if dist.device().type == "cuda" else (lambda: None)
+    sync()
+    t = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t
 
 
 def estimate(cfg, rates: Rates, prompt_len: float, sft_tokens: float, world: int = 1) -> dict:

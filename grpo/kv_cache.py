@@ -75,6 +75,17 @@ class KVCache:
         its samples' rows, or a prefix of a longer prefilled sequence into the rows that continue
         from it (a causal prefix's keys and values do not depend on the tokens after it)."""
         if dst:
-            idx = torch.tensor(dst, device=self.k.device)
+            idx = to_device(dst, self.k.device)
             self.k[:, idx, :length] = self.k[:, src, :length].unsqueeze(1)
             self.v[:, idx, :length] = self.v[:, src, :length].unsqueeze(1)
+
+
+def to_device(values, device, dtype: torch.dtype | None = None) -> Tensor:
+    """torch.tensor(values, device=device) without making the host wait. A copy from pageable host
+    memory to a GPU first waits for the stream to drain (the decode window in flight, whose next
+    window the host means to prepare meanwhile); from page-locked memory it is queued like a kernel
+    (torch's pinned allocator keeps the block until the copy has run)."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -18,9 +18,10 @@ One loop over four moves, each a short function:
              (continuous batching).
 Randomness is per request (grpo/sampling.py), so results do not depend on the batch.
 Live rows are kept in the lowest slots (`_compact`). On CUDA a decode window is one CUDA graph
-over the smallest power-of-two batch bucket that holds them; the graphs, the cache, the decode
-state and the decode weights stay for the sampler's life, so each graph is captured once per run
-and replayed by every later call (flash-attn's KV-cache kernel is used when importable). On CPU
+over the smallest power-of-two batch bucket that holds them and a power-of-two span of keys
+(cache_bucket); the graphs, the cache, the decode state and the decode weights stay for the
+sampler's life (evals included, where keep_kv_cache), so each graph is captured once per run and
+replayed by every later call (flash-attn's KV-cache kernel is used when importable). On CPU
 the window is a single eager step over exactly the occupied slots.
 Multi-turn tool calls (resume) and prefix continuations (continue_from) share the
 admit/decode/finish loop with plain sampling; the sampling rule is its own file.
@@ -36,7 +37,7 @@ from torch import Tensor
 
 from grpo.cpu import trim
 from grpo.decode import DecodeWeights, decode_hidden
-from grpo.kv_cache import KVCache
+from grpo.kv_cache import KVCache, to_device
 from grpo.sampling import request_key, sample, sample_hidden
 
 
@@ -143,6 +144,16 @@ def bucket(n: int, slots: int) -> int:
     """The batch a graphed window decodes for n occupied slots: the next power of two, capped at
     `slots` (log2(slots) + 1 graphs per cache bucket, each at most twice the live rows' work)."""
     return min(slots, 1 << max(n - 1, 0).bit_length())
+
+
+def cache_bucket(n: int, max_seq_len: int) -> int:
+    """The keys a graphed window reads when its longest row needs n: the next power of two from
+    256, capped at the cache's length. Each is a graph per batch bucket; a 256-token step gave a
+    ReTool row of 8.7k tokens 34 of them (x 7 batch buckets: ~240 captures), powers of two give 7.
+    The attention kernels read each row's own length, so the bucket only sets how the keys are
+    split across programs (at most half of its splits past the longest row) and, without a kernel
+    (SDPA over the span), at most twice the attention's work."""
+    return min(max_seq_len, 1 << max(n - 1, 255).bit_length())
 
 
 class Sampler:
@@ -309,7 +320,7 @@ class Sampler:
         call.bar = _progress(sum(c is None for c in out), progress)
         self.state.active.zero_()
         self.state.is_stop.zero_()  # decode_step retires a row at either kind of stop id
-        self.state.is_stop[[t for t in stops | call.tool_stops if 0 <= t < V]] = True
+        self.state.is_stop[to_device([t for t in stops | call.tool_stops if 0 <= t < V], self.device, torch.int64)] = True
         return call
 
     def _string_ends(self, strings: list[str]) -> list[bool]:
@@ -397,7 +408,7 @@ class Sampler:
         apart), KV into the head's slot; logits kept at the last token of each of the document's
         prompts that it covers and that has samples starting now or later."""
         dev = self.device
-        ids = torch.tensor([t for h in heads for t in h.prompt], device=dev)[None]  # (1, T) packed
+        ids = to_device([t for h in heads for t in h.prompt], dev)[None]  # (1, T) packed
         pos = torch.cat([torch.arange(len(h.prompt), device=dev) for h in heads])
         slot = torch.cat([torch.full((len(h.prompt),), h.slot, device=dev) for h in heads])
         wanted, last, offset = [], [], 0  # prompt indices and where their last tokens sit in the row
@@ -408,7 +419,7 @@ class Sampler:
                     last.append(offset + length - 1)
             offset += len(h.prompt)
         self.cache.packed(slot, pos)
-        out = torch.tensor(last, device=dev)[None]  # (1, K)
+        out = to_device(last, dev)[None]  # (1, K)
         logits = self.model(ids, pos[None], cache=self.cache, output_index=out)[0]  # (K, V)
         self.tokens_prefilled += ids.shape[1]
         for i, row in zip(wanted, logits):
@@ -449,12 +460,12 @@ class Sampler:
         if not rows:
             return
         dev, T = self.device, max(len(x) for _, x, _ in rows)
-        ids = torch.tensor([x + [0] * (T - len(x)) for _, x, _ in rows], device=dev)  # (B, T) padded
-        valid = torch.tensor([[t < len(x) for t in range(T)] for _, x, _ in rows], device=dev)
-        start = torch.tensor([p for _, _, p in rows], device=dev)
-        slots = torch.tensor([s.slot for s, _, _ in rows], device=dev)
+        ids = to_device([x + [0] * (T - len(x)) for _, x, _ in rows], dev)  # (B, T) padded
+        valid = to_device([[t < len(x) for t in range(T)] for _, x, _ in rows], dev)
+        start = to_device([p for _, _, p in rows], dev)
+        slots = to_device([s.slot for s, _, _ in rows], dev)
         self.cache.rows(slots, start, T, max(p for _, _, p in rows) + T, valid)
-        last = torch.tensor([[len(x) - 1] for _, x, _ in rows], device=dev)  # (B, 1)
+        last = to_device([[len(x) - 1] for _, x, _ in rows], dev)  # (B, 1)
         positions = start[:, None] + torch.arange(T, device=dev)
         logits = self.model(ids, positions, cache=self.cache, output_index=last)[:, 0]  # (B, V)
         self._sample_into(call, [s for s, _, _ in rows], logits)
@@ -463,16 +474,16 @@ class Sampler:
         """Sample one token per row from (B, V) logits outside the decode loop (first tokens,
         after observations), then arm the rows that go on in the device state."""
         st, p = self.state, call.params
-        keys = torch.tensor([s.key for s in seqs], device=self.device)
-        steps = torch.tensor([len(s.token_ids) for s in seqs], device=self.device)
+        keys = to_device([s.key for s in seqs], self.device)
+        steps = to_device([len(s.token_ids) for s in seqs], self.device)
         tok, lp = sample(logits, keys, steps, p.temperature, p.top_k, p.top_p, p.min_p)
         tok, lp = tok.tolist(), lp.tolist()  # host sync
         go = [s for s, t, l in zip(seqs, tok, lp) if not self._accept(call, s, [t], [l])]
         if go:
-            idx = torch.tensor([s.slot for s in go], device=self.device)
-            cpu = torch.tensor([[s.token_ids[-1], len(s.prompt) + len(s.token_ids) - 1, len(s.token_ids),
-                                 s.max_tokens, s.key] for s in go])
-            st.tok[idx], st.pos[idx], st.ntok[idx], st.max_tokens[idx], st.key[idx] = cpu.to(self.device).T
+            idx = to_device([s.slot for s in go], self.device)
+            new = to_device([[s.token_ids[-1], len(s.prompt) + len(s.token_ids) - 1, len(s.token_ids),
+                              s.max_tokens, s.key] for s in go], self.device)
+            st.tok[idx], st.pos[idx], st.ntok[idx], st.max_tokens[idx], st.key[idx] = new.T
             st.active[idx] = True
 
     # ------------------------------------------------------------------------- 3. decode
@@ -493,7 +504,7 @@ class Sampler:
         # the host knows (the window in flight)
         cache_len = min(self.cache.max_seq_len, longest + W * (1 + (call.in_flight is not None)))
         if self.use_graphs:
-            cache_len = min(self.cache.max_seq_len, -(-cache_len // 256) * 256)  # buckets, one graph each
+            cache_len = cache_bucket(cache_len, self.cache.max_seq_len)  # buckets, one graph each
             self._graph(call, num_slots, cache_len).replay()
         else:
             for column in range(W):
@@ -530,7 +541,7 @@ class Sampler:
             if k and s.epoch == epoch and self._accept(call, s, toks[slot][:k], lps[slot][:k]):
                 stopped.append(s.slot)
         if stopped:  # stop strings are found here, not on device: retire those rows there too
-            self.state.active[torch.tensor(stopped, device=self.device)] = False
+            self.state.active[to_device(stopped, self.device)] = False
 
     def _compact(self, call: _Call):
         """Move the rows in the highest occupied slots down into the free slots below them, so

@@ -243,17 +243,22 @@ def evaluate_on_ranks(model, tokenizer, env, examples: list, cfg: Config, greedy
                       sampler=None) -> dict:
     """summarize(...) of the whole eval plus its records; each rank evaluates a contiguous
     share, seeded by global question index, so any world size gives the same records.
-    `sampler`: the rollouts' own, its cache freed before and after, so that the eval's is sized
-    to the eval (few-shot prompts are longer) and there is never a second cache."""
+    `sampler`: the rollouts' own, so there is never a second cache. Its cache is freed before and
+    after the eval (sized to the eval: few-shot prompts are longer), except where CUDA graphs are
+    kept (`keep_kv_cache`): then the eval decodes in the rollouts' cache and replays their graphs
+    (its own sampling settings captured once a run), and only an eval whose rows did not fit, and
+    so grew the cache, frees it after, for the rollouts to size their own again."""
     share = -(-len(examples) // dist.world_size())
     lo, hi = min(dist.rank() * share, len(examples)), min((dist.rank() + 1) * share, len(examples))
     settings = run_eval_settings(cfg, greedy)
+    keep = sampler is not None and sampler.use_graphs and cfg.keep_kv_cache
+    held = sampler.cache.max_seq_len if keep and sampler.cache is not None else None
     with dist.gathered(model):
-        if sampler is not None:
+        if sampler is not None and not keep:
             sampler.release()
         r = evaluate(model, tokenizer, env, examples[lo:hi], **settings, progress=dist.is_main(), prompt_offset=lo,
                      sampler=sampler)
-        if sampler is not None:
+        if sampler is not None and (not keep or sampler.cache is None or sampler.cache.max_seq_len != held):
             sampler.release()
     records = dist.all_gather_objects(r["records"])  # every rank holds the whole eval, in question order
     return summarize(records, settings["n"]) | {"records": records}

@@ -228,3 +228,34 @@ def test_the_line_after_the_warm_start_counts_each_phase_once():
     assert "does not fit" not in b.line(spent_s=310.0)   # 310 + 2 x 100 + 10 = 520 s < 600 s
     assert "310" not in b.line() and "5.2 min spent" in b.line(spent_s=310.0)
     assert "does not fit" in b.line(spent_s=500.0)       # 500 + 200 + 10 > 600
+
+
+def test_probe_times_warm_calls_between_synchronizations(monkeypatch):
+    """The first sampler call and the first backward of a run compile Triton kernels and capture
+    CUDA graphs (seconds, once): the probe runs each once untimed, then times the same shapes, its
+    clock read after the device has finished (a synchronization each side, where the device is a GPU)."""
+    import types
+    clock, calls = [0.0], []
+    monkeypatch.setattr(budget.time, "perf_counter", lambda: clock[0])
+
+    def generate(prompts, params):
+        calls.append(("generate", params.max_tokens))
+        clock[0] += 30.0 if len(calls) == 1 else 0.8  # the first call compiles and captures
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, ids, labels=None):
+            calls.append("backward")
+            clock[0] += 20.0 if calls.count("backward") == 1 else 0.4
+            return self.w * ids.float()
+
+    monkeypatch.setattr(budget.dist, "device", lambda: types.SimpleNamespace(type="cuda"))
+    monkeypatch.setattr(budget.torch, "tensor", lambda x, device=None: torch.ones(1, len(x[0])))
+    monkeypatch.setattr(budget.torch.cuda, "synchronize", lambda: calls.append("sync"))
+    sampler = types.SimpleNamespace(generate=generate, release=lambda: None)
+    rates = budget.probe(Model(), sampler, [6, 7, 8], rows=4, k=8, train_tokens=16)
+    assert rates.decode == pytest.approx(0.8 / (8 * 4)) and rates.train == pytest.approx(0.4 / 16)
+    assert calls == [("generate", 2), "sync", ("generate", 8), "sync", "backward", "sync", "backward", "sync"]

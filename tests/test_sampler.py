@@ -1,7 +1,9 @@
 """grpo.sampler against references: transformers' greedy generate, the model's own full
 forward (log-probs, multi-turn caches), exact filter masks and their sampled frequencies;
 plus batch independence of seeded sampling, stops, tools and bad input."""
+import dataclasses
 import threading
+import types
 
 import pytest
 import torch
@@ -225,6 +227,93 @@ def test_batch_buckets(tiny_dir, monkeypatch):
     assert [c.token_ids for c in bucketed] == [c.token_ids for c in exact]
     flat = lambda out: [lp for c in out for lp in c.logprobs]
     assert flat(bucketed) == pytest.approx(flat(exact), abs=1e-5)
+
+
+def _mock_graphs(sampler, monkeypatch) -> list:
+    """CUDA graphs on a CPU: the sampler takes its graphed path (buckets, a window a graph), each
+    'capture' recorded by its key and 'replayed' as the same decode steps run eagerly."""
+    import grpo.sampler as sampler_module
+    captured = []
+
+    def graph(self, call, num_slots, cache_len):
+        p = call.params
+        key = (num_slots, cache_len, p.temperature, p.top_k, p.top_p, p.min_p)
+        if key not in self.graphs:
+            captured.append(key)
+            self.graphs[key] = types.SimpleNamespace(replay=lambda: [
+                sampler_module.decode_step(self.weights, self.cache, self.state, p, num_slots, cache_len, c)
+                for c in range(self.window)])
+        return self.graphs[key]
+
+    monkeypatch.setattr(Sampler, "_graph", graph)
+    sampler.use_graphs = True
+    return captured
+
+
+def test_graphs_captured_per_power_of_two_cache_bucket_and_kept_across_calls(tiny_dir, monkeypatch):
+    """A graph per (batch bucket, cache bucket, sampling settings). Cache buckets are powers of two
+    from 256 (a row of 2,000 tokens: 256, 512, 1024 and the cap, 2048; a step of 256 made 8), and a
+    later call, with the rollouts' settings or an eval's, replays what was captured: only new
+    settings capture (an eval's greedy decode, once)."""
+    from grpo.sampler import cache_bucket
+    assert [cache_bucket(n, 8704) for n in (1, 256, 257, 1000, 4097, 8193)] == [256, 256, 512, 1024, 8192, 8704]
+    path, _ = tiny_dir("llama", vocab_size=1000)
+    model = Transformer.from_pretrained(path)
+    sampler = Sampler(model, gen_batch=8, sync_every=8, buckets=True, pipeline=True)
+    captured = _mock_graphs(sampler, monkeypatch)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    rollout = SamplingParams(n=4, temperature=1.0, max_tokens=2000, stop_token_ids=[7, 9], seed=1)
+    out = sampler.generate(prompts, rollout)
+    lengths = sorted(len(c.token_ids) for c in out)
+    assert lengths[0] < 1000 and lengths[-1] == 2000, lengths  # rows stop apart: several batch buckets
+    caches = sorted({k[1] for k in captured})
+    assert caches == [256, 512, 1024, 2048] == [256, 512, 1024, sampler.cache.max_seq_len], caches
+    batches = {k[0] for k in captured}
+    assert batches <= {1, 2, 4, 8} and len(batches) >= 3, batches
+    assert len(captured) <= len(batches) * len(caches)
+    first = len(captured)
+    again = sampler.generate(prompts, rollout)   # the next step's rollouts: nothing captured
+    assert len(captured) == first and [c.token_ids for c in again] == [c.token_ids for c in out]
+    greedy = dataclasses.replace(rollout, n=1, temperature=0.0, max_tokens=300)
+    sampler.generate(prompts, greedy)            # an eval: its own settings, captured once
+    evals = len(captured) - first
+    assert evals > 0 and all(k[2] == 0.0 for k in captured[first:])
+    sampler.generate(prompts, greedy)
+    assert len(captured) == first + evals
+
+
+def test_no_pageable_host_to_device_copy_in_the_loop(tiny_dir, monkeypatch):
+    """Every host value the loop sends to the device (admissions, tool turns' prefills, compaction's
+    forks, rows stopped by the host) goes through kv_cache.to_device: page-locked and asynchronous
+    on CUDA, where torch.tensor(..., device=cuda) waits for the window in flight to finish. Checked
+    on the graphed path (mocked) with more rows than slots, tool calls and early stops."""
+    import inspect
+
+    import grpo.kv_cache as kv_cache
+    direct, inner = [], torch.tensor
+
+    def tensor(*args, **kw):
+        caller = inspect.stack()[1].filename
+        if kw.get("device") is not None and "/grpo/" in caller.replace("\\", "/"):
+            direct.append(caller)
+        return inner(*args, **kw)
+
+    path, _ = tiny_dir("llama")
+    model = Transformer.from_pretrained(path)
+    sampler = Sampler(model, gen_batch=4, sync_every=4, buckets=True, pipeline=True)
+    _mock_graphs(sampler, monkeypatch)
+    monkeypatch.setattr(torch, "tensor", tensor)
+    p = SamplingParams(n=4, temperature=1.0, max_tokens=40, stop_token_ids=[7], tool_stop_token_ids=[3, 6, 9],
+                       max_turns=3, seed=4)
+    out = sampler.generate([[4, 5, 6], [8, 9]], p, tool=lambda index, ids: [11, 12])
+    assert direct == [] and len(out) == 8
+    assert any(c.num_turns > 1 for c in out) and len({len(c.token_ids) for c in out}) > 1
+    # and the CUDA branch: page-locked, then a non-blocking copy (torch's pinned memory needs a GPU: mocked)
+    seen = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: seen.append("pin") or t)
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **kw: seen.append((a, kw)) or t)
+    assert kv_cache.to_device([1, 2], "cuda").tolist() == [1, 2]
+    assert seen == ["pin", (("cuda",), {"non_blocking": True})]
 
 
 def test_filter_masks_exact():

@@ -545,3 +545,30 @@ def test_steps_per_generation_1_is_the_one_step_update(tmp_path):
     for p, q in zip(model.parameters(), by_hand.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-4)
     assert scheduler.last_epoch == 1
+
+
+@pytest.mark.parametrize("graphs,keep,grows,released", [
+    (False, True, False, 2),   # a CPU (no graphs): freed before and after, the eval sized to itself
+    (True, False, False, 2),   # graphs not kept between steps: the same
+    (True, True, False, 0),    # kept graphs: the eval decodes in the rollouts' cache, nothing freed
+    (True, True, True, 1),     # ... unless its rows did not fit: the grown cache is freed after it
+])
+def test_eval_keeps_the_rollouts_graphs_where_they_are_kept(monkeypatch, graphs, keep, grows, released):
+    """Each eval used to free the sampler before and after it, so every CUDA graph was captured
+    again after each eval; with keep_kv_cache they stay, and the eval replays them."""
+    import types
+    calls = []
+    sampler = types.SimpleNamespace(use_graphs=graphs, cache=types.SimpleNamespace(max_seq_len=512),
+                                    release=lambda: calls.append("release"))
+
+    def evaluate(model, tokenizer, env, examples, sampler=None, **kw):
+        calls.append("eval")
+        if grows:
+            sampler.cache = types.SimpleNamespace(max_seq_len=1024)
+        return {"records": [{"correct": 1.0}] * len(examples)}
+
+    monkeypatch.setattr(trainer, "evaluate", evaluate)
+    cfg = Config(keep_kv_cache=keep)
+    r = trainer.evaluate_on_ranks(torch.nn.Linear(1, 1), None, None, [{}] * 3, cfg, sampler=sampler)
+    assert calls.count("release") == released and len(r["records"]) == 3
+    assert calls.index("eval") == (1 if released == 2 else 0)
