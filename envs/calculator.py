@@ -24,7 +24,8 @@ the trajectory text itself; this runs in the trainer's process, with no CPU or m
 
 Rewards (weights in DEFAULT_WEIGHTS): `correct` (the final answer matches), `tool_use`
 (at least one tool call and none failed), `format` (the final turn ends on an Answer
-line), and an optional `judge` from an OpenAI-compatible LLM endpoint, off by default.
+line), and an optional `judge` from an OpenAI-compatible LLM endpoint, off by default: a rubric
+over the whole trajectory (JUDGE_RUBRIC), weighted as the reference's (JUDGE_WEIGHTS).
 `CalculatorEnv(structure=True)` adds `structure`: partial credit for a last call that computes
 some of the question's sub-results (structure_credit), for questions that carry an expression.
 """
@@ -40,7 +41,7 @@ import yaml
 from grpo.envs.calculator_data import (  # noqa: F401  (public API of this env)
     evaluate, generate_questions, load_questions, parse_expression, split_of, to_infix,
 )
-from grpo.envs.judge import judge_score, judge_scores  # noqa: F401  (judge_scores: re-exported)
+from grpo.envs.judge import Judge, judge_score, judge_scores  # noqa: F401  (judge_score(s): re-exported)
 
 SYSTEM_PROMPT = """You are a careful assistant with a calculator. Do not work out arithmetic in your head: use the calculator.
 
@@ -71,7 +72,9 @@ SHORT_SYSTEM_PROMPT = ("Use the calculator for arithmetic: a <calculator> block 
 # wrong answers they prefer a call that parses to one that errs, and SmolLM2 after a
 # warm-start learned flat, always-parsing, wrong calls from them (recipes/calculator_smollm2_cpu.py
 # trains on `correct` alone for that reason).
-DEFAULT_WEIGHTS = {"correct": 1.0, "tool_use": 0.2, "format": 0.1, "judge": 0.0}
+DEFAULT_WEIGHTS = {"correct": 1.0, "tool_use": 0.2, "format": 0.1, "judge": 0.0, "judge_failed": 0.0}
+# The reference's reward (src/environment/calculator_env.py there): the judge 0.8, verification 0.2
+JUDGE_WEIGHTS = {"judge": 0.8, "correct": 0.2, "tool_use": 0.0, "format": 0.0, "judge_failed": 0.0}
 
 # limits on one tool call: each error is found in microseconds, long before any of them
 # could cost memory or time (the tests time hostile inputs)
@@ -410,17 +413,36 @@ def structure_credit(example: dict, trajectory) -> float:
 
 
 # ----------------------------------------------------------------------------
-# optional LLM judge (grpo.envs.judge), with a rubric for this env
+# optional LLM judge (grpo.envs.judge): a rubric over the whole trajectory. The reference's judge
+# (src/rewards/tool_judge.md in github.com/Danau5tin/calculator_agent_rl, 80% of its reward) scored
+# the calculator's use only: whether to call it, the question's arithmetic as operations and
+# nesting, the call's syntax and its turn holding nothing else, and the final number against the
+# tool's output. This rubric is our own wording of those criteria, scored out of 10.
 
-JUDGE_PROMPT = """You grade an assistant that answers arithmetic questions with a calculator tool.
+JUDGE_RUBRIC = """You grade how an assistant used a calculator tool to answer an arithmetic question. Correctness of the final answer is checked by code elsewhere: grade the use of the tool.
 
-Question: {question}
-Correct answer: {answer}
+The tool is called with a <calculator> block of YAML: an `operation` (add, subtract, multiply or divide) and a list of `operands`, each a number or a nested block of the same form. Its reply comes back as <output>value</output>.
 
-The assistant's full reply, tool calls and tool outputs included:
-{completion}
+Give points for each of these, 10 in all:
+- 1 point: the assistant called the calculator for arithmetic it could not do exactly in its head, and did not call it for nothing.
+- 3 points: the calls express the question's arithmetic: the right operations on the right numbers, in the right order, nested where a result feeds another operation and flat where one operation is enough.
+- 4 points: every call is well formed: one <calculator> block per turn, valid YAML with `operation` and `operands` at every level, and nothing else in that turn (no prose, no guessed outputs, no placeholders for earlier results). A call whose output is an error, or is missing, was malformed.
+- 2 points: the final reply states the number the calculator returned for the intended calculation.
 
-Score from 0 to 10: 10 if it used the calculator sensibly and stated the correct answer clearly on a final "Answer:" line, lower for wrong numbers, a misread question, needless or broken tool calls, or a confusing final reply. Reply with the score only."""
+The conversation:
+{transcript}
+
+Write one short sentence on what you saw, then a last line of the form "Score: N" with N from 0 to 10."""
+
+
+def transcript(question: str, trajectory) -> str:
+    """The question, each assistant turn and the calculator's reply to it, in order."""
+    parts = [f"User: {question}"]
+    for i, turn in enumerate(trajectory.turns):
+        parts.append(f"Assistant: {turn.strip()}")
+        if i < len(trajectory.observations):
+            parts.append(f"Calculator: {trajectory.observations[i].strip()}")
+    return "\n\n".join(parts)
 
 
 # ----------------------------------------------------------------------------
@@ -434,10 +456,14 @@ class CalculatorEnv:
 
     def __init__(self, rel_tol: float = 1e-6, judge_base_url: str | None = None,
                  judge_model: str | None = None, judge_api_key: str | None = None,
-                 judge_timeout: float = 30.0, system_prompt: str = SYSTEM_PROMPT, structure: bool = False):
-        self.rel_tol, self.system_prompt, self.structure = rel_tol, system_prompt, structure
-        self.judge_base_url, self.judge_model = judge_base_url, judge_model
-        self.judge_api_key, self.judge_timeout = judge_api_key, judge_timeout
+                 judge_timeout: float = 30.0, system_prompt: str = SYSTEM_PROMPT, structure: bool = False,
+                 abs_tol: float = 1e-6, judge: Judge | None = None):
+        """`rel_tol`, `abs_tol`: the `correct` term's tolerance (is_close; the reference's verification:
+        rel_tol 0, abs_tol 0.1). `judge`, or `judge_base_url` and `judge_model`: the `judge` term."""
+        self.rel_tol, self.abs_tol, self.system_prompt, self.structure = rel_tol, abs_tol, system_prompt, structure
+        if judge is None and judge_base_url:
+            judge = Judge(judge_base_url, judge_model, judge_api_key, judge_timeout)
+        self.judge = judge
 
     def prompt(self, example: dict) -> list[dict]:
         messages = [{"role": "system", "content": self.system_prompt},
@@ -468,15 +494,17 @@ class CalculatorEnv:
         last = trajectory.turns[-1] if trajectory.turns else ""
         lines = [line for line in last.strip().splitlines() if line.strip()]
         rewards = {
-            "correct": float(is_close(pred, float(example["answer"]), self.rel_tol)),
+            "correct": float(is_close(pred, float(example["answer"]), self.rel_tol, self.abs_tol)),
             "tool_use": float(bool(calls) and not any(o.startswith("<output>Error") for o in calls)),
             "format": float(bool(lines) and "<calculator>" not in last and
                             _FORMAT_LINE.fullmatch(lines[-1].strip()) is not None),
         }
         if self.structure:
             rewards["structure"] = structure_credit(example, trajectory)
-        if self.judge_base_url:
-            rewards["judge"] = judge_score(example["question"], example["answer"], trajectory.text,
-                                           self.judge_base_url, self.judge_model, self.judge_api_key,
-                                           self.judge_timeout, prompt=JUDGE_PROMPT)
+        if self.judge is not None:
+            score = self.judge(JUDGE_RUBRIC.format(transcript=transcript(example["question"], trajectory)))
+            # no score (the judge failed, counted): the row is judged by its verification instead, not by
+            # a 0 that would rank it below its group for the server's fault
+            rewards["judge"] = rewards["correct"] if score is None else score
+            rewards["judge_failed"] = float(score is None)  # weight 0: a rate in the logs (reward/judge_failed)
         return rewards

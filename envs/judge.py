@@ -1,16 +1,30 @@
-"""An optional LLM judge for any env: one request to an OpenAI-compatible chat-completions server
-(vLLM, SGLang, llama.cpp, a hosted API), whose 0-10 reply becomes a 0..1 reward term.
+"""An LLM judge for any env: a rubric sent to an OpenAI-compatible chat-completions server (vLLM,
+SGLang, llama.cpp, a hosted API), whose 0-10 reply becomes a 0..1 reward term.
 
-    score = judge_score(question, answer, completion, "http://localhost:8000/v1", "Qwen2.5-72B-Instruct")
+    judge = Judge("http://localhost:8000/v1", "Qwen2.5-72B-Instruct")
+    score = judge(rubric.format(...))      # 0..1, or None when the server gave no score
 
-A judge is one reward term among others, so it never raises: a timeout, an HTTP error, a reply
-that is not JSON or holds no number all score 0.0 (with a warning, once per kind of failure), and
-one slow server cannot end a run. rollout scores rewards in threads, so requests overlap.
+A judge serves many reward threads at once (grpo.rollout scores trajectories concurrently), so:
+- at most `max_concurrency` requests are in flight (a semaphore; the others wait their turn);
+- a 429 or 5xx reply is retried `retries` times, after Retry-After or 0.5, 1, 2 ... s;
+- a request takes at most `timeout` s (a stalled server costs that, once: a timeout is not retried);
+- a score is cached per (model, filled-in rubric), the last `cache_size` of them: a group's
+  identical trajectories, and a step's repeats, cost one request;
+- a failure (timeout, refused, HTTP error, a reply with no score) is never a silent 0: the call
+  returns None, `failures` counts it, and a warning names its kind once. The env decides what a
+  missing score means (grpo.envs.calculator: the row is scored on verification alone, and the
+  failure is logged as the `judge_failed` reward term).
+`judge_score` is the one-shot form that scores a failure 0.0 (with the warning).
 """
+import hashlib
 import json
 import re
+import threading
+import time
+import urllib.error
 import urllib.request
 import warnings
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 JUDGE_PROMPT = (
@@ -23,32 +37,97 @@ JUDGE_PROMPT = (
     "lower for a wrong or missing answer, a misread question or confusing reasoning. "
     "Reply with the score only.")
 
-_SCORE = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")  # the first number of the reply: '8', '8/10', 'Score: 7.5'
+_SCORE_LINE = re.compile(r"score\s*[:=]\s*(-?[0-9]+(?:\.[0-9]+)?)", re.IGNORECASE)  # 'Score: 7', the last one
+_NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")  # else the reply's first number: '8', '8/10'
+
+
+def parse_score(content: str) -> float:
+    """A reply's score out of 10 as 0..1, clipped: the last 'score: N', else the first number."""
+    lines = _SCORE_LINE.findall(content)
+    if lines:
+        return min(max(float(lines[-1]) / 10.0, 0.0), 1.0)
+    match = _NUMBER.search(content)
+    if match is None:
+        raise ValueError("no score in the reply")
+    return min(max(float(match.group()) / 10.0, 0.0), 1.0)
+
+
+class Judge:
+    def __init__(self, base_url: str, model: str, api_key: str | None = None, timeout: float = 30.0,
+                 max_concurrency: int = 16, retries: int = 3, backoff_s: float = 0.5, cache_size: int = 4096):
+        self.url = base_url.rstrip("/") + "/chat/completions"  # base_url ends before it: http://host:8000/v1
+        self.base_url, self.model, self.api_key, self.timeout = base_url, model, api_key, timeout
+        self.retries, self.backoff_s, self.cache_size = retries, backoff_s, cache_size
+        self.slots = threading.BoundedSemaphore(max_concurrency)
+        self.lock = threading.Lock()
+        self.cache: OrderedDict[str, float] = OrderedDict()
+        self.requests = self.failures = 0  # HTTP requests sent (retries included); calls with no score
+
+    def __call__(self, prompt: str) -> float | None:
+        """The score of one filled-in rubric, 0..1; None when the server gave none (counted)."""
+        key = hashlib.sha256(f"{self.model}\0{prompt}".encode()).hexdigest()
+        with self.lock:
+            if key in self.cache:
+                self.cache.move_to_end(key)
+                return self.cache[key]
+        with self.slots:
+            score = self._ask(prompt)
+        with self.lock:
+            if score is None:
+                self.failures += 1
+                return None
+            self.cache[key] = score
+            while len(self.cache) > self.cache_size:
+                self.cache.popitem(last=False)
+        return score
+
+    def _ask(self, prompt: str) -> float | None:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        body = json.dumps({"model": self.model, "temperature": 0.0,
+                           "messages": [{"role": "user", "content": prompt}]}).encode()
+        for attempt in range(self.retries + 1):
+            with self.lock:
+                self.requests += 1
+            try:
+                request = urllib.request.Request(self.url, data=body, headers=headers)
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    return parse_score(json.loads(response.read())["choices"][0]["message"]["content"])
+            except urllib.error.HTTPError as e:  # busy (429) or failing (5xx): wait, then ask again
+                if (e.code == 429 or e.code >= 500) and attempt < self.retries:
+                    time.sleep(_retry_after(e) or self.backoff_s * 2 ** attempt)
+                    continue
+                self._warn(f"HTTP {e.code}")
+                return None
+            except Exception as e:  # timeout, refused, bad JSON, missing fields, no number
+                self._warn(type(e).__name__)
+                return None
+
+    def _warn(self, kind: str):
+        # the text names the failure's kind only, so the default filter shows each kind once
+        warnings.warn(f"LLM judge at {self.base_url}: {kind}; no score", RuntimeWarning, stacklevel=4)
+
+
+def _retry_after(e: urllib.error.HTTPError) -> float | None:
+    """The server's Retry-After in seconds (capped at 30), if it sent one as a number."""
+    try:
+        return min(float(e.headers.get("Retry-After")), 30.0)
+    except (TypeError, ValueError):
+        return None
 
 
 def judge_score(question: str, answer, completion: str, base_url: str, model: str, api_key: str | None = None,
                 timeout: float = 30.0, prompt: str = JUDGE_PROMPT) -> float:
-    """One judge request: the reply's first number (0-10) as 0.0-1.0, clipped; any failure 0.0.
-    `base_url` ends before /chat/completions (e.g. http://host:8000/v1); `prompt` takes {question},
-    {answer} and {completion}."""
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
+    """One request, no retry: the reply's score (0-10) as 0.0-1.0, clipped; any failure 0.0 (warned).
+    `prompt` takes {question}, {answer} and {completion}."""
     try:
-        body = {"model": model, "temperature": 0.0, "messages": [{"role": "user", "content": prompt.format(
-            question=question, answer=answer, completion=completion)}]}
-        request = urllib.request.Request(base_url.rstrip("/") + "/chat/completions",
-                                         data=json.dumps(body).encode(), headers=headers)
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            content = json.loads(response.read())["choices"][0]["message"]["content"]
-        match = _SCORE.search(content)
-        if match is None:
-            raise ValueError("no score in the reply")
-        return min(max(float(match.group()) / 10.0, 0.0), 1.0)
-    except Exception as e:  # timeout, refused, HTTP error, bad JSON, missing fields, no number
-        # the text names the failure's type only, so the default filter shows each kind once
-        warnings.warn(f"LLM judge at {base_url}: {type(e).__name__}; scored 0", RuntimeWarning, stacklevel=2)
+        text = prompt.format(question=question, answer=answer, completion=completion)
+    except (KeyError, IndexError) as e:
+        warnings.warn(f"LLM judge at {base_url}: {type(e).__name__}; no score", RuntimeWarning, stacklevel=2)
         return 0.0
+    score = Judge(base_url, model, api_key, timeout, retries=0)(text)
+    return 0.0 if score is None else score
 
 
 def judge_scores(items: list[tuple], base_url: str, model: str, api_key: str | None = None,

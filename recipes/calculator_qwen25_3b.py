@@ -15,25 +15,46 @@ KV cache of 1,524 tokens (6.7 GiB), ~24 GiB, about 20 GiB stay for the update's 
 activations (computed, not yet run: bench/RESULTS.md). The learning rate is the reference's x10, the
 usual ratio for adapters (not tuned here).
 
-Reference: accuracy 27% -> 89% on held-out calculator questions, one epoch over ~1,500
-questions, about 3 h on 8x RTX 6000 Ada or 4x A100 (with vLLM on separate GPUs; here the
-same GPUs sample and train). Hyperparameters as the reference: G = 8 samples per question at
-temperature 0.9, 8 generations per GPU per step (so prompts_per_step = GPUs), lr 1e-6,
-mu = 2, grad-norm clip 0.1, bf16 compute, prompt 1024 / completion 500 tokens. Reward:
-code verification of the final answer (+ tool use and format terms); the LLM judge of the
-reference is optional (--judge_base_url=http://host/v1 --judge_model=NAME, OpenAI-compatible;
-the key, if the server wants one, from the JUDGE_API_KEY environment variable: grpo.envs.judge).
-Questions are generated (grpo.envs.calculator_data); --train_data / --eval_data take your own
-instead: a JSONL, CSV or Parquet file or a dataset id, with a question column and an answer
-(or an infix `expression` to compute it from).
-Batch sizes per GPU come from grpo.config.pick_profile (RTX 6000 Ada, A100, H100/H200, B200).
+Reference: accuracy 27% -> 89% on its 158 held-out questions, one epoch over its 1,500 training
+questions (the 0.5B: 0.6% -> 34%). The reference trained the 3B on 2 A100s with vLLM on 2 more, and
+the 0.5B on 6 RTX 6000 Adas with vLLM on 2: 8 generations per training GPU and G = 8, so one prompt
+per training GPU a step (3B: 2 prompts, ~750 steps, ~1,500 updates at mu = 2). Here the same GPUs
+sample and train, and `--prompts_per_step` 0 (the default) keeps the reference's rule: 8 x GPUs / G
+prompts, so 8 on 8 GPUs (187 steps, 4x fewer updates than the reference's 3B run at the same lr);
+`--prompts_per_step 2` is the reference's 3B batch on any number of GPUs.
+
+Reward: with `--judge_base_url=http://host/v1 --judge_model=NAME` (OpenAI-compatible; the key, if
+the server wants one, from the JUDGE_API_KEY environment variable, never a flag), the reference's:
+0.8 an LLM judge's score of a rubric over the whole trajectory (grpo.envs.calculator.JUDGE_RUBRIC,
+our wording of the reference's criteria) and 0.2 code verification (the last number within an
+absolute 0.1). Without a judge (the default) the run says so at start and trains on verification,
+with small tool-use (0.2) and format (0.1) terms in place of the judge's tool-use criteria.
+Data: the reference's CSVs work as they are (a question or prompt column, an expression, an answer):
+    --train_data=https://raw.githubusercontent.com/Danau5tin/calculator_agent_rl/main/datasets/calculator_train.csv
+    --eval_data=https://raw.githubusercontent.com/Danau5tin/agentic_environments/qwen/examples/calculator_agent/datasets/basic_calculations_eval.csv
+(download them first where the machine has no network); without them, questions are generated
+(grpo.envs.calculator_data). Batch sizes per GPU come from grpo.config.pick_profile.
+
+| setting | the reference | here | why |
+| --- | --- | --- | --- |
+| samples per question G, temperature | 8, 0.9 | 8, 0.9 | |
+| prompts a step | 8 per training GPU / G | same (`--prompts_per_step 0`) | |
+| lr, schedule | 1e-6, 10 warm-up steps then constant | same | |
+| mu, beta, grad clip | 2, 0.002, 0.1 | same | |
+| prompt / completion tokens | 1,024 / 500 | same | |
+| tool calls | at most 5 | 5 (`max_turns` 6: calls and the answer) | |
+| reward | judge 0.8 + verification 0.2 | same with `--judge_base_url`; else verification + tool use 0.2 + format 0.1 | no judge server by default |
+| verification | last number, absolute 0.1 | `Answer:` line (else last number), absolute 0.1 | the system prompt asks for the line |
+| judge | Claude 3.5 Haiku, its rubric | any OpenAI-compatible model, our rubric | |
+| sampling | vLLM on separate GPUs | the training GPUs, the weights in place | the design |
+| data | its 1,500 / 158 CSVs | generated, or the CSVs (`--train_data`, `--eval_data`) | no network at run time |
 """
 import os
 from dataclasses import dataclass
 
 from grpo.config import Config, parse_args
 from grpo.data import epoch_steps, load_or_exit
-from grpo.envs.calculator import DEFAULT_WEIGHTS, CalculatorEnv, generate_questions
+from grpo.envs.calculator import DEFAULT_WEIGHTS, JUDGE_WEIGHTS, CalculatorEnv, generate_questions
 from grpo.envs.tasks import calculator_example
 from grpo.trainer import train
 
@@ -44,10 +65,10 @@ class CalculatorQwen(Config):
     output_dir: str = "runs/calculator_qwen25_3b"
     train_questions: int = 1500       # one epoch: max_steps = train_questions // prompts_per_step
     eval_questions: int = 200
-    judge_base_url: str = ""          # optional LLM judge (OpenAI-compatible /chat/completions)
+    judge_base_url: str = ""          # optional LLM judge (OpenAI-compatible /chat/completions): 0.8 of the reward
     judge_model: str = ""
-    judge_weight: float = 0.5
-    prompts_per_step: int = 8         # 8 GPUs x 8 generations / G = 8
+    answer_abs_tol: float = 0.1       # verification: right within this absolute difference (the reference's)
+    prompts_per_step: int = 0         # 0: 8 generations per GPU / G (the reference's rule: 8 on 8 GPUs)
     num_generations: int = 8
     max_steps: int = 0                # 0 = one epoch
     temperature: float = 0.9
@@ -56,15 +77,37 @@ class CalculatorQwen(Config):
     max_grad_norm: float = 0.1
     max_prompt_length: int = 1024
     max_completion_length: int = 500
-    max_turns: int = 4
+    max_turns: int = 6                # assistant turns: at most 5 calculator calls, then the answer
     loss_type: str = "grpo"
-    beta: float = 0.0
+    beta: float = 0.002               # KL to the starting model (k3)
+    warmup_steps: int = 10            # optimizer steps, then constant
     eval_limit: int = 200
     eval_steps: int = 50
     save_steps: int = 25
     dtype: str = "auto"               # bf16 compute on GPU, fp32 master weights
     gradient_checkpointing: bool = True  # a 3B model's activations at the profiles' micro-batch sizes
                                       # (32-64k tokens) would need ~200 GB without it (estimated)
+
+    def check(self):
+        if self.prompts_per_step == 0:  # under torchrun WORLD_SIZE is set before this runs
+            self.prompts_per_step = reference_prompts_per_step(int(os.environ.get("WORLD_SIZE", 1)),
+                                                               self.num_generations)
+        return super().check()
+
+
+def reference_prompts_per_step(gpus: int, G: int, per_gpu: int = 8) -> int:
+    """The reference's batch: `per_gpu` generations on each training GPU, G of them a prompt."""
+    return max(1, per_gpu * gpus // G)
+
+
+def reward_weights(cfg: CalculatorQwen) -> dict:
+    """The reference's weights with a judge; without one, say what the run trains on instead."""
+    if cfg.judge_base_url:
+        return JUDGE_WEIGHTS
+    print("calculator: no LLM judge (--judge_base_url): the reward is verification (1.0) with tool-use (0.2) "
+          "and format (0.1) terms, where the reference's was 0.8 a judge's score of the calculator's use "
+          "and 0.2 verification")
+    return DEFAULT_WEIGHTS
 
 
 def load(cfg: CalculatorQwen, source: str, count: int, seed: int, split: str) -> list[dict]:
@@ -77,7 +120,8 @@ def load(cfg: CalculatorQwen, source: str, count: int, seed: int, split: str) ->
 def eval_setup(cfg: CalculatorQwen) -> tuple:
     """The env and the eval questions (also `python -m grpo.eval --run`)."""
     env = CalculatorEnv(judge_base_url=cfg.judge_base_url or None, judge_model=cfg.judge_model or None,
-                        judge_api_key=os.environ.get("JUDGE_API_KEY"))  # not a flag: flags land in logs
+                        judge_api_key=os.environ.get("JUDGE_API_KEY"),  # not a flag: flags land in logs
+                        rel_tol=0.0, abs_tol=cfg.answer_abs_tol)
     return env, load(cfg, cfg.eval_data, cfg.eval_questions, cfg.seed + 1, "eval")
 
 
@@ -87,8 +131,7 @@ def main(cls=CalculatorQwen):
     env, eval_qs = eval_setup(cfg)
     if cfg.max_steps == 0:
         cfg.max_steps = epoch_steps(len(questions), cfg.prompts_per_step)
-    weights = {**DEFAULT_WEIGHTS, "judge": cfg.judge_weight if cfg.judge_base_url else 0.0}
-    train(cfg, env, questions, eval_qs, reward_weights=weights)
+    train(cfg, env, questions, eval_qs, reward_weights=reward_weights(cfg))
 
 
 if __name__ == "__main__":

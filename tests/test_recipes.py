@@ -270,3 +270,22 @@ def test_processgrpo_filter_refuses_another_runs_folder(tmp_path, smollm2_path, 
     with pytest.raises(SystemExit, match="holds another run"):
         runpy.run_path(str(ROOT / "recipes" / "processgrpo_qwen25_05b.py"), run_name="__main__")
     assert (out / "train_filtered.jsonl").read_text() == "another run's problems\n"
+
+
+def test_calculator_prompts_per_step_follow_the_reference_rule(monkeypatch):
+    """--prompts_per_step 0 (the default): 8 generations per GPU / G, as the docstring says: 8 on 8
+    GPUs, the reference's 3B batch (2 training GPUs) 2, its 0.5B's (6) 6, one GPU 1; a given value wins."""
+    sys.path.insert(0, str(ROOT / "recipes"))
+    import calculator_qwen25_3b as recipe
+    from grpo.config import parse_args
+    doc = recipe.__doc__
+    assert "8 on 8 GPUs" in doc and "(3B: 2 prompts" in doc and "--prompts_per_step 6" in open(
+        ROOT / "recipes" / "calculator_qwen25_05b.py").read()
+    for gpus, want in ((8, 8), (2, 2), (6, 6), (1, 1)):
+        monkeypatch.setenv("WORLD_SIZE", str(gpus))
+        assert parse_args(recipe.CalculatorQwen, []).prompts_per_step == want
+    assert parse_args(recipe.CalculatorQwen, ["--prompts_per_step", "3"]).prompts_per_step == 3
+    assert parse_args(recipe.CalculatorQwen, ["--num_generations", "16"]).prompts_per_step == 1  # 8 / 16: at least one
+    cfg = parse_args(recipe.CalculatorQwen, [])
+    assert (cfg.beta, cfg.warmup_steps, cfg.lr_scheduler_type, cfg.max_turns, cfg.answer_abs_tol) == (
+        0.002, 10, "constant", 6, 0.1)
