@@ -83,7 +83,7 @@ def load_task(task: str, data: str | None = None, shots: int = 0, question_field
         else:  # GSM-Symbolic's answers end '#### n' as GSM8K's; MATH-500's are as they are
             examples = load_examples(source, prepare=gsm8k_example if task == "gsm_symbolic" else None, **fields)
         return OneShotMathEnv(), numeric_only(examples, source)
-    if task == "calculator":  # generated questions unless a file is given: no public data set exists
+    if task == "calculator":  # generated questions unless a file is given (the reference's CSVs: the 3B recipe's docstring)
         examples = (load_examples(data, prepare=calculator_example, **fields) if data
                     else calculator.generate_questions(200, seed=0, split="eval"))
         return calculator.CalculatorEnv(), examples

@@ -83,6 +83,8 @@ class CalculatorQwen(Config):
     warmup_steps: int = 10            # optimizer steps, then constant
     eval_limit: int = 200
     eval_steps: int = 50
+    eval_temperature: float = 0.2     # the reference's evaluation (REFERENCE_EVAL): one sample at T 0.2,
+    eval_max_completion_length: int = 6000  # 1,000 tokens a turn, 5 calls and the answer
     save_steps: int = 25
     dtype: str = "auto"               # bf16 compute on GPU, fp32 master weights
     gradient_checkpointing: bool = True  # a 3B model's activations at the profiles' micro-batch sizes
@@ -118,7 +120,11 @@ def load(cfg: CalculatorQwen, source: str, count: int, seed: int, split: str) ->
 
 
 def eval_setup(cfg: CalculatorQwen) -> tuple:
-    """The env and the eval questions (also `python -m grpo.eval --run`)."""
+    """The env and the eval questions (also `python -m grpo.eval --run`): the reference's protocol
+    (REFERENCE_EVAL, by the fields above), on --eval_data or on generated questions (said at start)."""
+    if not cfg.eval_data:
+        print(f"calculator: evals on {cfg.eval_questions} generated questions (no --eval_data): the reference's "
+              "protocol, not its 158 questions")
     env = CalculatorEnv(judge_base_url=cfg.judge_base_url or None, judge_model=cfg.judge_model or None,
                         judge_api_key=os.environ.get("JUDGE_API_KEY"),  # not a flag: flags land in logs
                         rel_tol=0.0, abs_tol=cfg.answer_abs_tol)

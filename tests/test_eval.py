@@ -2,6 +2,7 @@
 and the `--data` path with JSONL and CSV files (on a tiny random model: only the plumbing counts).
 The loader's own cases are in test_data.py."""
 import csv
+import types
 import json
 from pathlib import Path
 
@@ -130,3 +131,46 @@ def test_kernels_and_cuda_graphs_flags_reach_the_eval(tmp_path, smollm2_path, mo
     main(flags + ["--kernels", "torch", "--cuda_graphs", "false"])
     main(flags)
     assert seen == [(True, False), (False, True)] and target._references is False
+
+
+def test_calculator_reference_protocol_on_its_csv_shape(tmp_path, smollm2_path, monkeypatch, capsys):
+    """--protocol reference reads the reference's eval CSV (prompt, expression, answer) and evaluates
+    as it did: one sample at T 0.2, 5 calls (6 turns), 1,000 tokens a turn, right within an absolute
+    0.1; the calculator recipes' own evals use the same settings."""
+    import grpo.cli.eval as cli
+    from grpo.envs.calculator import REFERENCE_EVAL
+    seen, real = [], cli.evaluate
+
+    def spy(model, tokenizer, env, examples, **kw):
+        seen.append((env, examples, dict(kw)))
+        return real(model, tokenizer, env, examples, **{**kw, "max_tokens": 6})  # the settings, not the time
+
+    monkeypatch.setattr(cli, "evaluate", spy)
+    model = make_tiny_chat_model(tmp_path / "tiny", "qwen2", smollm2_path)
+    data = tmp_path / "basic_calculations_eval.csv"
+    rows = [{"prompt": "What is 7429 multiplied by 836?", "expression": "7429*836", "answer": "6210644.0"},
+            {"prompt": "Calculate 58392 divided by 76", "expression": "58392/76", "answer": "768.3157894736842"}]
+    with open(data, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["prompt", "expression", "answer"])
+        w.writeheader()
+        w.writerows(rows)
+    out = tmp_path / "out.jsonl"
+    r = main(["--model_path", model, "--task", "calculator", "--protocol", "reference", "--data", str(data),
+              "--eval_n", "4", "--eval_temperature", "1.0", "--out", str(out)])  # the protocol wins over these
+    (env, examples, kw), = seen
+    assert (kw["n"], kw["temperature"], kw["max_tokens"], kw["max_turns"]) == (1, 0.2, 6000, 6)
+    assert (env.rel_tol, env.abs_tol) == (0.0, 0.1)
+    assert [x["question"] for x in read_records(out)] == [x["prompt"] for x in rows] and r["questions"] == 2
+    assert "protocol: the reference's (1 sample at T 0.2, 5 calls, 6000 tokens, right within 0.1)" in capsys.readouterr().out
+    right = lambda answer, text: env.reward({"question": "q", "answer": answer}, types.SimpleNamespace(  # noqa: E731
+        turns=[text], observations=[], text=text))["correct"]
+    assert right(768.3157894736842, "Answer: 768.4") == 1.0 and right(768.3157894736842, "Answer: 768.2") == 0.0
+    with pytest.raises(SystemExit, match="calculator's, not gsm8k's"):
+        main(["--model_path", model, "--task", "gsm8k", "--protocol", "reference", "--data", str(data)])
+    import sys
+    sys.path.insert(0, str(Path(__file__).parents[1] / "recipes"))
+    import calculator_qwen25_3b as recipe
+    from grpo.eval import run_eval_settings
+    s = run_eval_settings(recipe.CalculatorQwen())
+    assert (s["n"], s["temperature"], s["max_tokens"], s["max_turns"]) == tuple(
+        REFERENCE_EVAL[k] for k in ("n", "temperature", "max_tokens", "max_turns"))

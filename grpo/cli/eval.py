@@ -2,11 +2,14 @@
 
     python -m grpo.eval --model_path PATH --task gsm8k [--data SOURCE] [--eval_n K] [--eval_limit N]
     python -m grpo.eval --run runs/NAME      # a run's export, evaluated exactly as the run evaluated it
+    python -m grpo.eval --model_path PATH --task calculator --protocol reference --data basic_calculations_eval.csv
 
 Tasks and their default data (Hugging Face dataset ids) are in grpo.envs.tasks; `--data` takes a
 local JSONL, CSV or Parquet file or another dataset id (grpo.data.load_examples), with a
 `question` (or `prompt`) column and an `answer` column unless --question_field/--answer_field
-say otherwise. Per-sample records (prompt, completion, extracted answer, score) go to a JSONL file.
+say otherwise. `--protocol reference` (calculator): the reference run's own evaluation
+(grpo.envs.calculator.REFERENCE_EVAL: one sample at T 0.2, 5 calls, 1,000 tokens a turn, right within
+an absolute 0.1) in place of the sampling flags. Per-sample records (prompt, completion, extracted answer, score) go to a JSONL file.
 `--run` reads the run's config.json, imports the recipe that launched it, and calls its
 `eval_setup(cfg) -> (env, examples)`: the same env, system prompt, questions, samples,
 temperature and token budget as the run's own evals.
@@ -59,6 +62,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="chat template switch (Qwen3: false = non-thinking); true/false or 1/0, as the recipes take")
     p.add_argument("--autocast_bf16", default="auto", choices=["auto", "true", "false"],
                    help="CPU: bf16 matmuls under autocast; auto = where a start-up measurement finds them faster")
+    p.add_argument("--protocol", choices=["default", "reference"], default="default",
+                   help="calculator: 'reference' = the reference run's evaluation (one sample, T 0.2, 5 calls, "
+                        "1,000 tokens a turn, right within 0.1), overriding the sampling flags")
     p.add_argument("--tool", choices=["none", "code_interpreter"], default="none",
                    help="math tasks: answer with the sandboxed Python tool (ReTool's env) or without")
     add_arguments(p, _flag, " (--run: the run's own)")
@@ -75,6 +81,17 @@ def main(argv: list[str] | None = None) -> dict:
                                   args.fewshot_data)
     except DataError as e:
         raise SystemExit(f"python -m grpo.eval: {e}") from None
+    if args.protocol == "reference":
+        if args.task != "calculator":
+            raise SystemExit(f"python -m grpo.eval: --protocol reference is the calculator's, not {args.task}'s")
+        from grpo.envs.calculator import REFERENCE_EVAL, CalculatorEnv
+        ref = REFERENCE_EVAL
+        env = CalculatorEnv(rel_tol=ref["rel_tol"], abs_tol=ref["abs_tol"])
+        args.eval_n, args.eval_temperature = ref["n"], ref["temperature"]
+        args.max_completion_length, args.max_turns = ref["max_tokens"], ref["max_turns"]
+        print(f"protocol: the reference's ({ref['n']} sample at T {ref['temperature']}, {ref['max_turns'] - 1} calls, "
+              f"{ref['max_tokens']} tokens, right within {ref['abs_tol']}) on "
+              + (args.data if args.data else "200 generated questions (no --data: not the reference's 158)"))
     examples = examples[:args.eval_limit] if args.eval_limit else examples
     if not examples:  # an accuracy over 0 questions would print as 0.0000
         raise SystemExit(f"python -m grpo.eval: no questions to evaluate (--eval_limit {args.eval_limit})")
