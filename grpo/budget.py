@@ -10,7 +10,6 @@ after RL keep the same first questions, so that their comparison stays paired. R
 at least `min_rl_steps` steps; the plan line says when that takes the run past its budget.
 `time_budget_min` is a limit on RL alone.
 """
-import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ class Rates:
 
 
 def probe(model, sampler, prompt: list[int], rows: int, k: int = 8, train_tokens: int = 128) -> Rates:
-    """Rates from one sampler call (`rows` rows of k tokens from one prompt: its prefill is a
+    """Rates from a sampler call (`rows` rows of k tokens from one prompt: its prefill is a
     small share, counted in, so the rate errs slow) and one forward + backward of `train_tokens`
     tokens, its gradients discarded; the slowest rank's, the same on every rank. Each is timed
     after one untimed run of the same shapes, which compiles the Triton kernels and captures the
@@ -40,7 +39,7 @@ def probe(model, sampler, prompt: list[int], rows: int, k: int = 8, train_tokens
     model.eval()
     with dist.gathered(model):
         params = SamplingParams(n=rows, temperature=1.0, max_tokens=k, stop_token_ids=[], seed=0)
-        sampler.generate([prompt], dataclasses.replace(params, max_tokens=2))  # warm-up, untimed
+        sampler.generate([prompt], params)  # warm-up, untimed: the same call, so the same cache and graphs
         decode_s = timed(lambda: sampler.generate([prompt], params)) / (k * rows)
         sampler.release()
     ids = torch.tensor([(prompt * (1 + train_tokens // max(len(prompt), 1)))[:train_tokens]], device=dist.device())

@@ -137,9 +137,10 @@ def lm_logits(h: Tensor, weight: Tensor) -> Tensor:
     """h (..., H) through the LM head (V, H) -> logits (..., V) in fp32, summed in fp32 from the
     weight's dtype: the logits the trainer's log-probs come from (grpo.kernels.linear_logprobs), so
     that a sampled token's log-prob differs from the trainer's by the order of sums only, not by a
-    bf16 rounding of each logit (a relative 2^-9, seen as `sampler_gap` and in the TIS weights)."""
+    bf16 rounding of each logit (a relative 2^-9, seen as `sampler_gap` and in the TIS weights).
+    Inference only: the CUDA GEMM with an fp32 output has no backward."""
     h = h.to(weight.dtype)
-    if weight.dtype == torch.float32:
+    if weight.dtype not in (torch.float16, torch.bfloat16):
         return F.linear(h, weight)
     if h.device.type == "cpu":  # no mixed-dtype GEMM on a CPU: 16-bit products are exact in fp32
         return F.linear(h.float(), weight.float())

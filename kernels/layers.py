@@ -123,14 +123,14 @@ if triton is not None:
         acc_ptr, ml_ptr,                             # (B, nh, splits, D) fp32, (2, B, nh, splits) fp32
         NH, G, D, n_per_split, scale, stride_qb, stride_qh,
         stride_cslot, stride_cpos, stride_chead,
-        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
     ):
         # program (b, kv head, split): the G query heads sharing that KV head, over positions
         # [split * n_per_split, +n_per_split) of the row's first length[b]. Both dots take the
         # operands in the cache's dtype and accumulate in fp32: bf16 runs on the tensor cores (the
         # MMA pads the BLOCK_G heads to its own tile; no padding of ours beyond a power of two), fp32
-        # runs "ieee" (no tf32), as the fp32 accumulation the reference gets
+        # runs on the FMA units ("ieee": no tf32), as the fp32 accumulation the reference gets. "ieee"
+        # names only how fp32 operands are multiplied: 16-bit ones take the MMA under it too
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -159,7 +159,7 @@ if triton is not None:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             # q.k exact products, fp32 sums, then the scale (as SDPA: scores in fp32, scaled)
-            score = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale   # (BLOCK_G, BLOCK_N) fp32
+            score = tl.dot(q, tl.trans(k), input_precision="ieee") * scale   # (BLOCK_G, BLOCK_N) fp32
             score = tl.where(n[None, :] < end, score, float("-inf"))
             m_new = tl.maximum(m, tl.max(score, axis=1))     # finite: n0 < end, one key at least
             alpha = tl.exp(m - m_new)
@@ -170,7 +170,7 @@ if triton is not None:
             pv = p.to(v_ptr.dtype.element_ty)
             if UPCAST:
                 pv = pv.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
             m = m_new
         out = (b * NH + heads) * SPLITS + sp                 # (BLOCK_G,) index into (B, nh, splits)
         g_ok = g < G
@@ -282,17 +282,18 @@ def silu_mul(gu: Tensor, backend: str | None = None) -> Tensor:
 
 def _attention_launch(D: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(keys a block, warps, pipeline stages) of the decode attention on a GPU, for head dim D.
-    16-bit caches: the k and v tiles stay in their dtype and feed the tensor cores; 64 keys x 4
-    warps x 2 stages compiles to 65-72 registers, no spill and 18 KB (D 64) / 36 KB (D 128) of
-    shared memory on sm_80-sm_100 (128 keys: up to 159 registers; 3 stages: 69 KB at D 128, a third
-    of an RTX 6000 Ada SM's). fp32 caches: the "ieee" dots run on the FMA units from fp32 tiles, twice
-    the registers and shared memory: 8 warps and 32 (D <= 64) or 16 keys leave no spill (64 keys
-    x 4 warps spilled; 128 spilled up to 648 bytes and asked 139 KB at D 128). Compiled, not timed
-    (bench/compile_kernels.py, tests/test_compile.py); bench/decode_kernels.py --sweep times the
-    alternatives on a GPU."""
+    16-bit caches: the k and v tiles stay in their dtype and feed the tensor cores; 64 keys x 8
+    warps x 2 stages compiles to 48-88 registers and no spill at D 64 and 128 with 2 to 8 query
+    heads a KV head, on sm_80-sm_100, in 18 KB (D 64) / 36 KB (D 128) of shared memory (4 warps
+    spilled 8 bytes at D 128 with 2 and 4 heads, Qwen3's shapes; 3 stages take 69 KB at D 128, a
+    third of an RTX 6000 Ada SM's). fp32 caches: the "ieee" dots run on the FMA units from fp32
+    tiles, twice the registers and shared memory: 8 warps and 32 (D <= 64) or 16 keys leave no
+    spill (64 keys x 4 warps spilled; 128 spilled up to 648 bytes and asked 139 KB at D 128).
+    Compiled, not timed (bench/compile_kernels.py, tests/test_compile.py); bench/decode_kernels.py
+    --sweep times the alternatives on a GPU."""
     if dtype == torch.float32:
         return (32 if D <= 64 else 16), 8, 3
-    return 64, 4, 2
+    return 64, 8, 2
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor, length: Tensor,
@@ -330,7 +331,6 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor, 
         q, k_cache, v_cache, slot, length, acc, ml, nh, G, D, n_per_split, float(scale),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_G=triton.next_power_of_2(G), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit operands
         UPCAST=not gpu(q),
         num_warps=warps, num_stages=stages, enable_fp_fusion=True)
     out = torch.empty(B, nh, D, dtype=q.dtype, device=q.device)

@@ -258,4 +258,4 @@ def test_probe_times_warm_calls_between_synchronizations(monkeypatch):
     sampler = types.SimpleNamespace(generate=generate, release=lambda: None)
     rates = budget.probe(Model(), sampler, [6, 7, 8], rows=4, k=8, train_tokens=16)
     assert rates.decode == pytest.approx(0.8 / (8 * 4)) and rates.train == pytest.approx(0.4 / 16)
-    assert calls == [("generate", 2), "sync", ("generate", 8), "sync", "backward", "sync", "backward", "sync"]
+    assert calls == [("generate", 8), "sync", ("generate", 8), "sync", "backward", "sync", "backward", "sync"]

@@ -94,15 +94,17 @@ def test_the_attention_sweep_compiles_each_launch(monkeypatch):
     assert len({k.hash for k in attention}) == 2 * len(set(decode_kernels.SWEEP)), len(attention)
 
 
+@pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("G", [2, 4, 7])
-def test_decode_attention_on_tensor_cores_for_16_bit_caches(G):
+def test_decode_attention_on_tensor_cores_for_16_bit_caches(G, D):
     """bf16 caches: both dots on the tensor cores (mma in the PTX), the query heads of a KV head
     padded only to a power of two (Qwen3-0.6B's 2, Qwen3-4B's 4, Qwen2.5-0.5B's 7 -> 8; the MMA pads
-    to its own tile); fp32 caches: "ieee" dots on the FMA units (no mma, no tf32). No spill."""
+    to its own tile); fp32 caches: "ieee" dots on the FMA units (no mma, no tf32). No spill, at
+    Qwen2.5's head dim (64 for 0.5B) and Qwen3's (128)."""
     import compile_kernels
 
     from grpo.kernels import compile_for, decode_attention
-    B, nkv, D, S = 4, 2, 64, 256
+    B, nkv, S = 4, 2, 256
     g = torch.Generator().manual_seed(0)
     for dtype, mma in ((torch.bfloat16, True), (torch.float32, False)):
         q = torch.randn(B, nkv * G, D, generator=g).to(dtype)
@@ -111,7 +113,7 @@ def test_decode_attention_on_tensor_cores_for_16_bit_caches(G):
             decode_attention(q, k_cache, v_cache, torch.arange(B), torch.full((B,), S))
         k = next(k for name, k in launches if name == "_decode_attention_kernel")
         ptx = k.asm["ptx"]
-        assert ("mma" in ptx) == mma, (dtype, G)
+        assert ("mma" in ptx) == mma, (dtype, G, D)
         assert "tf32" not in ptx
-        assert compile_kernels.resources(k.asm["cubin"])["spill_bytes"] == 0
+        assert compile_kernels.resources(k.asm["cubin"])["spill_bytes"] == 0, (dtype, G, D)
         assert k.src.constants[(k.src.fn.arg_names.index("BLOCK_G"),)] == 1 << (G - 1).bit_length()
