@@ -2,7 +2,8 @@
 (model card: cmpatino/qwen-grpo-r5).
 
     torchrun --nproc_per_node=1 recipes/gsm8k_qwen3_06b.py --model_path=/models/Qwen3-0.6B
-    python -m grpo.eval --model_path runs/gsm8k_qwen3_06b/export --task gsm8k --shots 10 --enable_thinking 0
+    python -m grpo.eval --model_path runs/gsm8k_qwen3_06b/export --task gsm8k --shots 10 --enable_thinking 0 \
+        --max_completion_length 768
 
 Data: the Hugging Face openai/gsm8k (train and test splits of config main), fetched once by the
 optional `datasets` library. Offline, pass local files with the same columns (JSONL, CSV or
@@ -12,10 +13,31 @@ Reference: 10-shot greedy GSM8K test 47.5% -> 70.9% in 251 steps (about $8 on on
 one L40S). Settings as the card: inspect's MATH_PROMPT_TEMPLATE ("ANSWER: $ANSWER" last
 line); reward = inspect's numeric match (5 significant figures) + 0.2 for ending on an
 ANSWER line; DAPO loss, beta = 0, rewards scaled within groups, truncated completions
-masked, 16 prompts x 16 samples, lr 2e-6 -> 3e-6, temperature 1.0 -> 1.15, max 768 tokens.
-Deviation: the reference ran three stages (lr 2e-6 / temp 1.0, then higher); one schedule
-covers them here (lr 3e-6 with warmup, temperature 1.1). Profiles: L4 24 GB, L40S 48 GB,
-A100, H100/H200 (grpo.config.pick_profile).
+masked, 16 prompts a step, max 768 tokens. The card ran three stages, each from the last one's
+weights: r2, 77 steps at lr 3e-6, G = 8, temperature 1.0; r4, from r2, lr 2e-6, G = 16, temperature
+1.0 (its step 100 kept); r5, from r4's step 100, 74 steps at lr 2e-6, G = 16, temperature 1.15.
+One run here covers them from the base model: 250 steps at G = 16, lr 3e-6 after 10 warm-up steps
+and temperature 1.1, between the stages' values, so that one command reproduces the result. The
+card's own path is three commands, each from the last one's export:
+    python recipes/gsm8k_qwen3_06b.py --max_steps 77 --num_generations 8 --temperature 1.0 --output_dir runs/gsm8k_r2
+    python recipes/gsm8k_qwen3_06b.py --model_path runs/gsm8k_r2/export --max_steps 100 --learning_rate 2e-6 \
+        --temperature 1.0 --seed 1 --output_dir runs/gsm8k_r4
+    python recipes/gsm8k_qwen3_06b.py --model_path runs/gsm8k_r4/export --max_steps 74 --learning_rate 2e-6 \
+        --temperature 1.15 --seed 2 --output_dir runs/gsm8k_r5
+(each stage draws its prompts anew: another --seed orders them differently, where the card's stages
+together saw each prompt at most once). The eval's token limit is training's, 768, here and in the
+eval command above. Profiles: L4 24 GB, L40S 48 GB, A100, H100/H200 (grpo.config.pick_profile).
+
+| setting | the card | here | why |
+| --- | --- | --- | --- |
+| stages | 3 (77 + 100 + 74 steps) | 1 run of 250 steps, or the 3 commands above | one command |
+| lr | 3e-6, then 2e-6 | 3e-6 after 10 warm-up steps | the stages' first |
+| G x prompts | 8 x 16, then 16 x 16 | 16 x 16 | the later stages' |
+| temperature | 1.0, then 1.15 | 1.1 | between the two |
+| clip (epsilon, epsilon_high) | 0.2, 0.2 (TRL's default) | 0.2, 0.2 | |
+| loss, beta, scaling, masking | DAPO, 0, group, truncated masked | same | |
+| completion tokens, train and eval | 768 | 768 | |
+| eval | inspect_evals/gsm8k, 10-shot greedy, 1,319 | our port of its prompt and scorer, same | |
 """
 from dataclasses import dataclass
 
@@ -43,7 +65,6 @@ class GSM8KQwen3(Config):
     loss_type: str = "dapo"
     scale_rewards: str = "group"
     beta: float = 0.0
-    epsilon_high: float = 0.28        # DAPO clip-higher
     mask_truncated_completions: bool = True
     max_prompt_length: int = 512         # zero-shot training prompts (the 10-shot eval sizes its own sampler)
     max_completion_length: int = 768

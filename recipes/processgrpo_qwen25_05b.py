@@ -89,13 +89,26 @@ Where this differs from the card, all of it:
   8 boundaries per solution, 400 steps (the card's checkpoint is step 280 of an unstated total),
   eval every 20 steps, the 5% held-out slice, the filter's samples at the training temperature 1.
 - Steps are the paragraphs of the text the model wrote (grpo.process.step_ends), as the card
-  says; where the model stops writing blank lines (the card's "merges reasoning steps") the
-  solution has fewer steps, as in the card, and nothing corrects for it.
+  says; a solution with no blank line at all is split at its lines instead. The card's model
+  drifted late in training to steps on single lines (its "merges reasoning steps"), which weakened
+  its per-step credit; here such a solution keeps one step a line. A solution that mixes both is
+  split at its blank lines only.
 - Eval: GSM8K through `python -m grpo.envs.processgrpo --data openai/gsm8k:main:test` (the
   card's prompt); `grpo.eval --task gsm8k` is another protocol (the inspect_evals prompt).
   SVAMP is ChilleD/SVAMP's 300-problem test split (the card does not name its split); IFEval
   and MMLU-Redux are not run here. The confidence intervals are grpo.eval.paired_bootstrap's.
 - Not yet run on a GPU with the real weights: no figure of this recipe's is a reproduction.
+
+| setting | the card | here | why |
+| --- | --- | --- | --- |
+| loss, batch, lr | Dr. GRPO, 8 x 8, 1e-6 | same | |
+| K, progress weight, token cap | 16, 3, 3,072 | same | |
+| data | MATH, GSM8K, NuminaMath, generator; 8,478 filtered | no NuminaMath; filtered here | subset unstated; set not public |
+| answer-key check | blind solver + second solver | the datasets' keys | |
+| steps | paragraphs | paragraphs, else lines | keeps per-step credit through the card's drift |
+| continuations | unstated | T 1, <= 1,024 tokens, <= 8 boundaries | |
+| length, checkpoint | step 280 of unstated | 400 steps, pick by validation | |
+| validation | undescribed | 350 held-out GSM8K + MATH | |
 """
 import json
 import os

@@ -8,9 +8,9 @@ model card: BillyWang1/qwen3-4b-instruct-2507-retool-grpo).
 
 Reference (slime: Megatron training on 2 B200 + SGLang rollouts on 6): AIME 2024 0.581, AIME
 2025 0.498 (mean of 16 samples), MATH-500 0.956, with the interpreter at a 16k-token budget,
-after one epoch of DAPO-Math-17k (271 rollouts of 64: its 17.4k deduplicated problems; the English
-subset this recipe reads, config `en`, has about 14.1k, so its epoch is derived from the rows:
-about 220 rollouts, --max_steps to set another length). Settings as the card: 64 prompts x 16 samples
+after one epoch of DAPO-Math-17k (271 rollouts of 64: its 17.4k deduplicated problems, config `all`
+of open-r1/DAPO-Math-17k-Processed, 17,398 rows; the epoch is derived from the rows, --max_steps sets
+another length). Settings as the card: 64 prompts x 16 samples
 per rollout, lr 1e-6 constant, no KL, seed 42, reward +-1 on the final \\boxed{} (grpo.envs.retool),
 max response 8,192 tokens in training and 16,384 in eval (`eval_max_completion_length`, also the
 in-training AIME eval's, with the run's 16 tool turns: a row of the eval holds twice the KV, 2.3
@@ -29,7 +29,7 @@ holds 20 rows per GPU, H200's 50 GiB 41, B200's 60 GiB 50. A step is 1,024 rows:
 8 GPUs, in about 7 waves of continuous batching on H100 (3 on B200); rows that finish early
 free their slot at once. The update (fp32 master weights sharded over 8, bf16 compute,
 gradient checkpointing) is small next to the sampling of ~3M tokens a step.
-Data: DAPO-Math-17k from the hub (open-r1/DAPO-Math-17k-Processed, config en: `prompt` and
+Data: DAPO-Math-17k from the hub (open-r1/DAPO-Math-17k-Processed, config all: `prompt` and
 `solution` columns) or a local file with --train_data/--question_field/--answer_field; eval
 during training: AIME 2024 (HuggingFaceH4/aime_2024), 16 samples each.
 On CPU, SmolLM2-135M with real sandbox calls, a few steps: bench/e2e_retool_smollm2.py and
@@ -40,14 +40,17 @@ Where this differs from the card, all of it:
   RL); here the same GPUs sample and train, one rollout after the other: each rollout comes from
   the weights after the previous one's 4 optimizer steps (slime's async mode can sample from
   older weights; the card does not say how stale).
-- Data: open-r1/DAPO-Math-17k-Processed, config `en` (~14.1k problems, ~220 rollouts for the
-  epoch), not the card's dapo-math-17k copy (17.4k, 271 rollouts); the card does not say what it
-  did with DAPO's "Answer: $Answer" instruction, which we strip. Data order: our seed-42 shuffle,
-  not slime's.
-- Loss details the card leaves out, ours: loss_type `grpo` (each sequence's token mean, then the
-  mean over sequences), clip epsilon 0.2 both sides, truncated importance sampling between the
-  sampler's and the trainer's log-probs capped at tis_cap = 2 (grpo.config), gradient clipping 1.0,
-  AdamW betas (0.9, 0.99), no warmup; tool responses masked out of the loss (as ReTool).
+- Data: open-r1/DAPO-Math-17k-Processed, config `all` (17,398 problems, 271 rollouts: the card's
+  count; config `en` has ~14.1k), a processed copy of the card's dapo-math-17k; the card does not
+  say what it did with DAPO's "Answer: $Answer" instruction, which we strip. Data order: our
+  seed-42 shuffle, not slime's.
+- Where the card is silent and the slime ReTool example it ran from sets a value (THUDM/slime,
+  examples/retool/retool_qwen3_4b_rl.sh), slime's: clip
+  epsilon 0.2 below and 0.28 above (eps-clip-high), AdamW weight decay 0.1 and betas (0.9, 0.98).
+- Loss details neither gives, ours: loss_type `grpo` (each sequence's token mean, then the
+  mean over sequences), truncated importance sampling between the sampler's and the trainer's
+  log-probs capped at tis_cap = 2 (grpo.config), gradient clipping 1.0, no warmup; tool responses
+  masked out of the loss (as ReTool).
 - Tool: our sandbox (grpo.envs.sandbox: isolated workers, 10 s a call) for the card's
   unnamed one; at most 16 assistant turns (tool calls and the answer) a problem, in training and
   eval (the card gives no limit); a call's output as the sandbox returns it (stdout, or the error).
@@ -56,6 +59,17 @@ Where this differs from the card, all of it:
   equivalence (grpo.envs.math; the card does not name its scorer).
 - Prompt length: 512 tokens sizes the KV cache (the card gives none).
 - Not yet run on a GPU with the real weights: the sizing above is an estimate.
+
+| setting | the card | here | why |
+| --- | --- | --- | --- |
+| data, epoch | dapo-math-17k, 271 rollouts of 64 x 16 | its processed copy (config all), 271 | |
+| lr, KL, seed, updates a rollout | 1e-6 constant, 0, 42, 4 | same | |
+| clip, weight decay, AdamW betas | unstated | 0.2 / 0.28, 0.1, (0.9, 0.98) | slime's ReTool example |
+| response tokens, train / eval | 8,192 / 16,384 | same | |
+| sampling | SGLang on 6 GPUs, async | the training GPUs, in turn | the design |
+| tool, turns | unnamed sandbox, unstated | grpo.envs.sandbox 10 s a call, 16 turns | |
+| loss aggregation, TIS, clipping | unstated | grpo, cap 2, 1.0 | ours |
+| "Answer: $Answer" instruction | unstated | stripped | it fights the \\boxed{} reward |
 """
 from dataclasses import dataclass
 
@@ -70,7 +84,7 @@ from grpo.trainer import train
 class ReToolQwen3(Config):
     model_path: str = "Qwen/Qwen3-4B-Instruct-2507"
     output_dir: str = "runs/retool_qwen3_4b"
-    train_data: str = "open-r1/DAPO-Math-17k-Processed:en:train"  # a file or name[:config[:split]]
+    train_data: str = "open-r1/DAPO-Math-17k-Processed:all:train"  # a file or name[:config[:split]]
     question_field: str = "prompt"
     answer_field: str = "solution"
     eval_data: str = "HuggingFaceH4/aime_2024::train"  # AIME 2024: `problem` and `answer` columns
@@ -85,6 +99,9 @@ class ReToolQwen3(Config):
     learning_rate: float = 1e-6
     beta: float = 0.0
     loss_type: str = "grpo"
+    epsilon_high: float = 0.28        # slime's ReTool example (eps-clip-high): the card gives none
+    weight_decay: float = 0.1         # slime's, as above
+    adam_beta2: float = 0.98          # slime's, as above
     max_prompt_length: int = 512
     max_completion_length: int = 8192  # sampled and injected (tool responses) tokens
     max_turns: int = 16               # assistant turns: tool calls and the answer
@@ -115,7 +132,7 @@ def main(cls=ReToolQwen3, make_env=None) -> dict:
     cfg = parse_args(cls)
     train_set = load(cfg.train_data, question_field=cfg.question_field, answer_field=cfg.answer_field,
                      prepare=dapo_example)  # the problem alone: no "Answer: $Answer" instruction
-    if cfg.max_steps == 0:  # one epoch, from the rows there are (the card's 271 were of all 17.4k rows)
+    if cfg.max_steps == 0:  # one epoch, from the rows there are (the card's 271: 17,398 // 64)
         cfg.max_steps = epoch_steps(len(train_set), cfg.prompts_per_step)
         print(f"max_steps={cfg.max_steps}: one epoch of {len(train_set)} problems at {cfg.prompts_per_step} a step")
     env, eval_set = eval_setup(cfg)
