@@ -11,9 +11,11 @@ What is covered (on Linux, where `unshare` may make namespaces; the start line s
 - No network: a new network namespace holds only a loopback that is down, so no TCP/UDP, no DNS, no
   abstract unix sockets. Root uses it directly; other users through a user namespace. A seccomp filter
   (x86_64) allows sockets of AF_UNIX only: no AF_VSOCK (the host's port space), netlink, packet, alg.
-- Files: a mount namespace remounts every mount read-only; /tmp is a private tmpfs (64 MiB), the
-  working folder, gone when the call ends; /dev/shm, /run and the trainer's home are covered by empty
-  tmpfs (tokens, caches, agent sockets), with only the Python install's own folders re-bound (read-only)
+- Files: a mount namespace remounts every mount read-only (one that fails is a missing layer); /tmp is
+  a private tmpfs (64 MiB), the working folder, gone when the call ends; /dev/shm, /run, the trainer's
+  home and the cache folders its environment names (HF_HOME, XDG_CACHE_HOME, TRITON_CACHE_DIR, ...:
+  hidden_folders), each at its real path, are covered by empty tmpfs (tokens, caches, agent sockets;
+  one that cannot be covered is a missing layer), with only the Python install's own folders re-bound (read-only)
   where they live under one of these or under /tmp (a virtual environment made there); a sys.path
   entry under home, a checkout, stays hidden. /dev/pts is a devpts instance of
   its own: the ptys of the trainer and of other calls are not there.
@@ -32,21 +34,37 @@ What is covered (on Linux, where `unshare` may make namespaces; the start line s
   mount and the new mount API, ptrace, bpf, perf_event_open, userfaultfd, io_uring, modules, kexec,
   modify_ldt, uselib;
   ENOSYS for clone3 (libc falls back to clone); other arches' and x32 syscalls are refused.
-- rlimits: CPU seconds (timeout + 1), address space (memory_mb), file size 16 MiB (output included),
-  64 open files, 64 processes, no core files; an environment with nothing of the trainer's.
+- rlimits, every one the code could use set rather than inherited (never raised past the trainer's):
+  CPU seconds (timeout + 1), address space (memory_mb), file size 16 MiB (output included), 64 open
+  files, 64 processes, no core files, no locked memory, real-time priority, raised niceness or POSIX
+  message-queue bytes, 256 pending signals, an 8 MiB stack; an environment with nothing of the trainer's.
+  A child killed by any signal, real-time ones included, is reported as "[crashed: NAME ...]".
 - A layer the kernel or the privileges refuse is named at start, and the sandbox refuses to start
   unless told (allow_missing=True or GRPO_SANDBOX_ALLOW_MISSING=1): the seccomp filter (not x86_64,
-  or refused), the devpts instance, a uid of its own per call (no namespaces, or root whose uid map
-  lacks the block), the session keyring (only matters without seccomp), oom_score_adj.
+  or refused), a mount's read-only remount (mountinfo's escaped paths read as the kernel means them),
+  a covered folder, the devpts instance, a uid of its own per call (no namespaces, or root whose uid
+  map lacks the block), the session keyring (only matters without seccomp), oom_score_adj.
 
 What is not covered:
 - Reads: the code can read whatever its user may (world-readable files, the repository). It cannot
   send them anywhere, but it can print them into its observation. A unix socket file outside the
   covered folders stays connectable (read-only mounts do not stop that) if its user may write it.
 - Memory is limited per process (address space), not in total: there is no cgroup, so 64 processes,
-  the tmpfs (64 + 3 x 16 MiB) and memfds (16 MiB each) of one call can use up to about 64 x memory_mb
-  while it runs. All of it is freed when the call ends (its processes, mounts and IPC die with it).
+  the tmpfs (64 + 3 x 16 MiB, each folder covered) and memfds (16 MiB each) of one call can use about
+  64 x memory_mb while it runs, and SysV shared memory detached from every process counts against no
+  process's limit (one held 2,400 MiB under a 2,048 MiB limit): the IPC namespace's shm limits are the
+  kernel's defaults. All of it is freed when the call ends (its processes, mounts and IPC die with it).
   CPU is limited per process too (timeout + 1 s each), not by a cgroup.
+- State the kernel shares machine-wide, open to a call today: flock on any file it can read (the
+  trainer's own locks wait on it; two concurrent calls can signal each other through it); io_setup
+  up to fs.aio-max-nr (other users of libaio get EAGAIN); the page cache (fadvise can evict a readable
+  file, and a non-blocking read tells whether another call cached one); inotify on readable folders
+  (the names of files the trainer writes). The uid block is claimed through an abstract unix socket,
+  whose names are per network namespace: two trainers in two containers on one kernel may pick the
+  same uids. Device nodes under the host's /dev stay reachable (a GPU's /dev/nvidia* is mode 0666 by
+  default, and a read-only mount does not stop writes to a device). The seccomp filter is a deny-list:
+  a syscall newer than it (open_tree_attr, 467) passes it. What would close these: an allow-list filter,
+  a /dev of the call's own, a cgroup per call, a VM.
 - The kernel: namespaces and a deny-list filter are not a VM; a kernel bug in what stays allowed is an
   escape.
 - Without seccomp: other socket families and the calls above are open, and a uid's user keyring can
@@ -61,6 +79,7 @@ import json
 import os
 import pwd
 import queue
+import re
 import resource
 import select
 import shutil
@@ -83,7 +102,12 @@ NS = ["unshare", "--net", "--mount", "--pid", "--ipc", "--uts", "--cgroup", "--f
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp", "USER": "sandbox",
        "LOGNAME": "sandbox",  # getpass.getuser() without a passwd entry: the code's uid has none
        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-LIMITS = {"RLIMIT_FSIZE": 16 << 20, "RLIMIT_NOFILE": 64, "RLIMIT_NPROC": 64, "RLIMIT_CORE": 0}
+# every rlimit the code could use to reach past its call, set here rather than inherited from the trainer
+# (lowered only: a hard limit below one of these, the trainer's, stays): no locked memory, real-time
+# priority, raised niceness or POSIX message-queue bytes; bounded pending signals; an 8 MiB stack
+LIMITS = {"RLIMIT_FSIZE": 16 << 20, "RLIMIT_NOFILE": 64, "RLIMIT_NPROC": 64, "RLIMIT_CORE": 0,
+          "RLIMIT_MEMLOCK": 0, "RLIMIT_RTPRIO": 0, "RLIMIT_NICE": 0, "RLIMIT_MSGQUEUE": 0,
+          "RLIMIT_SIGPENDING": 256, "RLIMIT_STACK": 8 << 20}
 GRACE = 5.0  # s past the timeout before the trainer kills a worker whose init did not answer
 READY_TIMEOUT = 60.0  # s a call waits for a ready worker (one starts in well under 1 s) before an error
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
@@ -114,7 +138,7 @@ class Sandbox:
         if self.prefix is None and not allow_network:
             raise RuntimeError(f"grpo.envs.sandbox: cannot isolate the network here ({reason}); pass allow_"
                                "network=True or set GRPO_SANDBOX_ALLOW_NETWORK=1 to run code without it")
-        home = {os.path.expanduser("~"), pwd.getpwuid(os.getuid()).pw_dir} - {"/", "/tmp"}
+        home = hidden_folders()
         # the install's own folders only: a sys.path entry under home (a project, a checkout) stays hidden
         python = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
                   os.path.dirname(sys.executable), *sysconfig.get_paths().values()]
@@ -143,7 +167,9 @@ class Sandbox:
                                "without them")
         self.isolation = (f"{report}; rlimits: cpu timeout+1 s, address space {memory_mb} MiB, file size "
                           f"{LIMITS['RLIMIT_FSIZE'] >> 20} MiB, {LIMITS['RLIMIT_NOFILE']} files, "
-                          f"{LIMITS['RLIMIT_NPROC']} processes; {workers} workers")
+                          f"{LIMITS['RLIMIT_NPROC']} processes, {LIMITS['RLIMIT_STACK'] >> 20} MiB stack, "
+                          f"{LIMITS['RLIMIT_SIGPENDING']} pending signals, no memlock, rtprio, nice or "
+                          f"message queues; {workers} workers")
         if self.prefix is None:
             self.isolation += f" (namespaces refused: {reason})"
         if missing:
@@ -325,29 +351,60 @@ def _mount(source, target: str, fstype, flags: int, data: str | None = None) -> 
 
 def _private_view(hide: list[str], keep: list[str]) -> tuple[str, list[str]]:
     ok = total = 0
+    missing = []
     for line in open("/proc/self/mountinfo"):
         point, options = line.split()[4:6]
-        point = point.replace("\\040", " ")
+        point = unescape(point)
         flags = sum(f for o, f in LOCKED.items() if o in options.split(","))
         total += 1
-        ok += _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
+        if _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags):
+            ok += 1
+        else:  # a mount left writable: a file written there outlives the call
+            missing.append(f"read-only {point!r} ({os.strerror(ctypes.get_errno())})")
     # the interpreter may live under /tmp (a virtual environment made there): its folders come back
     assert _cover("/tmp", "size=64m,mode=1777", keep), "no private /tmp"
     # a devpts of its own: the host's lists (and lets the same uid open) the ptys of the trainer and of
     # concurrent calls; /dev/ptmx opens in the devpts mounted beside it (Linux >= 4.7). Without a
     # /dev/pts there are no ptys to reach.
-    missing = [] if not os.path.isdir("/dev/pts") or _mount(
-        "devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620,max=64") \
-        else [f"a devpts instance of its own ({os.strerror(ctypes.get_errno())})"]
+    if os.path.isdir("/dev/pts") and not _mount(
+            "devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620,max=64"):
+        missing.append(f"a devpts instance of its own ({os.strerror(ctypes.get_errno())})")
     hidden = []
-    for path in hide:
-        if not os.path.isdir(path) or os.path.islink(path) or path in keep:
+    for path in hide:  # real paths (hidden_folders): a symlinked home is hidden where it points
+        if not os.path.isdir(path) or path in keep:
             continue
         mode = "1777" if path == "/dev/shm" else "755"  # multiprocessing needs a writable /dev/shm
         if _cover(path, f"size=16m,mode={mode}", keep):
             hidden.append(path)
+        else:
+            missing.append(f"hiding {path} ({os.strerror(ctypes.get_errno())})")
     return (f"network, mount, pid, ipc, uts and cgroup namespaces; {ok}/{total} mounts read-only; private "
             f"/tmp 64 MiB{'' if missing else ', private devpts'}; covered: {' '.join(hidden)}"), missing
+
+
+def unescape(field: str) -> str:
+    """A mountinfo path as the kernel wrote it, octal escapes undone: space, tab, newline, backslash."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def hidden_folders() -> list[str]:
+    """The folders covered in every call besides /dev/shm and /run: the trainer's home and the caches
+    the environment names (tokens, downloaded weights, compiled kernels), each at its real path (a
+    symlinked home is covered where it points). /tmp is the call's own already."""
+    names = ["HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE", "XDG_CACHE_HOME",
+             "XDG_CONFIG_HOME", "XDG_DATA_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TORCH_HOME"]
+    paths = {os.path.expanduser("~"), pwd.getpwuid(os.getuid()).pw_dir, *(os.environ.get(n, "") for n in names)}
+    real = {os.path.realpath(p) for p in paths if p and os.path.isabs(p)}
+    return sorted(p for p in real if p != "/" and p != "/tmp" and not p.startswith("/tmp/"))
+
+
+def signal_name(number: int) -> str:
+    """SIGSEGV, SIGRTMIN+6, ...: any number a child may die of (signal.Signals knows the classic ones only)."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        low, high = int(signal.SIGRTMIN), int(signal.SIGRTMAX)
+        return f"SIGRTMIN+{number - low}" if low <= number <= high else f"signal {number}"
 
 
 def _cover(path: str, options: str, keep: list[str]) -> bool:
@@ -485,10 +542,10 @@ def _worker(cfg: dict, uid: int) -> None:
     status = os.waitpid(pid, 0)[1]
     notes = [f"[timed out after {job['timeout']:g} s]"] if timed_out else []
     if not timed_out and os.WIFSIGNALED(status):
-        sig = signal.Signals(os.WTERMSIG(status))
+        name = signal_name(os.WTERMSIG(status))
         why = {"SIGSEGV": "segmentation fault", "SIGXCPU": "CPU time limit", "SIGXFSZ": "file size limit",
-               "SIGKILL": "killed", "SIGABRT": "aborted", "SIGBUS": "bus error"}.get(sig.name, "signal")
-        notes.append(f"[crashed: {sig.name} ({why})]")
+               "SIGKILL": "killed", "SIGABRT": "aborted", "SIGBUS": "bus error"}.get(name, "signal")
+        notes.append(f"[crashed: {name} ({why})]")
     text = _output(out, err, cfg["max_output"], notes)
     if not isolated:
         shutil.rmtree(work, ignore_errors=True)
@@ -517,7 +574,11 @@ def _child(code: str, limits: dict, out: int, err: int, work: str, uid: int | No
     os.chdir(work)
     os.environ["HOME"] = work
     for name, value in limits.items():  # CPU: the soft limit's SIGXCPU names the cause, SIGKILL would not
-        resource.setrlimit(getattr(resource, name), (value, value + (name == "RLIMIT_CPU")))
+        which = getattr(resource, name)
+        hard = resource.getrlimit(which)[1]
+        hard = value + (name == "RLIMIT_CPU") if hard == resource.RLIM_INFINITY else min(
+            value + (name == "RLIMIT_CPU"), hard)  # never raised: a user namespace's root may not
+        resource.setrlimit(which, (min(value, hard), hard))
     if uid is not None:  # root ignores RLIMIT_NPROC; a uid of its own does not, and shares it with no call
         os.setgroups([])
         os.setgid(uid)

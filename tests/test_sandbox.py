@@ -5,6 +5,7 @@ import ctypes
 import http.server
 import os
 import random
+import resource
 import shutil
 import signal
 import socket
@@ -540,3 +541,76 @@ def test_waiting_for_a_worker_has_a_timeout(monkeypatch):
                       "start: see stderr)]", out
         assert time.monotonic() - t < 5
         box._closed = True  # stop the retries before the real _spawn comes back
+
+
+# ----------------------------------------------------------------------------- second round
+
+
+@needs_ns
+def test_a_real_time_signal_is_reported(sb):
+    """A child killed by a signal signal.Signals does not name (real-time ones) used to make the
+    worker raise: the call's output was lost. Any number is named now."""
+    out = sb.run("print('before', flush=True)\nimport os\nos.kill(os.getpid(), 40)")
+    assert out == f"before\n[crashed: SIGRTMIN+{40 - int(signal.SIGRTMIN)} (signal)]", out
+    assert sandbox.signal_name(11) == "SIGSEGV" and sandbox.signal_name(200) == "signal 200"
+
+
+@needs_ns
+def test_every_rlimit_is_the_sandboxs_own(sb):
+    """Set, not inherited from the trainer: no locked memory, real-time priority, raised niceness or
+    message-queue bytes; pending signals and the stack bounded."""
+    want = {"RLIMIT_MEMLOCK": 0, "RLIMIT_RTPRIO": 0, "RLIMIT_NICE": 0, "RLIMIT_MSGQUEUE": 0,
+            "RLIMIT_SIGPENDING": 256, "RLIMIT_STACK": 8 << 20}
+    code = "import resource\n" + "".join(f"print(resource.getrlimit(resource.{n})[0])\n" for n in want)
+    got = [int(x) for x in sb.run(code).split()]
+    hard = [resource.getrlimit(getattr(resource, n))[1] for n in want]  # never raised past the trainer's
+    assert got == [v if h == resource.RLIM_INFINITY else min(v, h) for v, h in zip(want.values(), hard)], got
+
+
+def test_mountinfo_paths_unescaped():
+    assert sandbox.unescape(r"/mnt/a\040b\011c\012d\134e") == "/mnt/a b\tc\nd\\e"
+    assert sandbox.unescape("/plain/path") == "/plain/path"
+
+
+def test_a_mount_left_writable_or_a_folder_left_visible_is_a_missing_layer(monkeypatch, tmp_path):
+    """The view is built with mount(2) mocked (nothing is mounted here): a read-only remount that
+    fails, or a folder that cannot be covered, is named as missing (the pool then refuses to start
+    unless allowed), where it used to lower a count or be skipped."""
+    calls = []
+
+    def mount(source, target, fstype, flags, data=None):
+        calls.append(target)
+        return not (flags & sandbox.MS_REMOUNT and target == "/")  # the root's remount fails
+
+    monkeypatch.setattr(sandbox, "_mount", mount)
+    monkeypatch.setattr(sandbox, "_cover", lambda path, options, keep: path != str(tmp_path))
+    report, missing = sandbox._private_view([str(tmp_path), "/dev/shm"], [])
+    assert any(m.startswith("read-only '/'") for m in missing), missing
+    assert any(m.startswith(f"hiding {tmp_path}") for m in missing), missing
+    assert "/" in calls and f"covered: /dev/shm" in report
+
+
+@needs_ns
+@pytest.mark.parametrize("how", ["symlinked home", "HF_HOME", "XDG_CACHE_HOME"])
+def test_home_and_named_caches_hidden_at_their_real_paths(how, monkeypatch):
+    """A home that is a symlink used to be skipped (the call read ~/.cache/huggingface/token through
+    its real path); the caches the environment names are covered too, wherever they are."""
+    base = tempfile.mkdtemp(dir="/var/tmp", prefix="grpo-sandbox-test-")  # outside /tmp (the call's own)
+    try:
+        real = os.path.join(base, "real")
+        os.makedirs(os.path.join(real, "sub"))
+        with open(os.path.join(real, "sub", "token"), "w") as f:
+            f.write(SECRET)
+        os.chmod(base, 0o755), os.chmod(real, 0o755), os.chmod(os.path.join(real, "sub"), 0o755)
+        os.chmod(os.path.join(real, "sub", "token"), 0o644)
+        link = os.path.join(base, "link")
+        os.symlink(real, link)
+        monkeypatch.setenv({"symlinked home": "HOME", "HF_HOME": "HF_HOME", "XDG_CACHE_HOME": "XDG_CACHE_HOME"}[how],
+                           link)
+        assert real in sandbox.hidden_folders()
+        with Sandbox(workers=1, memory_mb=1024, allow_missing=not SECCOMP) as box:
+            out = box.run(f"print(open({os.path.join(real, 'sub', 'token')!r}).read())\n")
+            assert "hiding" not in box.isolation, box.isolation
+    finally:
+        shutil.rmtree(base)
+    assert SECRET not in out and "FileNotFoundError" in out, out
