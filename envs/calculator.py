@@ -76,9 +76,9 @@ DEFAULT_WEIGHTS = {"correct": 1.0, "tool_use": 0.2, "format": 0.1, "judge": 0.0,
 # The reference's evaluation (examples/calculator_agent/evaluation in github.com/Danau5tin/agentic_environments,
 # branch qwen; data: datasets/basic_calculations_eval.csv, columns prompt, expression, answer): one sample
 # at temperature 0.2, at most 1,000 new tokens a turn and 5 calculator calls, right when the last number is
-# within an absolute 0.1. Here the token limit is for the whole completion, 1,000 x (5 calls + the answer):
-# the sampler has no per-turn limit (the reference's turns are 30-150 tokens: its limit does not bind).
-REFERENCE_EVAL = {"n": 1, "temperature": 0.2, "max_turns": 6, "max_tokens": 6 * 1000, "rel_tol": 0.0, "abs_tol": 0.1}
+# within an absolute 0.1. The whole completion's budget: 6 turns of 1,000, plus the calculator's outputs.
+REFERENCE_EVAL = {"n": 1, "temperature": 0.2, "max_turns": 6, "max_turn_tokens": 1000, "max_tokens": 6 * 1000 + 500,
+                  "rel_tol": 0.0, "abs_tol": 0.1}
 # The reference's reward (src/environment/calculator_env.py there): the judge 0.8, verification 0.2
 JUDGE_WEIGHTS = {"judge": 0.8, "correct": 0.2, "tool_use": 0.0, "format": 0.0, "judge_failed": 0.0}
 

@@ -44,7 +44,7 @@ def paired_bootstrap(before: list[float], after: list[float], resamples: int = 1
 def evaluate(model, tokenizer, env, examples: list[dict], n: int = 1, temperature: float = 0.0,
              max_tokens: int = 512, max_turns: int = 0, sampler=None, chat_kwargs: dict | None = None,
              seed: int = 1234, gen_batch: int = 64, kv_budget_bytes: int | None = None, progress: bool = True,
-             prompt_offset: int = 0, cuda_graphs: bool = True) -> dict:
+             prompt_offset: int = 0, cuda_graphs: bool = True, max_turn_tokens: int = 0) -> dict:
     """Run the env on `examples` with n samples each (temperature 0 = greedy). The score is the
     env's `correct` reward term (or the one its `score_term` names). Returns mean (mean@n),
     pass (pass@n), ci95 and per-sample records.
@@ -55,7 +55,8 @@ def evaluate(model, tokenizer, env, examples: list[dict], n: int = 1, temperatur
     # a sampler sized to this call unless the caller lends its own
     sampler = sampler or Sampler(model, tokenizer, gen_batch=gen_batch, kv_budget_bytes=kv_budget_bytes,
                                  cuda_graphs=cuda_graphs)
-    params = sampling_params(env, tokenizer, n, temperature, max_tokens, seed, max_turns=max_turns)
+    params = sampling_params(env, tokenizer, n, temperature, max_tokens, seed, max_turns=max_turns,
+                             max_turn_tokens=max_turn_tokens)
     trajs = assign_rewards(env, rollout(sampler, tokenizer, env, list(examples), params, prompt_offset=prompt_offset,
                                chat_kwargs=chat_kwargs, progress=progress))
     failed = [t for t in trajs if t.finish_reason == "error"]
@@ -90,8 +91,8 @@ def run_eval_settings(cfg, greedy: bool = False) -> dict:
     one-sample greedy protocol that `eval_greedy` adds beside the sampled one."""
     n, temperature = (1, 0.0) if greedy else (cfg.eval_n, cfg.eval_temperature)
     max_tokens = getattr(cfg, "eval_max_completion_length", 0) or cfg.max_completion_length
-    return dict(n=n, temperature=temperature, max_tokens=max_tokens,
-                max_turns=cfg.max_turns, chat_kwargs={"enable_thinking": cfg.enable_thinking},
+    return dict(n=n, temperature=temperature, max_tokens=max_tokens, max_turns=cfg.max_turns,
+                max_turn_tokens=getattr(cfg, "eval_turn_tokens", 0), chat_kwargs={"enable_thinking": cfg.enable_thinking},
                 gen_batch=cfg.gen_batch, kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
 
 

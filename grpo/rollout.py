@@ -146,12 +146,14 @@ class _ToolState:
 
 def sampling_params(env, tokenizer, G: int, temperature: float, max_tokens: int, seed: int,
                     top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-                    max_turns: int = 0) -> SamplingParams:
-    """max_turns: assistant turns per episode for a tool env; 0 = the env's own max_turns."""
+                    max_turns: int = 0, max_turn_tokens: int = 0) -> SamplingParams:
+    """max_turns: assistant turns per episode for a tool env; 0 = the env's own max_turns.
+    max_turn_tokens: tokens one assistant turn may sample; 0 = only max_tokens bounds it."""
     tool_stops = list(getattr(env, "stop_strings", []))
     return SamplingParams(n=G, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                           max_tokens=max_tokens, seed=seed, tool_stop_strings=tool_stops,
-                          max_turns=(max_turns or getattr(env, "max_turns", 1)) if tool_stops else 1)
+                          max_turns=(max_turns or getattr(env, "max_turns", 1)) if tool_stops else 1,
+                          max_turn_tokens=max_turn_tokens)
 
 
 def rollout(sampler: Sampler, tokenizer, env, examples: list[dict], params: SamplingParams,

@@ -54,13 +54,14 @@ class SamplingParams:
     tool_stop_token_ids: list[int] = field(default_factory=list)  # end a turn with a tool call
     tool_stop_strings: list[str] = field(default_factory=list)
     max_turns: int = 8              # assistant turns; one more tool call ends the row with "turns"
+    max_turn_tokens: int = 0        # tokens one assistant turn may sample (ends the row: "length"); 0 = no limit
     seed: int | None = None         # None = drawn from torch's global generator
 
     def __post_init__(self):
         checks = [(self.n >= 1, "n >= 1"), (self.temperature >= 0, "temperature >= 0"),
                   (0 < self.top_p <= 1, "0 < top_p <= 1"), (self.top_k >= 0, "top_k >= 0"),
                   (0 <= self.min_p < 1, "0 <= min_p < 1"), (self.max_tokens >= 1, "max_tokens >= 1"),
-                  (self.max_turns >= 1, "max_turns >= 1")]
+                  (self.max_turns >= 1, "max_turns >= 1"), (self.max_turn_tokens >= 0, "max_turn_tokens >= 0")]
         for ok, what in checks:
             if not ok:
                 raise ValueError(f"SamplingParams needs {what}: got {self}")
@@ -482,7 +483,7 @@ class Sampler:
         if go:
             idx = to_device([s.slot for s in go], self.device)
             new = to_device([[s.token_ids[-1], len(s.prompt) + len(s.token_ids) - 1, len(s.token_ids),
-                              s.max_tokens, s.key] for s in go], self.device)
+                              _limit(call, s), s.key] for s in go], self.device)
             st.tok[idx], st.pos[idx], st.ntok[idx], st.max_tokens[idx], st.key[idx] = new.T
             st.active[idx] = True
 
@@ -619,7 +620,7 @@ class Sampler:
                     break
         last = s.token_ids[-1]
         is_tool, is_stop = is_tool or last in call.tool_stops, is_stop or last in call.stops
-        full = len(s.token_ids) >= s.max_tokens
+        full = len(s.token_ids) >= _limit(call, s)
         if is_stop or (is_tool and call.tool is None):
             self._finish(call, s, "stop")
         elif full:  # also a tool call with no room left for its observation
@@ -639,6 +640,12 @@ class Sampler:
         del call.live[s.slot]
         call.out[s.index] = s
         call.bar.update(1)
+
+
+def _limit(call: _Call, s: _Seq) -> int:
+    """The length at which the row stops: its max_tokens, or sooner, its turn's max_turn_tokens."""
+    per_turn = call.params.max_turn_tokens
+    return min(s.max_tokens, s.turn_start + per_turn) if per_turn else s.max_tokens
 
 
 def _public(s: _Seq) -> Completion:

@@ -84,7 +84,8 @@ class CalculatorQwen(Config):
     eval_limit: int = 200
     eval_steps: int = 50
     eval_temperature: float = 0.2     # the reference's evaluation (REFERENCE_EVAL): one sample at T 0.2,
-    eval_max_completion_length: int = 6000  # 1,000 tokens a turn, 5 calls and the answer
+    eval_turn_tokens: int = 1000      # at most 1,000 tokens a turn,
+    eval_max_completion_length: int = 6500  # 5 calls and the answer, with the calculator's outputs
     save_steps: int = 25
     dtype: str = "auto"               # bf16 compute on GPU, fp32 master weights
     gradient_checkpointing: bool = True  # a 3B model's activations at the profiles' micro-batch sizes

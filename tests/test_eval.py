@@ -158,10 +158,10 @@ def test_calculator_reference_protocol_on_its_csv_shape(tmp_path, smollm2_path, 
     r = main(["--model_path", model, "--task", "calculator", "--protocol", "reference", "--data", str(data),
               "--eval_n", "4", "--eval_temperature", "1.0", "--out", str(out)])  # the protocol wins over these
     (env, examples, kw), = seen
-    assert (kw["n"], kw["temperature"], kw["max_tokens"], kw["max_turns"]) == (1, 0.2, 6000, 6)
+    assert (kw["n"], kw["temperature"], kw["max_tokens"], kw["max_turns"], kw["max_turn_tokens"]) == (1, 0.2, 6500, 6, 1000)
     assert (env.rel_tol, env.abs_tol) == (0.0, 0.1)
     assert [x["question"] for x in read_records(out)] == [x["prompt"] for x in rows] and r["questions"] == 2
-    assert "protocol: the reference's (1 sample at T 0.2, 5 calls, 6000 tokens, right within 0.1)" in capsys.readouterr().out
+    assert "protocol: the reference's (1 sample at T 0.2, 5 calls, 1000 tokens a turn, right within 0.1)" in capsys.readouterr().out
     right = lambda answer, text: env.reward({"question": "q", "answer": answer}, types.SimpleNamespace(  # noqa: E731
         turns=[text], observations=[], text=text))["correct"]
     assert right(768.3157894736842, "Answer: 768.4") == 1.0 and right(768.3157894736842, "Answer: 768.2") == 0.0
@@ -172,5 +172,5 @@ def test_calculator_reference_protocol_on_its_csv_shape(tmp_path, smollm2_path, 
     import calculator_qwen25_3b as recipe
     from grpo.eval import run_eval_settings
     s = run_eval_settings(recipe.CalculatorQwen())
-    assert (s["n"], s["temperature"], s["max_tokens"], s["max_turns"]) == tuple(
-        REFERENCE_EVAL[k] for k in ("n", "temperature", "max_tokens", "max_turns"))
+    assert (s["n"], s["temperature"], s["max_tokens"], s["max_turns"], s["max_turn_tokens"]) == tuple(
+        REFERENCE_EVAL[k] for k in ("n", "temperature", "max_tokens", "max_turns", "max_turn_tokens"))

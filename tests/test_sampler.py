@@ -695,3 +695,28 @@ def test_sampling_and_update_bars_without_tqdm(tiny_dir, monkeypatch):
     assert [c.token_ids for c in Sampler(model).generate([[5, 6, 7]], p, progress=True)] == want
     bar = progress_bar(3)
     assert bar.disable and bar.update(1) is None and bar.close() is None
+
+
+def test_max_turn_tokens_bounds_each_turn(tiny_dir):
+    """max_turn_tokens: no assistant turn samples more than that many tokens (the calculator
+    reference's eval: 1,000 a turn); a turn that reaches it ends the row ("length"), as the reference's
+    runner took a cut turn as the last one; the whole completion may be longer than one turn's limit."""
+    path, _ = tiny_dir("llama")
+    model = Transformer.from_pretrained(path)
+    p = SamplingParams(n=4, temperature=1.0, max_tokens=200, stop_token_ids=[], tool_stop_token_ids=list(range(0, 131, 9)),
+                       max_turns=50, max_turn_tokens=12, seed=3)
+    out = Sampler(model).generate([[4, 5, 6], [7, 8]], p, tool=lambda index, ids: [11, 12, 13])
+    for c in out:
+        turns, start = [], 0
+        for k in range(1, len(c.loss_mask) + 1):  # sampled runs between injected observations
+            if k == len(c.loss_mask) or c.loss_mask[k] != c.loss_mask[k - 1]:
+                if c.loss_mask[start]:
+                    turns.append(k - start)
+                start = k
+        assert max(turns) <= 12, (turns, c.finish_reason)
+        if c.finish_reason == "length" and len(c.token_ids) < 200:  # not the whole completion's limit
+            assert turns[-1] == 12, turns
+    assert any(c.num_turns > 1 for c in out) and any(len(c.token_ids) > 12 for c in out)
+    assert any(c.finish_reason == "length" and len(c.token_ids) < 200 for c in out)
+    with pytest.raises(ValueError, match="max_turn_tokens"):
+        SamplingParams(max_turn_tokens=-1)

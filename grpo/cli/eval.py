@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.eval_n, args.eval_temperature = ref["n"], ref["temperature"]
         args.max_completion_length, args.max_turns = ref["max_tokens"], ref["max_turns"]
         print(f"protocol: the reference's ({ref['n']} sample at T {ref['temperature']}, {ref['max_turns'] - 1} calls, "
-              f"{ref['max_tokens']} tokens, right within {ref['abs_tol']}) on "
+              f"{ref['max_turn_tokens']} tokens a turn, right within {ref['abs_tol']}) on "
               + (args.data if args.data else "200 generated questions (no --data: not the reference's 158)"))
     examples = examples[:args.eval_limit] if args.eval_limit else examples
     if not examples:  # an accuracy over 0 questions would print as 0.0000
@@ -110,9 +110,10 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     n = args.eval_n
     temperature = args.eval_temperature if args.eval_temperature is not None else (0.0 if n == 1 else 1.0)
+    turn_tokens = REFERENCE_EVAL["max_turn_tokens"] if args.protocol == "reference" else 0
     with kernels_of(args):
         r = evaluate(model, tokenizer, env, examples, n=n, temperature=temperature,
-                     max_tokens=args.max_completion_length, max_turns=args.max_turns,
+                     max_tokens=args.max_completion_length, max_turns=args.max_turns, max_turn_tokens=turn_tokens,
                      chat_kwargs={"enable_thinking": bool(args.enable_thinking)},
                      cuda_graphs=args.cuda_graphs is not False)
     out = write_records(args.out or f"eval_{args.task}.jsonl", r["records"])
