@@ -345,18 +345,24 @@ def _read(fd: int, deadline: float, limit: int) -> bytes | None:
 # prints one JSON result: the answer, what isolation it made, and which layers it could not make.
 
 def _mount(source, target: str, fstype, flags: int, data: str | None = None) -> bool:
-    enc = lambda s: None if s is None else s.encode()  # noqa: E731
+    enc = lambda s: None if s is None else os.fsencode(s)  # noqa: E731  (a path's bytes, as the kernel has them)
     return _libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)) == 0
 
 
 def _private_view(hide: list[str], keep: list[str]) -> tuple[str, list[str]]:
     ok = total = 0
     missing = []
-    for line in open("/proc/self/mountinfo"):
+    unreachable = 0
+    for line in open("/proc/self/mountinfo", errors="surrogateescape"):  # paths are bytes, not always UTF-8
         point, options = line.split()[4:6]
         point = unescape(point)
         flags = sum(f for o, f in LOCKED.items() if o in options.split(","))
         total += 1
+        try:  # a mount the worker cannot reach (under another user's 0700 folder, deleted), the code cannot either
+            os.close(os.open(point, os.O_PATH))
+        except OSError:
+            unreachable += 1
+            continue
         if _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags):
             ok += 1
         else:  # a mount left writable: a file written there outlives the call
@@ -378,7 +384,8 @@ def _private_view(hide: list[str], keep: list[str]) -> tuple[str, list[str]]:
             hidden.append(path)
         else:
             missing.append(f"hiding {path} ({os.strerror(ctypes.get_errno())})")
-    return (f"network, mount, pid, ipc, uts and cgroup namespaces; {ok}/{total} mounts read-only; private "
+    return (f"network, mount, pid, ipc, uts and cgroup namespaces; {ok}/{total} mounts read-only"
+            f"{f' ({unreachable} out of reach)' if unreachable else ''}; private "
             f"/tmp 64 MiB{'' if missing else ', private devpts'}; covered: {' '.join(hidden)}"), missing
 
 

@@ -620,7 +620,8 @@ class Sampler:
                     break
         last = s.token_ids[-1]
         is_tool, is_stop = is_tool or last in call.tool_stops, is_stop or last in call.stops
-        full = len(s.token_ids) >= _limit(call, s)
+        # the turn's own limit ends a turn that is not a tool call; a call that closes on it still runs
+        full = len(s.token_ids) >= (s.max_tokens if is_tool else _limit(call, s))
         if is_stop or (is_tool and call.tool is None):
             self._finish(call, s, "stop")
         elif full:  # also a tool call with no room left for its observation

@@ -29,11 +29,14 @@ the server wants one, from the JUDGE_API_KEY environment variable, never a flag)
 our wording of the reference's criteria) and 0.2 code verification (the last number within an
 absolute 0.1). Without a judge (the default) the run says so at start and trains on verification,
 with small tool-use (0.2) and format (0.1) terms in place of the judge's tool-use criteria.
-Data: the reference's CSVs work as they are (a question or prompt column, an expression, an answer):
-    --train_data=https://raw.githubusercontent.com/Danau5tin/calculator_agent_rl/main/datasets/calculator_train.csv
-    --eval_data=https://raw.githubusercontent.com/Danau5tin/agentic_environments/qwen/examples/calculator_agent/datasets/basic_calculations_eval.csv
-(download them first where the machine has no network); without them, questions are generated
-(grpo.envs.calculator_data). Batch sizes per GPU come from grpo.config.pick_profile.
+Data: the reference's CSVs work as they are (a question or prompt column, an expression, an answer).
+The loaders read local files and dataset ids, not URLs: download them, then pass the files.
+    https://raw.githubusercontent.com/Danau5tin/calculator_agent_rl/main/datasets/calculator_train.csv
+        -> --train_data=calculator_train.csv (its 1,500 training questions)
+    https://raw.githubusercontent.com/Danau5tin/agentic_environments/qwen/examples/calculator_agent/datasets/basic_calculations_eval.csv
+        -> --eval_data=basic_calculations_eval.csv (its 158 evaluation questions)
+Without them, questions are generated (grpo.envs.calculator_data). Batch sizes per GPU come from
+grpo.config.pick_profile.
 
 | setting | the reference | here | why |
 | --- | --- | --- | --- |
@@ -92,6 +95,8 @@ class CalculatorQwen(Config):
                                       # (32-64k tokens) would need ~200 GB without it (estimated)
 
     def check(self):
+        if self.judge_base_url and not self.judge_model:
+            raise ValueError("bad config: --judge_base_url needs --judge_model (the model the server serves)")
         if self.prompts_per_step == 0:  # under torchrun WORLD_SIZE is set before this runs
             self.prompts_per_step = reference_prompts_per_step(int(os.environ.get("WORLD_SIZE", 1)),
                                                                self.num_generations)

@@ -289,3 +289,5 @@ def test_calculator_prompts_per_step_follow_the_reference_rule(monkeypatch):
     cfg = parse_args(recipe.CalculatorQwen, [])
     assert (cfg.beta, cfg.warmup_steps, cfg.lr_scheduler_type, cfg.max_turns, cfg.answer_abs_tol) == (
         0.002, 10, "constant", 6, 0.1)
+    with pytest.raises(ValueError, match="--judge_model"):  # a judge with no model: every request would fail
+        parse_args(recipe.CalculatorQwen, ["--judge_base_url", "http://judge/v1"])

@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> dict:
     add_arguments(p, _flag, " (--run: the run's own)")
     p.add_argument("--out", default=None, help="per-sample JSONL (default: eval_<task>.jsonl)")
     args = p.parse_args(argv)
+    if args.run and args.protocol != "default":
+        p.error("--protocol is for --model_path and --task; --run evaluates as the run did")
     if args.run:
         return evaluate_run(args.run, args.out, args.kernels, args.cuda_graphs)
     if not (args.model_path and args.task):
