@@ -126,24 +126,26 @@ def load(cfg: CalculatorQwen, source: str, count: int, seed: int, split: str) ->
 
 
 def eval_setup(cfg: CalculatorQwen) -> tuple:
-    """The env and the eval questions (also `python -m grpo.eval --run`): the reference's protocol
-    (REFERENCE_EVAL, by the fields above), on --eval_data or on generated questions (said at start)."""
+    """The eval env and questions (also `python -m grpo.eval --run`): the reference's protocol
+    (REFERENCE_EVAL, by the fields above), on --eval_data or on generated questions (said at start).
+    No judge: an eval scores verification only, so a judge's requests there would be spent for nothing."""
     if not cfg.eval_data:
         print(f"calculator: evals on {cfg.eval_questions} generated questions (no --eval_data): the reference's "
               "protocol, not its 158 questions")
-    env = CalculatorEnv(judge_base_url=cfg.judge_base_url or None, judge_model=cfg.judge_model or None,
-                        judge_api_key=os.environ.get("JUDGE_API_KEY"),  # not a flag: flags land in logs
-                        rel_tol=0.0, abs_tol=cfg.answer_abs_tol)
-    return env, load(cfg, cfg.eval_data, cfg.eval_questions, cfg.seed + 1, "eval")
+    return CalculatorEnv(rel_tol=0.0, abs_tol=cfg.answer_abs_tol), load(cfg, cfg.eval_data, cfg.eval_questions,
+                                                                       cfg.seed + 1, "eval")
 
 
 def main(cls=CalculatorQwen):
     cfg = parse_args(cls)
     questions = load(cfg, cfg.train_data, cfg.train_questions, cfg.seed, "train")
-    env, eval_qs = eval_setup(cfg)
+    eval_env, eval_qs = eval_setup(cfg)
+    env = CalculatorEnv(judge_base_url=cfg.judge_base_url or None, judge_model=cfg.judge_model or None,
+                        judge_api_key=os.environ.get("JUDGE_API_KEY"),  # not a flag: flags land in logs
+                        rel_tol=0.0, abs_tol=cfg.answer_abs_tol)
     if cfg.max_steps == 0:
         cfg.max_steps = epoch_steps(len(questions), cfg.prompts_per_step)
-    train(cfg, env, questions, eval_qs, reward_weights=reward_weights(cfg))
+    train(cfg, env, questions, eval_qs, reward_weights=reward_weights(cfg), eval_env=eval_env)
 
 
 if __name__ == "__main__":
