@@ -356,7 +356,9 @@ def fused_figures(device, sizes: dict) -> list[dict]:
             rows.append(row("figures", f"H={H}", f"{what}: naive ran out of memory", ours["peak_mib"],
                             note=f"ours {ours['ms']:.0f} ms, {ours['peak_mib']:.0f} MiB"))
             continue
-        mem, t = ours["peak_mib"] / naive["peak_mib"], ours["ms"] / naive["ms"]
+        # a CPU's peak is resident memory's growth, which can be 0 when the allocator reuses freed pages
+        ratio = lambda a, b: a / b if b > 0 else float("nan")  # noqa: E731
+        mem, t = ratio(ours["peak_mib"], naive["peak_mib"]), ratio(ours["ms"], naive["ms"])
         note = (f"ours {ours['ms']:.0f} ms {ours['peak_mib']:.0f} MiB, "
                 f"naive {naive['ms']:.0f} ms {naive['peak_mib']:.0f} MiB")
         rows += [goal("figures", f"H={H}", f"{what}: peak memory / naive", mem, f"{mem:.1%}", mem <= 0.1,
