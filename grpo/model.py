@@ -138,13 +138,13 @@ def lm_logits(h: Tensor, weight: Tensor) -> Tensor:
     weight's dtype: the logits the trainer's log-probs come from (grpo.kernels.linear_logprobs), so
     that a sampled token's log-prob differs from the trainer's by the order of sums only, not by a
     bf16 rounding of each logit (a relative 2^-9, seen as `sampler_gap` and in the TIS weights).
-    Inference only: the CUDA GEMM with an fp32 output has no backward."""
+    The 16-bit case is the log-prob kernels' own (grpo.kernels.scaled_logits: one cuBLAS GEMM with an
+    fp32 output on CUDA, exact 16-bit products in fp32 elsewhere). Inference only."""
     h = h.to(weight.dtype)
     if weight.dtype not in (torch.float16, torch.bfloat16):
         return F.linear(h, weight)
-    if h.device.type == "cpu":  # no mixed-dtype GEMM on a CPU: 16-bit products are exact in fp32
-        return F.linear(h.float(), weight.float())
-    flat = torch.mm(h.reshape(-1, h.shape[-1]), weight.t(), out_dtype=torch.float32)  # (N, V), cuBLAS
+    from grpo.kernels import scaled_logits
+    flat = scaled_logits(h.reshape(-1, h.shape[-1]), weight)  # (N, V) fp32
     return flat.view(*h.shape[:-1], weight.shape[0])
 
 

@@ -20,9 +20,9 @@ a machine without one: grpo.kernels.target.
 from .advantages import group_advantages
 from .grpo_loss import grpo_token_loss
 from .layers import add_rmsnorm, decode_attention, qkv_rope_write, silu_mul
-from .logprobs import linear_logprobs
+from .logprobs import linear_logprobs, scaled_logits
 from .sampling import fused_sample
 from .target import HAS_TRITON, compile_for, gpu, references, use_triton
 
-__all__ = ["linear_logprobs", "grpo_token_loss", "group_advantages", "fused_sample", "add_rmsnorm", "silu_mul",
+__all__ = ["linear_logprobs", "scaled_logits", "grpo_token_loss", "group_advantages", "fused_sample", "add_rmsnorm", "silu_mul",
            "qkv_rope_write", "decode_attention", "HAS_TRITON", "compile_for", "gpu", "references", "use_triton"]

@@ -115,7 +115,7 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return x.dtype if x.is_cuda else torch.promote_types(x.dtype, torch.float32)
 
 
-def _logits(h: Tensor, w: Tensor, inv_T: float) -> Tensor:
+def scaled_logits(h: Tensor, w: Tensor, inv_T: float = 1.0) -> Tensor:
     """(N, H) @ (C, H).T / T -> (N, C), fp32 for half inputs: bf16 logits would be rounded by up
     to |z| 2^-9, a few percent on exp(z - lse) for z ~ 20 (cuBLAS accumulates in fp32 either way).
     Half products are exact in fp32, so the upcast fallback gives cuBLAS's numbers."""
@@ -149,7 +149,7 @@ def _forward_torch(hidden, weight, labels, temperature, chunk, want_entropy):
     tgt = torch.zeros(N, dtype=sdt, device=hidden.device)
     ez = torch.zeros(N, dtype=sdt, device=hidden.device)    # E_p[z], renormalized as lse grows
     for v0 in range(0, V, chunk):
-        z = _logits(h, weight[v0:v0 + chunk].to(dt), 1.0 / temperature).to(sdt)  # (N, C) logits / T
+        z = scaled_logits(h, weight[v0:v0 + chunk].to(dt), 1.0 / temperature).to(sdt)  # (N, C) logits / T
         lse_new = torch.logaddexp(lse, z.logsumexp(-1))
         if want_entropy:
             ez = ez * torch.exp(lse - lse_new) + (torch.exp(z - lse_new[:, None]) * z).sum(-1)
@@ -226,7 +226,7 @@ def _backward(hidden, weight, labels, lse, grad, temperature, chunk, dlogits, ne
     grad_w = torch.empty_like(weight) if need_w else None
     for v0 in range(0, V, chunk):
         w = weight[v0:v0 + chunk].to(dt)                      # (C, H)
-        z = _logits(h, w, 1.0 / temperature)                  # (N, C) fp32+: the forward's logits / T
+        z = scaled_logits(h, w, 1.0 / temperature)                  # (N, C) fp32+: the forward's logits / T
         dz = dlogits(z, lse, labels, g, v0).to(gdt)           # (N, C), in the gradient matmuls' dtype
         if need_h:
             grad_h += dz @ w.to(gdt)

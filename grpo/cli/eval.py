@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
                                   args.fewshot_data)
     except DataError as e:
         raise SystemExit(f"python -m grpo.eval: {e}") from None
+    turn_tokens = 0  # a turn's own limit: the reference protocol's only
     if args.protocol == "reference":
         if args.task != "calculator":
             raise SystemExit(f"python -m grpo.eval: --protocol reference is the calculator's, not {args.task}'s")
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
         ref = REFERENCE_EVAL
         env = CalculatorEnv(rel_tol=ref["rel_tol"], abs_tol=ref["abs_tol"])
         args.eval_n, args.eval_temperature = ref["n"], ref["temperature"]
-        args.max_completion_length, args.max_turns = ref["max_tokens"], ref["max_turns"]
+        args.max_completion_length, args.max_turns, turn_tokens = ref["max_tokens"], ref["max_turns"], \
+            ref["max_turn_tokens"]
         print(f"protocol: the reference's ({ref['n']} sample at T {ref['temperature']}, {ref['max_turns'] - 1} calls, "
               f"{ref['max_turn_tokens']} tokens a turn, right within {ref['abs_tol']}) on "
               + (args.data if args.data else "200 generated questions (no --data: not the reference's 158)"))
@@ -112,7 +114,6 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     n = args.eval_n
     temperature = args.eval_temperature if args.eval_temperature is not None else (0.0 if n == 1 else 1.0)
-    turn_tokens = REFERENCE_EVAL["max_turn_tokens"] if args.protocol == "reference" else 0
     with kernels_of(args):
         r = evaluate(model, tokenizer, env, examples, n=n, temperature=temperature,
                      max_tokens=args.max_completion_length, max_turns=args.max_turns, max_turn_tokens=turn_tokens,
