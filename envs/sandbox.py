@@ -17,23 +17,32 @@ What is covered (on Linux, where `unshare` may make namespaces; the start line s
   hidden_folders), each at its real path, are covered by empty tmpfs (tokens, caches, agent sockets;
   one that cannot be covered is a missing layer), with only the Python install's own folders re-bound (read-only)
   where they live under one of these or under /tmp (a virtual environment made there); a sys.path
-  entry under home, a checkout, stays hidden. /dev/pts is a devpts instance of
-  its own: the ptys of the trainer and of other calls are not there.
+  entry under home, a checkout, stays hidden.
+- Devices: /dev is a read-only tmpfs of its own holding the host's null, zero, full, random, urandom and
+  tty (bound in), a devpts instance of its own (the ptys of the trainer and of other calls are not there)
+  and /dev/shm: no GPU, RDMA, disk, KVM or console node is there to open (a read-only mount does not stop
+  writes to a device, and a GPU's /dev/nvidia* is mode 0666 by default).
 - Processes: a pid namespace (the trainer is invisible) whose init kills every process left when the
   code returns or times out; the trainer kills the worker's process group as a backstop. The OOM killer
   takes workers first (oom_score_adj 1000).
 - IPC, UTS, cgroup: namespaces of its own. SysV shared memory, message queues, semaphores and POSIX
   message queues die with the call (so does the memory they hold) and are never seen by another call.
+  The IPC namespace's limits are set low (IPC_LIMITS): 16 MiB of SysV shared memory in all, removed as
+  soon as no process holds it (shm_rmid_forced), so it cannot outlive the processes that count it.
 - Privileges: run as root, the code drops to a uid of its own (from 2000000000 up, a block per pool
   claimed on the machine, no passwd entry, no files): RLIMIT_NPROC and the kernel's other per-user counts
   are then the call's own, not shared with concurrent calls; a uid is reused only after its worker is
   gone. Inside a user namespace (not root) the code loses every capability, and the namespace is the
   call's own. A session keyring of its own (the trainer's is inherited otherwise, and setuid keeps it);
   no_new_privs (no setuid binaries) either way.
-- seccomp (x86_64): EPERM for keyctl, add_key, request_key, unshare, setns, clone with a namespace flag,
-  mount and the new mount API, ptrace, bpf, perf_event_open, userfaultfd, io_uring, modules, kexec,
-  modify_ldt, uselib;
-  ENOSYS for clone3 (libc falls back to clone); other arches' and x32 syscalls are refused.
+- seccomp (x86_64), an allow-list (ALLOWED: what CPython, its standard library, numpy and sympy call,
+  traced): anything else answers ENOSYS, as on a kernel without it (clone3: libc falls back to clone; a
+  syscall newer than the list cannot pass it). EPERM for DENIED: keys, unshare, setns, clone with a
+  namespace flag, mount and the new mount API, ptrace and other processes' memory, bpf, perf_event_open,
+  userfaultfd, io_uring, modules, kexec, modify_ldt, uselib, and the state the kernel shares machine-wide:
+  flock on any readable file, Linux AIO (fs.aio-max-nr), the page cache (fadvise, readahead, mincore,
+  cachestat, preadv2's RWF_NOWAIT), inotify and fanotify. Sockets of AF_UNIX only; other arches' and x32
+  syscalls are refused.
 - rlimits, every one the code could use set rather than inherited (never raised past the trainer's):
   CPU seconds (timeout + 1), address space (memory_mb), file size 16 MiB (output included), 64 open
   files, 64 processes, no core files, no locked memory, real-time priority, raised niceness or POSIX
@@ -42,30 +51,23 @@ What is covered (on Linux, where `unshare` may make namespaces; the start line s
 - A layer the kernel or the privileges refuse is named at start, and the sandbox refuses to start
   unless told (allow_missing=True or GRPO_SANDBOX_ALLOW_MISSING=1): the seccomp filter (not x86_64,
   or refused), a mount's read-only remount (mountinfo's escaped paths read as the kernel means them),
-  a covered folder, the devpts instance, a uid of its own per call (no namespaces, or root whose uid
+  a covered folder, the /dev of its own, the devpts instance, the IPC limits, a uid of its own per call (no namespaces, or root whose uid
   map lacks the block), the session keyring (only matters without seccomp), oom_score_adj.
 
 What is not covered:
 - Reads: the code can read whatever its user may (world-readable files, the repository). It cannot
   send them anywhere, but it can print them into its observation. A unix socket file outside the
   covered folders stays connectable (read-only mounts do not stop that) if its user may write it.
-- Memory is limited per process (address space), not in total: there is no cgroup, so 64 processes,
-  the tmpfs (64 + 3 x 16 MiB, each folder covered) and memfds (16 MiB each) of one call can use about
-  64 x memory_mb while it runs, and SysV shared memory detached from every process counts against no
-  process's limit (one held 2,400 MiB under a 2,048 MiB limit): the IPC namespace's shm limits are the
-  kernel's defaults. All of it is freed when the call ends (its processes, mounts and IPC die with it).
-  CPU is limited per process too (timeout + 1 s each), not by a cgroup.
-- State the kernel shares machine-wide, open to a call today: flock on any file it can read (the
-  trainer's own locks wait on it; two concurrent calls can signal each other through it); io_setup
-  up to fs.aio-max-nr (other users of libaio get EAGAIN); the page cache (fadvise can evict a readable
-  file, and a non-blocking read tells whether another call cached one); inotify on readable folders
-  (the names of files the trainer writes). The uid block is claimed through an abstract unix socket,
-  whose names are per network namespace: two trainers in two containers on one kernel may pick the
-  same uids. Device nodes under the host's /dev stay reachable (a GPU's /dev/nvidia* is mode 0666 by
-  default, and a read-only mount does not stop writes to a device). The seccomp filter is a deny-list:
-  a syscall newer than it (open_tree_attr, 467) passes it. What would close these: an allow-list filter,
-  a /dev of the call's own, a cgroup per call, a VM.
-- The kernel: namespaces and a deny-list filter are not a VM; a kernel bug in what stays allowed is an
+- Memory is limited per process (address space), not in total: there is no cgroup per call, so 64
+  processes, the tmpfs (64 + 3 x 16 MiB, each folder covered), memfds (16 MiB each) and 16 MiB of SysV
+  shared memory of one call can use about 64 x memory_mb while it runs. All of it is freed when the call
+  ends (its processes, mounts and IPC die with it). CPU is limited per process too (timeout + 1 s each).
+- State the kernel still shares: fcntl's record locks (sqlite3 needs them): a read lock on a host file
+  it can read holds off another process's write lock on that file (not its writes). The uid block is
+  claimed through an abstract unix socket, whose names are per network namespace: two trainers in two
+  containers on one kernel may pick the same uids. What would close these: a cgroup per call, a claim
+  through a file lock on a path all trainers share, a VM.
+- The kernel: namespaces and a seccomp filter are not a VM; a kernel bug in what stays allowed is an
   escape.
 - Without seccomp: other socket families and the calls above are open, and a uid's user keyring can
   pass keys to the next call that gets the same uid.
@@ -108,6 +110,11 @@ ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp"
 LIMITS = {"RLIMIT_FSIZE": 16 << 20, "RLIMIT_NOFILE": 64, "RLIMIT_NPROC": 64, "RLIMIT_CORE": 0,
           "RLIMIT_MEMLOCK": 0, "RLIMIT_RTPRIO": 0, "RLIMIT_NICE": 0, "RLIMIT_MSGQUEUE": 0,
           "RLIMIT_SIGPENDING": 256, "RLIMIT_STACK": 8 << 20}
+# the IPC namespace's own limits (the kernel's defaults are near unlimited): SysV shared memory 16 MiB in all,
+# destroyed once no process holds it (shm_rmid_forced: memory detached from every process counts against no
+# address-space limit), 16 message queues of 64 KiB, a few semaphores
+IPC_LIMITS = {"shmmax": 16 << 20, "shmall": 4096, "shmmni": 16, "shm_rmid_forced": 1, "msgmni": 16,
+              "msgmnb": 64 << 10, "msgmax": 8192, "sem": "32 1024 32 32"}
 GRACE = 5.0  # s past the timeout before the trainer kills a worker whose init did not answer
 READY_TIMEOUT = 60.0  # s a call waits for a ready worker (one starts in well under 1 s) before an error
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
@@ -369,6 +376,8 @@ def _private_view(hide: list[str], keep: list[str]) -> tuple[str, list[str]]:
             missing.append(f"read-only {point!r} ({os.strerror(ctypes.get_errno())})")
     # the interpreter may live under /tmp (a virtual environment made there): its folders come back
     assert _cover("/tmp", "size=64m,mode=1777", keep), "no private /tmp"
+    dev = _private_dev()
+    missing += dev
     # a devpts of its own: the host's lists (and lets the same uid open) the ptys of the trainer and of
     # concurrent calls; /dev/ptmx opens in the devpts mounted beside it (Linux >= 4.7). Without a
     # /dev/pts there are no ptys to reach.
@@ -386,7 +395,54 @@ def _private_view(hide: list[str], keep: list[str]) -> tuple[str, list[str]]:
             missing.append(f"hiding {path} ({os.strerror(ctypes.get_errno())})")
     return (f"network, mount, pid, ipc, uts and cgroup namespaces; {ok}/{total} mounts read-only"
             f"{f' ({unreachable} out of reach)' if unreachable else ''}; private "
-            f"/tmp 64 MiB{'' if missing else ', private devpts'}; covered: {' '.join(hidden)}"), missing
+            f"/tmp 64 MiB{'' if missing else ', private devpts'}{'' if dev else ', a /dev of its own: ' + ' '.join(DEV_NODES)}"
+            f"; covered: {' '.join(hidden)}"), missing
+
+
+# the host's device nodes a call keeps, bound into a /dev of its own; no GPU, RDMA, disk, KVM or console node
+DEV_NODES = ["null", "zero", "full", "random", "urandom", "tty"]
+DEV_LINKS = {"ptmx": "pts/ptmx", "fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
+             "stderr": "/proc/self/fd/2"}
+
+
+def _private_dev() -> list[str]:
+    """A tmpfs over /dev holding DEV_NODES (bind mounts of the host's: a user namespace may not mknod),
+    DEV_LINKS and empty pts and shm folders (the callers mount a devpts and a tmpfs there), made
+    read-only: a device node of the host (a GPU's /dev/nvidia* is mode 0666 by default; a read-only mount
+    does not stop writes to a device) is not there to open. What failed, as missing layers."""
+    nodes = {}
+    for name in DEV_NODES:
+        try:
+            nodes[name] = os.open(f"/dev/{name}", os.O_PATH)
+        except OSError:  # not on this machine
+            pass
+    made = _mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=755")
+    missing = [] if made else [f"a /dev of its own ({os.strerror(ctypes.get_errno())})"]
+    for name, fd in nodes.items():
+        if made:
+            open(f"/dev/{name}", "w").close()
+            if not _mount(f"/proc/self/fd/{fd}", f"/dev/{name}", None, MS_BIND):
+                missing.append(f"/dev/{name} ({os.strerror(ctypes.get_errno())})")
+        os.close(fd)
+    if made:
+        for name, target in DEV_LINKS.items():
+            os.symlink(target, f"/dev/{name}")
+        os.mkdir("/dev/pts"), os.mkdir("/dev/shm")
+        if not _mount(None, "/dev", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC):
+            missing.append(f"a read-only /dev ({os.strerror(ctypes.get_errno())})")
+    return missing
+
+
+def _ipc_limits() -> list[str]:
+    """IPC_LIMITS written into this IPC namespace's sysctls (its own: the host's are untouched); what failed."""
+    failed = []
+    for name, value in IPC_LIMITS.items():
+        try:
+            with open(f"/proc/sys/kernel/{name}", "w") as f:
+                f.write(str(value))
+        except OSError as e:
+            failed.append(f"{name} ({e.strerror})")
+    return [f"the IPC namespace's limits: {', '.join(failed)}"] if failed else []
 
 
 def unescape(field: str) -> str:
@@ -428,16 +484,64 @@ def _cover(path: str, options: str, keep: list[str]) -> bool:
     return covered
 
 
-# x86_64 numbers of the syscalls the code gets EPERM for: keys (the kernel's keyrings are per uid and
-# outlive the call), new namespaces (a user namespace gives back every capability in it), mounts,
-# tracing, kernel modules and kexec, and the large attack surfaces of bpf, perf, userfaultfd, io_uring
-# (which also makes sockets without socket()), the new mount API, modify_ldt and uselib.
+# The seccomp filter is an allow-list (x86_64 numbers): the syscalls CPython, its standard library (threads,
+# subprocess, multiprocessing, asyncio, sqlite3, mmap), numpy and sympy make, found by tracing them (strace -f)
+# and rounded out by their families. A syscall not named here answers ENOSYS, as a kernel without it would
+# (libc then falls back: clone3 -> clone, statx -> fstatat). socket/socketpair (AF_UNIX only) and clone (no
+# namespace flag) are checked by argument. fcntl's record locks stay (sqlite3 needs them; a read lock on a
+# host file can hold off a writer's lock on it, not its writes).
+ALLOWED = dict((name, int(nr)) for name, nr in (pair.split("=") for pair in """
+read=0 write=1 readv=19 writev=20 pread64=17 pwrite64=18 preadv=295 pwritev=296 open=2 openat=257 openat2=437
+close=3 close_range=436 stat=4 fstat=5 lstat=6 newfstatat=262 statx=332 lseek=8 access=21 faccessat=269
+faccessat2=439 readlink=89 readlinkat=267 getdents=78 getdents64=217 getcwd=79 chdir=80 fchdir=81 mkdir=83
+mkdirat=258 rmdir=84 unlink=87 unlinkat=263 rename=82 renameat=264 renameat2=316 link=86 linkat=265 symlink=88
+symlinkat=266 chmod=90 fchmod=91 fchmodat=268 chown=92 fchown=93 lchown=94 fchownat=260 truncate=76
+ftruncate=77 fsync=74 fdatasync=75 utime=132 utimes=235 utimensat=280 futimesat=261 umask=95 dup=32 dup2=33
+dup3=292 pipe=22 pipe2=293 fcntl=72 ioctl=16 statfs=137 fstatfs=138 sendfile=40 copy_file_range=326 splice=275
+tee=276 memfd_create=319 getxattr=191 lgetxattr=192 fgetxattr=193 listxattr=194 llistxattr=195 flistxattr=196
+setxattr=188 lsetxattr=189 fsetxattr=190 removexattr=197 lremovexattr=198 fremovexattr=199
+mmap=9 munmap=11 mprotect=10 mremap=25 madvise=28 brk=12 msync=26 mlock=149 munlock=150 mlock2=325 mlockall=151
+munlockall=152 mbind=237 get_mempolicy=239 set_mempolicy=238 membarrier=324
+fork=57 vfork=58 execve=59 execveat=322 exit=60 exit_group=231 wait4=61 waitid=247 kill=62 tkill=200 tgkill=234
+pidfd_open=434 pidfd_send_signal=424 getpid=39 getppid=110 gettid=186 getuid=102 geteuid=107 getgid=104
+getegid=108 getgroups=115 getresuid=118 getresgid=120 getpgrp=111 getpgid=121 getsid=124 setuid=105 setgid=106
+setreuid=113 setregid=114 setresuid=117 setresgid=119 setgroups=116 setfsuid=122 setfsgid=123 setpgid=109
+setsid=112 prctl=157 arch_prctl=158 set_tid_address=218 set_robust_list=273 get_robust_list=274 rseq=334
+futex=202 futex_waitv=449 sched_yield=24 sched_getaffinity=204 sched_setaffinity=203 sched_getparam=143
+sched_setparam=142 sched_getscheduler=145 sched_setscheduler=144 sched_get_priority_max=146
+sched_get_priority_min=147 sched_rr_get_interval=148 sched_getattr=315 sched_setattr=314 getpriority=140
+setpriority=141 prlimit64=302 getrlimit=97 setrlimit=160 getrusage=98 times=100 sysinfo=99 uname=63 capget=125
+getcpu=309 rt_sigaction=13 rt_sigprocmask=14 rt_sigreturn=15 rt_sigpending=127 rt_sigtimedwait=128
+rt_sigsuspend=130 rt_sigqueueinfo=129 rt_tgsigqueueinfo=297 sigaltstack=131 pause=34 alarm=37 setitimer=38
+getitimer=36 timer_create=222 timer_settime=223 timer_gettime=224 timer_getoverrun=225 timer_delete=226
+timerfd_create=283 timerfd_settime=286 timerfd_gettime=287 signalfd=282 signalfd4=289 eventfd=284 eventfd2=290
+clock_gettime=228 clock_getres=229 clock_nanosleep=230 nanosleep=35 gettimeofday=96 time=201
+poll=7 ppoll=271 select=23 pselect6=270 epoll_create=213 epoll_create1=291 epoll_ctl=233 epoll_wait=232
+epoll_pwait=281 epoll_pwait2=441 connect=42 bind=49 listen=50 accept=43 accept4=288 getsockname=51
+getpeername=52 sendto=44 recvfrom=45 sendmsg=46 recvmsg=47 sendmmsg=307 recvmmsg=299 shutdown=48 setsockopt=54
+getsockopt=55 shmget=29 shmat=30 shmdt=67 shmctl=31 semget=64 semop=65 semctl=66 semtimedop=220 msgget=68
+msgsnd=69 msgrcv=70 msgctl=71 mq_open=240 mq_unlink=241 mq_timedsend=242 mq_timedreceive=243 mq_notify=244
+mq_getsetattr=245 getrandom=318""".split()))
+# Outside the allow-list anyway, these answer EPERM rather than ENOSYS (a refusal, not a missing kernel
+# feature, so no libc falls back to something else): keys (the kernel's keyrings are per uid and outlive the
+# call), new namespaces (a user namespace gives back every capability in it), mounts and the new mount API,
+# tracing and other processes' memory, modules and kexec, bpf, perf, userfaultfd, io_uring (which also makes
+# sockets without socket()), modify_ldt, uselib; and the state the kernel shares machine-wide: flock on any
+# readable file (the trainer's locks wait on it), Linux AIO contexts (fs.aio-max-nr is one pool for the
+# machine), the page cache (fadvise evicts a readable file; mincore, cachestat and preadv2's RWF_NOWAIT tell
+# whether another call read one) and inotify/fanotify on readable folders (the names of files the trainer writes).
 DENIED = {"ptrace": 101, "uselib": 134, "modify_ldt": 154, "pivot_root": 155, "mount": 165, "umount2": 166,
           "init_module": 175, "delete_module": 176, "kexec_load": 246, "add_key": 248, "request_key": 249,
           "keyctl": 250, "unshare": 272, "perf_event_open": 298, "open_by_handle_at": 304, "setns": 308,
           "finit_module": 313, "kexec_file_load": 320, "bpf": 321, "userfaultfd": 323, "io_uring_setup": 425,
           "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428, "move_mount": 429, "fsopen": 430,
-          "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442}
+          "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442, "open_tree_attr": 467,
+          "name_to_handle_at": 303, "kcmp": 312, "process_vm_readv": 310, "process_vm_writev": 311,
+          "pidfd_getfd": 438, "process_madvise": 440, "memfd_secret": 447,
+          "flock": 73, "io_setup": 206, "io_destroy": 207, "io_getevents": 208, "io_submit": 209, "io_cancel": 210,
+          "io_pgetevents": 333, "fadvise64": 221, "readahead": 187, "mincore": 27, "cachestat": 451,
+          "preadv2": 327, "pwritev2": 328, "inotify_init": 253, "inotify_add_watch": 254, "inotify_rm_watch": 255,
+          "inotify_init1": 294, "fanotify_init": 300, "fanotify_mark": 301}
 SOCKET, SOCKETPAIR, CLONE, CLONE3, AF_UNIX = 41, 53, 56, 435, 1
 CLONE_NEW = 0x7E020000  # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
 
@@ -457,21 +561,24 @@ def _bpf(lines: list) -> bytes:
         else:
             program.append(line)
     skip = lambda to, i: to if isinstance(to, int) else at[to] - i - 1  # noqa: E731
-    return b"".join(struct.pack("=HBBI", op, skip(jt, i), skip(jf, i), k)
-                    for i, (op, jt, jf, k) in enumerate(program))
+    jumps = [(skip(jt, i), skip(jf, i)) for i, (_, jt, jf, _) in enumerate(program)]
+    assert all(0 <= j <= 255 for pair in jumps for j in pair), "a BPF jump is one byte: 255 instructions at most"
+    return b"".join(struct.pack("=HBBI", op, jt, jf, k) for (op, _, _, k), (jt, jf) in zip(program, jumps))
 
 
 def _seccomp_filter() -> bytes:
-    """Other arches and the x32 ABI (other numbers), DENIED, sockets but AF_UNIX, and clone with a
-    namespace flag get EPERM; clone3 gets ENOSYS (its flags are in memory a filter cannot read; libc
-    then falls back to clone)."""
-    return _bpf([(LD, 0, 0, ARCH), (JEQ, 0, "deny", 0xC000003E), (LD, 0, 0, NR), (JGE, "deny", 0, 0x40000000),
-                 *((JEQ, "deny", 0, n) for n in DENIED.values()), (JEQ, "enosys", 0, CLONE3),
-                 (JEQ, "family", 0, SOCKET), (JEQ, "family", 0, SOCKETPAIR), (JEQ, "clone", 0, CLONE),
-                 (RET, 0, 0, ALLOW),
-                 "family", (LD, 0, 0, ARG0), (JEQ, "allow", "deny", AF_UNIX),
-                 "clone", (LD, 0, 0, ARG0), (JSET, "deny", "allow", CLONE_NEW),
-                 "allow", (RET, 0, 0, ALLOW), "enosys", (RET, 0, 0, ENOSYS), "deny", (RET, 0, 0, EPERM)])
+    """Other arches and the x32 ABI (other numbers) get EPERM, so do DENIED, sockets but AF_UNIX and clone
+    with a namespace flag; ALLOWED passes; everything else, clone3 included, gets ENOSYS (clone3's flags
+    are in memory a filter cannot read; libc then falls back to clone). Each number is a test and its own
+    return, so no jump is longer than a byte holds."""
+    verdict = lambda numbers, action: [x for n in sorted(numbers) for x in ((JEQ, 0, 1, n), (RET, 0, 0, action))]
+    return _bpf([(LD, 0, 0, ARCH), (JEQ, 1, 0, 0xC000003E), (RET, 0, 0, EPERM),
+                 (LD, 0, 0, NR), (JGE, 0, 1, 0x40000000), (RET, 0, 0, EPERM),
+                 (JEQ, 1, 0, SOCKET), (JEQ, 0, 4, SOCKETPAIR),  # the family: AF_UNIX only
+                 (LD, 0, 0, ARG0), (JEQ, 0, 1, AF_UNIX), (RET, 0, 0, ALLOW), (RET, 0, 0, EPERM),
+                 (JEQ, 0, 4, CLONE),  # no namespace flag
+                 (LD, 0, 0, ARG0), (JSET, 1, 0, CLONE_NEW), (RET, 0, 0, ALLOW), (RET, 0, 0, EPERM),
+                 *verdict(DENIED.values(), EPERM), *verdict(ALLOWED.values(), ALLOW), (RET, 0, 0, ENOSYS)])
 
 
 def _install(program: bytes) -> str:
@@ -500,8 +607,11 @@ def _worker(cfg: dict, uid: int) -> None:
         oom = f"oom_score_adj 1000 ({e.strerror})"
     missing = [oom] if oom else []
     isolated = os.getpid() == 1
+    ipc = _ipc_limits() if isolated else []  # before /proc is remounted read-only
     report, lost = _private_view(cfg["hide"], cfg["keep"]) if isolated else ("no namespaces", [])
-    missing += lost
+    missing += ipc + lost
+    if isolated and not ipc:
+        report += "; SysV IPC 16 MiB of shared memory, freed when detached"
     if isolated:  # its own UTS namespace: the machine's name is not the code's business either
         _libc.sethostname(b"sandbox", 7)
     work = "/tmp" if isolated else tempfile.mkdtemp(prefix="grpo-sandbox-")
@@ -523,8 +633,8 @@ def _worker(cfg: dict, uid: int) -> None:
     if no_filter:  # keyctl stays open to the code: then its own session keyring is a layer of its own
         missing += [no_filter, keyring] if keyring else [no_filter]
     else:
-        report += (f"; seccomp: sockets AF_UNIX only, EPERM for {len(DENIED)} syscalls (keys, namespaces, "
-                   "mounts, ptrace, bpf, io_uring...)")
+        report += (f"; seccomp: an allow-list of {len(ALLOWED)} syscalls, sockets AF_UNIX only, EPERM for "
+                   f"{len(DENIED)} (keys, namespaces, mounts, ptrace, flock, aio, inotify, page cache...)")
     report += ("" if keyring else "; its own session keyring") + ("" if oom else "; oom_score_adj 1000")
     data = sys.stdin.buffer.read()
     if not data:  # the pool closed before using this worker

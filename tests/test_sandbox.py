@@ -321,7 +321,7 @@ def test_refuses_to_start_without_network_isolation():
         r.stdout and "GRPO_SANDBOX_ALLOW_MISSING=1" in r.stdout, r.stdout + r.stderr
     assert "ran: 42" in r.stdout and "namespaces refused" in r.stdout, r.stdout + r.stderr
     assert "(missing: a uid of its own per call" in r.stdout, r.stdout
-    assert "seccomp: sockets AF_UNIX only" in r.stdout or not SECCOMP, r.stdout
+    assert "sockets AF_UNIX only" in r.stdout or not SECCOMP, r.stdout
 
 
 @needs_seccomp
@@ -390,7 +390,7 @@ def test_two_pools_share_no_uid():  # as the trainers of two ranks on one machin
 def test_ipc_objects_do_not_outlive_a_call(sb):
     key = random.randrange(1 << 20, 1 << 30)
     make = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-            f"print(libc.shmget({key}, 64 << 20, 0o1666) >= 0, libc.msgget({key}, 0o1666) >= 0, "
+            f"print(libc.shmget({key}, 8 << 20, 0o1666) >= 0, libc.msgget({key}, 0o1666) >= 0, "
             f"libc.semget({key}, 1, 0o1666) >= 0)")
     find = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
             f"print(libc.shmget({key}, 0, 0), libc.msgget({key}, 0), libc.semget({key}, 0, 0))")
@@ -399,12 +399,43 @@ def test_ipc_objects_do_not_outlive_a_call(sb):
         assert sb.run(find) == "-1 -1 -1\n"  # the next call (a fresh worker) finds none of them
         left = [LIBC.shmget(key, 0, 0), LIBC.msgget(key, 0), LIBC.semget(key, 0, 0)]
         assert left == [-1, -1, -1], left  # nor does the trainer: nothing pins memory after the call
-    finally:  # a failed run must not leave 64 MiB of shared memory on this machine
+    finally:  # a failed run must not leave 8 MiB of shared memory on this machine
         for get, ctl in ((LIBC.shmget, LIBC.shmctl), (LIBC.msgget, LIBC.msgctl)):
             if (i := get(key, 0, 0)) >= 0:
                 ctl(i, 0, None)  # IPC_RMID
         if (i := LIBC.semget(key, 0, 0)) >= 0:
             LIBC.semctl(i, 0, 0)
+
+
+@needs_ns
+def test_ipc_namespace_limits(sb):
+    """SysV shared memory: 16 MiB in all per call, and a segment no process holds is gone at once
+    (one held 2,400 MiB past a 2,048 MiB address-space limit with the kernel's defaults)."""
+    code = ("import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "get = lambda mb: libc.shmget(0, ctypes.c_size_t(mb << 20), 0o1600)\n"
+            "print(get(64) < 0 and errno.errorcode[ctypes.get_errno()], get(12) >= 0, get(4) >= 0, "
+            "get(1) < 0 and errno.errorcode[ctypes.get_errno()])\n"
+            "print(open('/proc/sys/kernel/shm_rmid_forced').read().strip())")
+    host = open("/proc/sys/kernel/shmmax").read()
+    assert sb.run(code) == "EINVAL True True ENOSPC\n1\n"  # over shmmax; then the 16 MiB are spent
+    assert open("/proc/sys/kernel/shmmax").read() == host  # the namespace's own sysctls, not the host's
+
+
+@needs_ns
+def test_a_dev_of_its_own(sb):
+    """Only null, zero, full, random, urandom and tty of the host's device nodes; /dev itself read-only."""
+    code = ("import os, subprocess\nprint(sorted(os.listdir('/dev')))\n"
+            "open('/dev/null', 'w').write('x')\nprint(open('/dev/zero', 'rb').read(2), len(os.urandom(4)))\n"
+            "print(subprocess.run(['echo', 'ok'], stdin=subprocess.DEVNULL, capture_output=True).stdout)\n"
+            "try:\n    open('/dev/made', 'w')\nexcept OSError as e:\n    print(e.strerror)\n"
+            "for name in %r:\n    print(name, os.path.exists('/dev/' + name))")
+    others = [n for n in os.listdir("/dev") if n not in sandbox.DEV_NODES and n not in sandbox.DEV_LINKS
+              and n not in ("pts", "shm")][:20]  # e.g. disks, consoles, kvm, a GPU's nvidia*
+    assert others, "this machine's /dev has nothing but the sandbox's own: nothing to check"
+    out = sb.run(code % others)
+    assert out.startswith(str(sorted([*sandbox.DEV_NODES, *sandbox.DEV_LINKS, "pts", "shm"])) + "\n"), out
+    assert "b'\\x00\\x00' 4\nb'ok\\n'\nRead-only file system\n" in out, out
+    assert all(f"{n} False\n" in out for n in others), out
 
 
 @needs_ns
@@ -462,6 +493,57 @@ def test_escape_syscalls_denied(sb):
                  "x32 getpid", "modify_ldt"]:
         assert f"{name} EPERM\n" in out, (name, out)
     assert "clone3 ENOSYS\n" in out and out.endswith("a thread\na process\n"), out  # libc falls back
+
+
+@needs_ns
+@needs_seccomp
+def test_state_the_kernel_shares_is_refused(sb, tmp_path):
+    """flock on a readable host file, Linux AIO, the page cache, inotify: EPERM; a syscall outside the
+    allow-list answers ENOSYS, as a kernel without it would (syslog's read, a number no kernel has yet)."""
+    mine = tmp_path / "lock"
+    mine.write_text("the trainer's")
+    mine.chmod(0o644)
+    code = (SYSCALL + f"fd = os.open({sandbox.__file__!r}, os.O_RDONLY)\n"
+            "ctx = ctypes.c_ulong(0)\nbuf = ctypes.create_string_buffer(64)\n"
+            "print('flock', sys_(73, fd, 2))\n"  # LOCK_EX with a read-only descriptor
+            "print('io_setup', sys_(206, 8, ctypes.byref(ctx)))\nprint('fadvise64', sys_(221, fd, 0, 0, 4))\n"
+            "print('mincore', sys_(27, 0, 4096, buf))\nprint('cachestat', sys_(451, fd, 0, 0, 0))\n"
+            "print('preadv2', sys_(327, fd, 0, 0, 0, 0, 8))\nprint('inotify_init1', sys_(294, 0))\n"
+            "print('fanotify_init', sys_(300, 0, 0))\nprint('syslog', sys_(103, 3, buf, 64))\n"
+            "print('number 600', sys_(600))\nimport fcntl\nfcntl.flock(fd, fcntl.LOCK_SH)")
+    out = sb.run(code)
+    for name in ["flock", "io_setup", "fadvise64", "mincore", "cachestat", "preadv2", "inotify_init1",
+                 "fanotify_init"]:
+        assert f"{name} EPERM\n" in out, (name, out)
+    assert "syslog ENOSYS\nnumber 600 ENOSYS\n" in out and "PermissionError" in out, out
+    import fcntl
+    with open(sandbox.__file__) as f:  # nothing held it: the trainer takes the lock at once
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+@needs_ns
+@needs_seccomp
+def test_the_allow_list_runs_the_usual_python(sb):
+    """What model-written code reaches for under the allow-list: numpy, sympy, threads, processes,
+    multiprocessing, subprocess, sqlite3 on a file (fcntl's record locks), asyncio, mmap, signals."""
+    code = ("import numpy as np, sympy, threading, subprocess, sqlite3, asyncio, mmap, signal, time, tempfile, os\n"
+            "import multiprocessing as mp, concurrent.futures as cf\n"
+            "print(round(float(np.linalg.inv(np.eye(3) * 2)[0, 0]), 2), sympy.solve(sympy.Symbol('x') ** 2 - 4))\n"
+            "t = threading.Thread(target=print, args=('thread',))\nt.start()\nt.join()\n"
+            "def sq(v):\n    return v * v\n"
+            "if __name__ == '__main__':\n"
+            "    with mp.Pool(2) as p:\n        print(p.map(sq, range(4)))\n"
+            "    with cf.ProcessPoolExecutor(2) as ex:\n        print(list(ex.map(sq, range(3))))\n"
+            "print(subprocess.run(['echo', 'child'], capture_output=True, text=True).stdout.strip())\n"
+            "db = sqlite3.connect(os.path.join(tempfile.mkdtemp(), 'x.db'))\n"
+            "db.execute('create table t(a)')\ndb.execute('insert into t values (7)')\ndb.commit()\n"
+            "print(db.execute('select a from t').fetchone())\n"
+            "async def co():\n    await asyncio.sleep(0.01)\n    return 'async'\nprint(asyncio.run(co()))\n"
+            "m = mmap.mmap(-1, 4096)\nm[:2] = b'mm'\nprint(m[:2])\n"
+            "signal.signal(signal.SIGALRM, lambda *a: print('alarm'))\nsignal.setitimer(signal.ITIMER_REAL, 0.01)\n"
+            "time.sleep(0.05)")
+    out = sb.run(code, timeout=60)
+    assert out == ("0.5 [-2, 2]\nthread\n[0, 1, 4, 9]\n[0, 1, 4]\nchild\n(7,)\nasync\nb'mm'\nalarm\n"), out
 
 
 @pytest.mark.skipif(not ROOT or NS is None, reason="per-call uids are root's (a user namespace has one uid)")
@@ -584,6 +666,7 @@ def test_a_mount_left_writable_or_a_folder_left_visible_is_a_missing_layer(monke
 
     monkeypatch.setattr(sandbox, "_mount", mount)
     monkeypatch.setattr(sandbox, "_cover", lambda path, options, keep: path != str(tmp_path))
+    monkeypatch.setattr(sandbox, "_private_dev", lambda: [])  # its mounts are mocked: leave the real /dev be
     report, missing = sandbox._private_view([str(tmp_path), "/dev/shm"], [])
     assert any(m.startswith("read-only '/'") for m in missing), missing
     assert any(m.startswith(f"hiding {tmp_path}") for m in missing), missing
