@@ -24,6 +24,7 @@ import torch
 
 from grpo.kernels import linear_logprobs
 from grpo.kernels.reference import linear_logprobs_ref
+from table import print_table  # bench/table.py (bench/ is on sys.path: run as a script, or from gpu_check)
 
 # -----------------------------------------------------------------------------
 # harness (bench/loss.py uses it too)
@@ -77,19 +78,16 @@ def run_cases(script: str, cases: list[dict], one_case) -> list[dict]:
     return rows
 
 
-def print_table(rows: list[dict], flops) -> None:
+def print_logprobs_table(rows: list[dict], flops) -> None:
     """One line per case; ratios against the naive row with the same shape and mode."""
-    print("| N | V | H | dtype | mode | method | ms | x naive | peak MiB | % naive | TFLOP/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
     key = lambda r: (r["N"], r["V"], r["H"], r["dtype"], r["mode"])  # noqa: E731
     naive = {key(r): r for r in rows if r["method"] == "naive"}
-    for r in rows:
-        n = naive.get(key(r))
-        x = r["ms"] / n["ms"] if n else float("nan")
-        mem = 100 * r["peak_mib"] / n["peak_mib"] if n and n["peak_mib"] > 0 else float("nan")
-        tflops = flops(r) / (r["ms"] * 1e-3) / 1e12
-        print(f"| {r['N']} | {r['V']} | {r['H']} | {r['dtype']} | {r['mode']} | {r['method']} | {r['ms']:.1f} "
-              f"| {x:.2f} | {r['peak_mib']:.0f} | {mem:.0f}% | {tflops:.2f} |")
+    nan = float("nan")
+    shown = [{**{c: r[c] for c in ("N", "V", "H", "dtype", "mode", "method", "ms")},
+              "x naive": r["ms"] / n["ms"] if n else nan, "peak MiB": r["peak_mib"],
+              "% naive": r["peak_mib"] / n["peak_mib"] if n and n["peak_mib"] > 0 else nan,
+              "TFLOP/s": flops(r) / (r["ms"] * 1e-3) / 1e12} for r in rows for n in [naive.get(key(r))]]
+    print_table(shown, list(shown[0]), {"ms": ".1f", "peak MiB": ".0f", "% naive": ".0%"}, dump=False)
 
 
 def grid(args, device: str) -> list[dict]:
@@ -135,5 +133,5 @@ if __name__ == "__main__":
         sys.exit()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = run_cases(__file__, grid(args, device), one_case)
-    print_table(rows, lambda r: (6 if r["mode"] == "fwd+bwd" else 2) * r["N"] * r["H"] * r["V"])
+    print_logprobs_table(rows, lambda r: (6 if r["mode"] == "fwd+bwd" else 2) * r["N"] * r["H"] * r["V"])
     print(json.dumps(rows))

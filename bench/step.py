@@ -30,6 +30,7 @@ from grpo.rollout import rollout
 from grpo.sampler import Sampler, SamplingParams
 from grpo.loss import group_advantages
 from grpo.update import batch_logprobs, policy_update, update_batches
+from table import print_table  # bench/table.py (bench/ is on sys.path: run as a script, or from gpu_check)
 
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
@@ -177,14 +178,13 @@ def gpu_rows(quick: bool, repeat: int) -> list[dict]:
     return [bench("qwen2.5-0.5b-shape bf16", model, B, G, plen, new, device, repeat, profile)]
 
 
-def print_table(rows: list[dict]):
-    print("| model | B x G | prompt + new | generate s | gen tok/s | old logp s | update s | update tok/s "
-          "| update TFLOP/s | update MFU | gen share of step |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['model']} | {r['B']} x {r['G']} | {r['prompt']} + {r['new']} | {r['generate_s']:.2f} | {r['gen_tok_s']:.0f} "
-              f"| {r['old_logprobs_s']:.2f} | {r['update_s']:.2f} | {r['update_tok_s']:.0f} | {r['update_tflops']:.3f} "
-              f"| {r['update_mfu']:.1%} | {r['gen_share']:.0%} |")
+def print_step_table(rows: list[dict]):
+    shown = [{"model": r["model"], "B x G": f"{r['B']} x {r['G']}", "prompt + new": f"{r['prompt']} + {r['new']}",
+              "generate s": r["generate_s"], "gen tok/s": r["gen_tok_s"], "old logp s": r["old_logprobs_s"],
+              "update s": r["update_s"], "update tok/s": r["update_tok_s"], "update TFLOP/s": r["update_tflops"],
+              "update MFU": r["update_mfu"], "gen share of step": r["gen_share"]} for r in rows]
+    print_table(shown, list(shown[0]), {"gen tok/s": ".0f", "update tok/s": ".0f", "update TFLOP/s": ".3f",
+                                        "update MFU": ".1%", "gen share of step": ".0%"}, dump=False)
     for r in rows:
         print(f"{r['model']}: MFU against {r['peak']}; {r['matmul_params_M']}M matmul parameters; "
               f"micro-batches of {r['micro_batch_tokens']} tokens")
@@ -202,7 +202,7 @@ def main():
     if args.gpu and not torch.cuda.is_available():
         raise SystemExit("--gpu: no CUDA device")
     rows = gpu_rows(args.quick, args.repeat) if args.gpu else cpu_rows(args.quick, args.repeat)
-    print_table(rows)
+    print_step_table(rows)
     print(json.dumps(rows))
 
 
