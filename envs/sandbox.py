@@ -27,8 +27,10 @@ What is covered (on Linux, where `unshare` may make namespaces; the start line s
   takes workers first (oom_score_adj 1000).
 - IPC, UTS, cgroup: namespaces of its own. SysV shared memory, message queues, semaphores and POSIX
   message queues die with the call (so does the memory they hold) and are never seen by another call.
-  The IPC namespace's limits are set low (IPC_LIMITS): 16 MiB of SysV shared memory in all, removed as
-  soon as no process holds it (shm_rmid_forced), so it cannot outlive the processes that count it.
+  The IPC namespace's limits are set low (IPC_LIMITS): 16 MiB of SysV shared memory in all, removed once
+  no process has it attached (shm_rmid_forced; one never attached, when its creator exits), so it cannot
+  outlive the processes it counts against. Under a user namespace, kernels before ~6.12 let only the
+  host's root set these: there the start line says the kernel's defaults remain (not a missing layer).
 - Privileges: run as root, the code drops to a uid of its own (from 2000000000 up, a block per pool
   claimed on the machine, no passwd entry, no files): RLIMIT_NPROC and the kernel's other per-user counts
   are then the call's own, not shared with concurrent calls; a uid is reused only after its worker is
@@ -40,9 +42,10 @@ What is covered (on Linux, where `unshare` may make namespaces; the start line s
   syscall newer than the list cannot pass it). EPERM for DENIED: keys, unshare, setns, clone with a
   namespace flag, mount and the new mount API, ptrace and other processes' memory, bpf, perf_event_open,
   userfaultfd, io_uring, modules, kexec, modify_ldt, uselib, and the state the kernel shares machine-wide:
-  flock on any readable file, Linux AIO (fs.aio-max-nr), the page cache (fadvise, readahead, mincore,
-  cachestat, preadv2's RWF_NOWAIT), inotify and fanotify. Sockets of AF_UNIX only; other arches' and x32
-  syscalls are refused.
+  flock on any readable file, Linux AIO (fs.aio-max-nr), the page cache's direct probes (fadvise,
+  readahead, mincore, cachestat; preadv2's RWF_NOWAIT is outside the list), inotify, fanotify, and
+  fcntl's leases (which stall another process's open of the file) and dnotify. Sockets of AF_UNIX only;
+  other arches' and x32 syscalls are refused.
 - rlimits, every one the code could use set rather than inherited (never raised past the trainer's):
   CPU seconds (timeout + 1), address space (memory_mb), file size 16 MiB (output included), 64 open
   files, 64 processes, no core files, no locked memory, real-time priority, raised niceness or POSIX
@@ -63,7 +66,8 @@ What is not covered:
   shared memory of one call can use about 64 x memory_mb while it runs. All of it is freed when the call
   ends (its processes, mounts and IPC die with it). CPU is limited per process too (timeout + 1 s each).
 - State the kernel still shares: fcntl's record locks (sqlite3 needs them): a read lock on a host file
-  it can read holds off another process's write lock on that file (not its writes). The uid block is
+  it can read holds off another process's write lock on that file (not its writes). The page cache by
+  timing: a read that is fast was cached (by another call, or the trainer). The uid block is
   claimed through an abstract unix socket, whose names are per network namespace: two trainers in two
   containers on one kernel may pick the same uids. What would close these: a cgroup per call, a claim
   through a file lock on a path all trainers share, a VM.
@@ -376,7 +380,7 @@ def _private_view(hide: list[str], keep: list[str]) -> tuple[str, list[str]]:
             missing.append(f"read-only {point!r} ({os.strerror(ctypes.get_errno())})")
     # the interpreter may live under /tmp (a virtual environment made there): its folders come back
     assert _cover("/tmp", "size=64m,mode=1777", keep), "no private /tmp"
-    dev = _private_dev()
+    bound, dev = _private_dev()
     missing += dev
     # a devpts of its own: the host's lists (and lets the same uid open) the ptys of the trainer and of
     # concurrent calls; /dev/ptmx opens in the devpts mounted beside it (Linux >= 4.7). Without a
@@ -395,7 +399,7 @@ def _private_view(hide: list[str], keep: list[str]) -> tuple[str, list[str]]:
             missing.append(f"hiding {path} ({os.strerror(ctypes.get_errno())})")
     return (f"network, mount, pid, ipc, uts and cgroup namespaces; {ok}/{total} mounts read-only"
             f"{f' ({unreachable} out of reach)' if unreachable else ''}; private "
-            f"/tmp 64 MiB{'' if missing else ', private devpts'}{'' if dev else ', a /dev of its own: ' + ' '.join(DEV_NODES)}"
+            f"/tmp 64 MiB{'' if missing else ', private devpts'}{'' if dev else ', a /dev of its own: ' + ' '.join(bound)}"
             f"; covered: {' '.join(hidden)}"), missing
 
 
@@ -405,36 +409,40 @@ DEV_LINKS = {"ptmx": "pts/ptmx", "fd": "/proc/self/fd", "stdin": "/proc/self/fd/
              "stderr": "/proc/self/fd/2"}
 
 
-def _private_dev() -> list[str]:
+def _private_dev() -> tuple[list[str], list[str]]:
     """A tmpfs over /dev holding DEV_NODES (bind mounts of the host's: a user namespace may not mknod),
     DEV_LINKS and empty pts and shm folders (the callers mount a devpts and a tmpfs there), made
     read-only: a device node of the host (a GPU's /dev/nvidia* is mode 0666 by default; a read-only mount
-    does not stop writes to a device) is not there to open. What failed, as missing layers."""
+    does not stop writes to a device) is not there to open. -> the nodes bound, what failed (missing layers)."""
     nodes = {}
     for name in DEV_NODES:
         try:
             nodes[name] = os.open(f"/dev/{name}", os.O_PATH)
         except OSError:  # not on this machine
             pass
-    made = _mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=755")
+    made = _mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,mode=755")
     missing = [] if made else [f"a /dev of its own ({os.strerror(ctypes.get_errno())})"]
+    bound = []
     for name, fd in nodes.items():
         if made:
             open(f"/dev/{name}", "w").close()
-            if not _mount(f"/proc/self/fd/{fd}", f"/dev/{name}", None, MS_BIND):
+            if _mount(f"/proc/self/fd/{fd}", f"/dev/{name}", None, MS_BIND):
+                bound.append(name)
+            else:
                 missing.append(f"/dev/{name} ({os.strerror(ctypes.get_errno())})")
         os.close(fd)
     if made:
         for name, target in DEV_LINKS.items():
             os.symlink(target, f"/dev/{name}")
-        os.mkdir("/dev/pts"), os.mkdir("/dev/shm")
-        if not _mount(None, "/dev", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC):
+        os.mkdir("/dev/pts")
+        os.mkdir("/dev/shm")
+        if not _mount(None, "/dev", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC):
             missing.append(f"a read-only /dev ({os.strerror(ctypes.get_errno())})")
-    return missing
+    return bound, missing
 
 
-def _ipc_limits() -> list[str]:
-    """IPC_LIMITS written into this IPC namespace's sysctls (its own: the host's are untouched); what failed."""
+def _ipc_limits() -> str:
+    """IPC_LIMITS written into this IPC namespace's sysctls (its own: the host's are untouched); '' or what failed."""
     failed = []
     for name, value in IPC_LIMITS.items():
         try:
@@ -442,7 +450,7 @@ def _ipc_limits() -> list[str]:
                 f.write(str(value))
         except OSError as e:
             failed.append(f"{name} ({e.strerror})")
-    return [f"the IPC namespace's limits: {', '.join(failed)}"] if failed else []
+    return f"the IPC namespace's limits: {', '.join(failed)}" if failed else ""
 
 
 def unescape(field: str) -> str:
@@ -487,36 +495,37 @@ def _cover(path: str, options: str, keep: list[str]) -> bool:
 # The seccomp filter is an allow-list (x86_64 numbers): the syscalls CPython, its standard library (threads,
 # subprocess, multiprocessing, asyncio, sqlite3, mmap), numpy and sympy make, found by tracing them (strace -f)
 # and rounded out by their families. A syscall not named here answers ENOSYS, as a kernel without it would
-# (libc then falls back: clone3 -> clone, statx -> fstatat). socket/socketpair (AF_UNIX only) and clone (no
-# namespace flag) are checked by argument. fcntl's record locks stay (sqlite3 needs them; a read lock on a
-# host file can hold off a writer's lock on it, not its writes).
+# (libc then falls back: clone3 -> clone, statx -> fstatat, preadv2 without flags -> preadv). socket and
+# socketpair (AF_UNIX only), clone (no namespace flag) and fcntl (no lease, no dnotify) are checked by argument.
+# fcntl's record locks stay (sqlite3 needs them; a read lock on a host file can hold off a writer's lock on
+# it, not its writes).
 ALLOWED = dict((name, int(nr)) for name, nr in (pair.split("=") for pair in """
 read=0 write=1 readv=19 writev=20 pread64=17 pwrite64=18 preadv=295 pwritev=296 open=2 openat=257 openat2=437
 close=3 close_range=436 stat=4 fstat=5 lstat=6 newfstatat=262 statx=332 lseek=8 access=21 faccessat=269
 faccessat2=439 readlink=89 readlinkat=267 getdents=78 getdents64=217 getcwd=79 chdir=80 fchdir=81 mkdir=83
 mkdirat=258 rmdir=84 unlink=87 unlinkat=263 rename=82 renameat=264 renameat2=316 link=86 linkat=265 symlink=88
-symlinkat=266 chmod=90 fchmod=91 fchmodat=268 chown=92 fchown=93 lchown=94 fchownat=260 truncate=76
-ftruncate=77 fsync=74 fdatasync=75 utime=132 utimes=235 utimensat=280 futimesat=261 umask=95 dup=32 dup2=33
-dup3=292 pipe=22 pipe2=293 fcntl=72 ioctl=16 statfs=137 fstatfs=138 sendfile=40 copy_file_range=326 splice=275
-tee=276 memfd_create=319 getxattr=191 lgetxattr=192 fgetxattr=193 listxattr=194 llistxattr=195 flistxattr=196
-setxattr=188 lsetxattr=189 fsetxattr=190 removexattr=197 lremovexattr=198 fremovexattr=199
-mmap=9 munmap=11 mprotect=10 mremap=25 madvise=28 brk=12 msync=26 mlock=149 munlock=150 mlock2=325 mlockall=151
-munlockall=152 mbind=237 get_mempolicy=239 set_mempolicy=238 membarrier=324
-fork=57 vfork=58 execve=59 execveat=322 exit=60 exit_group=231 wait4=61 waitid=247 kill=62 tkill=200 tgkill=234
-pidfd_open=434 pidfd_send_signal=424 getpid=39 getppid=110 gettid=186 getuid=102 geteuid=107 getgid=104
-getegid=108 getgroups=115 getresuid=118 getresgid=120 getpgrp=111 getpgid=121 getsid=124 setuid=105 setgid=106
-setreuid=113 setregid=114 setresuid=117 setresgid=119 setgroups=116 setfsuid=122 setfsgid=123 setpgid=109
-setsid=112 prctl=157 arch_prctl=158 set_tid_address=218 set_robust_list=273 get_robust_list=274 rseq=334
-futex=202 futex_waitv=449 sched_yield=24 sched_getaffinity=204 sched_setaffinity=203 sched_getparam=143
+symlinkat=266 chmod=90 fchmod=91 fchmodat=268 chown=92 fchown=93 lchown=94 fchownat=260 truncate=76 ftruncate=77
+fsync=74 fdatasync=75 utime=132 utimes=235 utimensat=280 futimesat=261 umask=95 dup=32 dup2=33 dup3=292 pipe=22
+pipe2=293 ioctl=16 statfs=137 fstatfs=138 sendfile=40 copy_file_range=326 splice=275 tee=276 memfd_create=319
+fallocate=285 mknod=133 mknodat=259 getxattr=191 lgetxattr=192 fgetxattr=193 listxattr=194 llistxattr=195
+flistxattr=196 setxattr=188 lsetxattr=189 fsetxattr=190 removexattr=197 lremovexattr=198 fremovexattr=199 mmap=9
+munmap=11 mprotect=10 mremap=25 madvise=28 brk=12 msync=26 mlock=149 munlock=150 mlock2=325 mlockall=151
+munlockall=152 mbind=237 get_mempolicy=239 set_mempolicy=238 membarrier=324 fork=57 vfork=58 execve=59
+execveat=322 exit=60 exit_group=231 wait4=61 waitid=247 kill=62 tkill=200 tgkill=234 pidfd_open=434
+pidfd_send_signal=424 getpid=39 getppid=110 gettid=186 getuid=102 geteuid=107 getgid=104 getegid=108
+getgroups=115 getresuid=118 getresgid=120 getpgrp=111 getpgid=121 getsid=124 setuid=105 setgid=106 setreuid=113
+setregid=114 setresuid=117 setresgid=119 setgroups=116 setfsuid=122 setfsgid=123 setpgid=109 setsid=112
+capset=126 capget=125 prctl=157 arch_prctl=158 set_tid_address=218 set_robust_list=273 get_robust_list=274
+rseq=334 futex=202 futex_waitv=449 sched_yield=24 sched_getaffinity=204 sched_setaffinity=203 sched_getparam=143
 sched_setparam=142 sched_getscheduler=145 sched_setscheduler=144 sched_get_priority_max=146
 sched_get_priority_min=147 sched_rr_get_interval=148 sched_getattr=315 sched_setattr=314 getpriority=140
-setpriority=141 prlimit64=302 getrlimit=97 setrlimit=160 getrusage=98 times=100 sysinfo=99 uname=63 capget=125
-getcpu=309 rt_sigaction=13 rt_sigprocmask=14 rt_sigreturn=15 rt_sigpending=127 rt_sigtimedwait=128
-rt_sigsuspend=130 rt_sigqueueinfo=129 rt_tgsigqueueinfo=297 sigaltstack=131 pause=34 alarm=37 setitimer=38
-getitimer=36 timer_create=222 timer_settime=223 timer_gettime=224 timer_getoverrun=225 timer_delete=226
-timerfd_create=283 timerfd_settime=286 timerfd_gettime=287 signalfd=282 signalfd4=289 eventfd=284 eventfd2=290
-clock_gettime=228 clock_getres=229 clock_nanosleep=230 nanosleep=35 gettimeofday=96 time=201
-poll=7 ppoll=271 select=23 pselect6=270 epoll_create=213 epoll_create1=291 epoll_ctl=233 epoll_wait=232
+setpriority=141 prlimit64=302 getrlimit=97 setrlimit=160 getrusage=98 times=100 sysinfo=99 uname=63 getcpu=309
+restart_syscall=219 uretprobe=335 rt_sigaction=13 rt_sigprocmask=14 rt_sigreturn=15 rt_sigpending=127
+rt_sigtimedwait=128 rt_sigsuspend=130 rt_sigqueueinfo=129 rt_tgsigqueueinfo=297 sigaltstack=131 pause=34
+alarm=37 setitimer=38 getitimer=36 timer_create=222 timer_settime=223 timer_gettime=224 timer_getoverrun=225
+timer_delete=226 timerfd_create=283 timerfd_settime=286 timerfd_gettime=287 signalfd=282 signalfd4=289
+eventfd=284 eventfd2=290 clock_gettime=228 clock_getres=229 clock_nanosleep=230 nanosleep=35 gettimeofday=96
+time=201 poll=7 ppoll=271 select=23 pselect6=270 epoll_create=213 epoll_create1=291 epoll_ctl=233 epoll_wait=232
 epoll_pwait=281 epoll_pwait2=441 connect=42 bind=49 listen=50 accept=43 accept4=288 getsockname=51
 getpeername=52 sendto=44 recvfrom=45 sendmsg=46 recvmsg=47 sendmmsg=307 recvmmsg=299 shutdown=48 setsockopt=54
 getsockopt=55 shmget=29 shmat=30 shmdt=67 shmctl=31 semget=64 semop=65 semctl=66 semtimedop=220 msgget=68
@@ -528,8 +537,9 @@ mq_getsetattr=245 getrandom=318""".split()))
 # tracing and other processes' memory, modules and kexec, bpf, perf, userfaultfd, io_uring (which also makes
 # sockets without socket()), modify_ldt, uselib; and the state the kernel shares machine-wide: flock on any
 # readable file (the trainer's locks wait on it), Linux AIO contexts (fs.aio-max-nr is one pool for the
-# machine), the page cache (fadvise evicts a readable file; mincore, cachestat and preadv2's RWF_NOWAIT tell
-# whether another call read one) and inotify/fanotify on readable folders (the names of files the trainer writes).
+# machine), the page cache (fadvise evicts a readable file; mincore and cachestat tell whether another call read
+# one; preadv2's RWF_NOWAIT, the third way, is outside the allow-list) and inotify/fanotify on readable folders
+# (the names of files the trainer writes).
 DENIED = {"ptrace": 101, "uselib": 134, "modify_ldt": 154, "pivot_root": 155, "mount": 165, "umount2": 166,
           "init_module": 175, "delete_module": 176, "kexec_load": 246, "add_key": 248, "request_key": 249,
           "keyctl": 250, "unshare": 272, "perf_event_open": 298, "open_by_handle_at": 304, "setns": 308,
@@ -540,15 +550,16 @@ DENIED = {"ptrace": 101, "uselib": 134, "modify_ldt": 154, "pivot_root": 155, "m
           "pidfd_getfd": 438, "process_madvise": 440, "memfd_secret": 447,
           "flock": 73, "io_setup": 206, "io_destroy": 207, "io_getevents": 208, "io_submit": 209, "io_cancel": 210,
           "io_pgetevents": 333, "fadvise64": 221, "readahead": 187, "mincore": 27, "cachestat": 451,
-          "preadv2": 327, "pwritev2": 328, "inotify_init": 253, "inotify_add_watch": 254, "inotify_rm_watch": 255,
+          "inotify_init": 253, "inotify_add_watch": 254, "inotify_rm_watch": 255,
           "inotify_init1": 294, "fanotify_init": 300, "fanotify_mark": 301}
-SOCKET, SOCKETPAIR, CLONE, CLONE3, AF_UNIX = 41, 53, 56, 435, 1
+SOCKET, SOCKETPAIR, CLONE, CLONE3, FCNTL, AF_UNIX = 41, 53, 56, 435, 72, 1
+F_SETLEASE, F_NOTIFY = 1024, 1026  # fcntl commands refused: a lease stalls others' opens, dnotify watches folders
 CLONE_NEW = 0x7E020000  # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
 
 
 LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET|K
 ALLOW, EPERM, ENOSYS = 0x7FFF0000, 0x50000 | 1, 0x50000 | 38  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | errno
-NR, ARCH, ARG0 = 0, 4, 16  # offsets in struct seccomp_data; ARG0 reads the low 32 bits (little-endian)
+NR, ARCH, ARG0, ARG1 = 0, 4, 16, 24  # offsets in struct seccomp_data; an ARG reads its low 32 bits (little-endian)
 
 
 def _bpf(lines: list) -> bytes:
@@ -567,8 +578,8 @@ def _bpf(lines: list) -> bytes:
 
 
 def _seccomp_filter() -> bytes:
-    """Other arches and the x32 ABI (other numbers) get EPERM, so do DENIED, sockets but AF_UNIX and clone
-    with a namespace flag; ALLOWED passes; everything else, clone3 included, gets ENOSYS (clone3's flags
+    """Other arches and the x32 ABI (other numbers) get EPERM, so do DENIED, sockets but AF_UNIX, clone
+    with a namespace flag and fcntl's F_SETLEASE and F_NOTIFY; ALLOWED passes; everything else, clone3 included, gets ENOSYS (clone3's flags
     are in memory a filter cannot read; libc then falls back to clone). Each number is a test and its own
     return, so no jump is longer than a byte holds."""
     verdict = lambda numbers, action: [x for n in sorted(numbers) for x in ((JEQ, 0, 1, n), (RET, 0, 0, action))]
@@ -578,6 +589,8 @@ def _seccomp_filter() -> bytes:
                  (LD, 0, 0, ARG0), (JEQ, 0, 1, AF_UNIX), (RET, 0, 0, ALLOW), (RET, 0, 0, EPERM),
                  (JEQ, 0, 4, CLONE),  # no namespace flag
                  (LD, 0, 0, ARG0), (JSET, 1, 0, CLONE_NEW), (RET, 0, 0, ALLOW), (RET, 0, 0, EPERM),
+                 (JEQ, 0, 5, FCNTL),  # every command but a lease and dnotify
+                 (LD, 0, 0, ARG1), (JEQ, 2, 0, F_SETLEASE), (JEQ, 1, 0, F_NOTIFY), (RET, 0, 0, ALLOW), (RET, 0, 0, EPERM),
                  *verdict(DENIED.values(), EPERM), *verdict(ALLOWED.values(), ALLOW), (RET, 0, 0, ENOSYS)])
 
 
@@ -607,11 +620,15 @@ def _worker(cfg: dict, uid: int) -> None:
         oom = f"oom_score_adj 1000 ({e.strerror})"
     missing = [oom] if oom else []
     isolated = os.getpid() == 1
-    ipc = _ipc_limits() if isolated else []  # before /proc is remounted read-only
+    ipc = _ipc_limits() if isolated else ""  # before /proc is remounted read-only
     report, lost = _private_view(cfg["hide"], cfg["keep"]) if isolated else ("no namespaces", [])
-    missing += ipc + lost
+    missing += lost
     if isolated and not ipc:
-        report += "; SysV IPC 16 MiB of shared memory, freed when detached"
+        report += f"; SysV IPC {IPC_LIMITS['shmall'] * 4 >> 10} MiB of shared memory, freed when detached"
+    elif ipc and cfg["userns"]:  # kernels before ~6.12 let only the host's root set them: said, not refused
+        report += f"; the kernel's IPC limits (this kernel refused a user namespace {ipc})"
+    elif ipc:
+        missing.append(ipc)
     if isolated:  # its own UTS namespace: the machine's name is not the code's business either
         _libc.sethostname(b"sandbox", 7)
     work = "/tmp" if isolated else tempfile.mkdtemp(prefix="grpo-sandbox-")
@@ -703,7 +720,9 @@ def _child(code: str, limits: dict, out: int, err: int, work: str, uid: int | No
     else:  # root of a user namespace: no capability left, none regained by exec (could undo the mounts)
         for cap in range(64):
             _libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
-        _libc.capset((ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
+        if _libc.capset((ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()) != 0:
+            os.write(2, f"[sandbox: capabilities not dropped ({os.strerror(ctypes.get_errno())})]\n".encode())
+            os._exit(1)  # never run the code with them
     _libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: no setuid binaries or file capabilities
     _libc.prctl(4, 1, 0, 0, 0)  # dumpable again, so /proc/self belongs to the code's own user
     sys.stdout.reconfigure(line_buffering=True)  # what was printed survives a timeout or a crash
