@@ -32,7 +32,8 @@ What is covered (on Linux, where `unshare` may make namespaces; the start line s
   outlive the processes it counts against. Under a user namespace, kernels before ~6.12 let only the
   host's root set these: there the start line says the kernel's defaults remain (not a missing layer).
 - Privileges: run as root, the code drops to a uid of its own (from 2000000000 up, a block per pool
-  claimed on the machine, no passwd entry, no files): RLIMIT_NPROC and the kernel's other per-user counts
+  claimed on the machine (_claim_uids: a random block, held by name and, with GRPO_SANDBOX_UID_LOCKS, by a
+  file lock), no passwd entry, no files): RLIMIT_NPROC and the kernel's other per-user counts
   are then the call's own, not shared with concurrent calls; a uid is reused only after its worker is
   gone. Inside a user namespace (not root) the code loses every capability, and the namespace is the
   call's own. A session keyring of its own (the trainer's is inherited otherwise, and setuid keeps it);
@@ -67,10 +68,10 @@ What is not covered:
   ends (its processes, mounts and IPC die with it). CPU is limited per process too (timeout + 1 s each).
 - State the kernel still shares: fcntl's record locks (sqlite3 needs them): a read lock on a host file
   it can read holds off another process's write lock on that file (not its writes). The page cache by
-  timing: a read that is fast was cached (by another call, or the trainer). The uid block is
-  claimed through an abstract unix socket, whose names are per network namespace: two trainers in two
-  containers on one kernel may pick the same uids. What would close these: a cgroup per call, a claim
-  through a file lock on a path all trainers share, a VM.
+  timing: a read that is fast was cached (by another call, or the trainer). Two trainers in two
+  containers on one kernel claim their uid blocks apart only through a folder both see
+  (GRPO_SANDBOX_UID_LOCKS); otherwise by chance (a random block of ~36,000). What would close these: a
+  cgroup per call, a VM.
 - The kernel: namespaces and a seccomp filter are not a VM; a kernel bug in what stays allowed is an
   escape.
 - Without seccomp: other socket families and the calls above are open, and a uid's user keyring can
@@ -81,10 +82,12 @@ What is not covered:
 import atexit
 import collections
 import ctypes
+import fcntl
 import json
 import os
 import pwd
 import queue
+import random
 import re
 import resource
 import select
@@ -277,7 +280,8 @@ class Sandbox:
 
     def close(self) -> None:
         self._closed = True
-        self._claim.close()
+        for handle in self._claim:
+            handle.close()
         with self._lock:
             workers, self._exiting = self._exiting, []
         while not self._ready.empty():
@@ -295,16 +299,33 @@ class Sandbox:
         self.close()
 
 
-def _claim_uids() -> tuple[socket.socket, int]:
-    """The first of UID_BLOCK uids no other pool on this machine uses (trainers of several ranks each
-    start one): held by an abstract unix socket's name, which the kernel frees when its process ends."""
-    claim = socket.socket(socket.AF_UNIX)
-    for block in range((2**31 - 1 - UID_BASE) // UID_BLOCK):
+def _claim_uids() -> tuple[list, int]:
+    """The first uid of a block of UID_BLOCK no other pool uses (trainers of several ranks each start one),
+    held by an abstract unix socket's name (the pools of this network namespace) and, where
+    GRPO_SANDBOX_UID_LOCKS names a folder that trainers share (a volume mounted into each container on one
+    kernel), by an exclusive lock on a file there: the kernel frees both when the process ends. The search
+    starts at a random block, so two trainers that share neither (two containers on one kernel) pick the
+    same block with odds of about 1 in 36,000 (a claim by name alone always collided: both took the first).
+    -> the handles to keep open, the block's first uid."""
+    blocks, folder = (2**31 - 1 - UID_BASE) // UID_BLOCK, os.environ.get("GRPO_SANDBOX_UID_LOCKS")
+    start = random.SystemRandom().randrange(blocks)
+    for i in range(blocks):
+        first = UID_BASE + (start + i) % blocks * UID_BLOCK
+        claim = socket.socket(socket.AF_UNIX)
         try:
-            claim.bind(f"\0grpo-sandbox-uids-{UID_BASE + block * UID_BLOCK}")
-            return claim, UID_BASE + block * UID_BLOCK
+            claim.bind(f"\0grpo-sandbox-uids-{first}")
         except OSError:
+            claim.close()
             continue
+        if not folder:
+            return [claim], first
+        lock = open(os.path.join(folder, f"grpo-sandbox-uids-{first}.lock"), "a")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return [claim, lock], first
+        except OSError:  # another trainer's, on this kernel
+            lock.close()
+            claim.close()
     raise RuntimeError("grpo.envs.sandbox: every block of uids is taken")
 
 

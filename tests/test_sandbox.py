@@ -14,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -386,6 +387,31 @@ def test_two_pools_share_no_uid():  # as the trainers of two ranks on one machin
     assert len(set(uids)) == 4 and min(uids) >= sandbox.UID_BASE, uids
 
 
+def test_uid_blocks_claimed_at_random_and_through_a_shared_lock_folder(tmp_path, monkeypatch):
+    """Two trainers on one kernel that share no network namespace (two containers): their claims by socket
+    name never meet, so each starts at a random block, and a lock folder both see keeps them apart for sure.
+    The second trainer is modelled by a claim made in a child process with a network namespace of its own."""
+    firsts = {sandbox._claim_uids()[1] for _ in range(8)}  # each claim freed when its handles are collected
+    assert len(firsts) > 1 and all((f - sandbox.UID_BASE) % sandbox.UID_BLOCK == 0 for f in firsts), firsts
+    monkeypatch.setenv("GRPO_SANDBOX_UID_LOCKS", str(tmp_path))
+    monkeypatch.setattr(sandbox.random, "SystemRandom", lambda: types.SimpleNamespace(randrange=lambda n: 5))
+    handles, first = sandbox._claim_uids()  # held by this test until the end
+    assert first == sandbox.UID_BASE + 5 * sandbox.UID_BLOCK and (tmp_path / f"grpo-sandbox-uids-{first}.lock").exists()
+    other = sandbox._claim_uids()  # in the same namespace: the name is taken, the next block
+    assert other[1] == first + sandbox.UID_BLOCK
+    if NS is None:
+        return
+    script = (IMPORT + "import random, types\n"
+              "random.SystemRandom = lambda: types.SimpleNamespace(randrange=lambda n: 5)\n"
+              "print(sandbox._claim_uids()[1])")  # the same start, in a network namespace of its own
+    r = subprocess.run([*NS[:1], *(["--user", "--map-root-user"] if not ROOT else []), "--net", sys.executable,
+                        "-c", script], capture_output=True, text=True, env={**os.environ}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout) not in (first, first + sandbox.UID_BLOCK), r.stdout  # the locks kept it off both
+    for h in handles + other[0]:
+        h.close()
+
+
 @needs_ns
 def test_ipc_objects_do_not_outlive_a_call(sb):
     key = random.randrange(1 << 20, 1 << 30)
@@ -677,7 +703,7 @@ def test_a_mount_left_writable_or_a_folder_left_visible_is_a_missing_layer(monke
     report, missing = sandbox._private_view([str(tmp_path), "/dev/shm"], [])
     assert any(m.startswith("read-only '/'") for m in missing), missing
     assert any(m.startswith(f"hiding {tmp_path}") for m in missing), missing
-    assert "/" in calls and f"covered: /dev/shm" in report
+    assert "/" in calls and "covered: /dev/shm" in report
 
 
 @needs_ns
