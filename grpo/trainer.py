@@ -12,6 +12,7 @@
 """
 import dataclasses
 import functools
+import json
 import math
 import os
 import random
@@ -30,9 +31,10 @@ from grpo.fallback import kernels_of
 from grpo.kv_cache import KVCache
 from grpo.lora import (BaseModel, adapter_settings, add_lora, cast_base, load_adapter, read_adapter, settings_of,
                        trainable)
+from grpo.memory import memory_of_cpu, memory_plan, what_fits
 from grpo.loss import group_advantages, overlong_penalty
 from grpo.metrics import Logger, credit_metrics, rollout_records, step_metrics
-from grpo.model import Transformer, _local_or_hub
+from grpo.model import ModelArgs, Transformer, _local_or_hub
 from grpo.report import check_reporters, open_trackers, reporters, write_summary
 from grpo.rollout import assign_rewards, rollout, sampling_params
 from grpo.sampler import Sampler
@@ -180,6 +182,7 @@ def build(cfg: Config, device) -> tuple:
     threads = set_threads(cfg.num_threads) if device.type == "cpu" else torch.get_num_threads()
     dist.print0(f"grpo | {cfg.model_path} | world {dist.world_size()} | {compute_dtype} | {threads} threads | "
                 f"{cfg.max_steps} steps x {cfg.prompts_per_step} prompts x G={cfg.num_generations}")
+    check_memory(cfg, path, device)  # before any weight loads
     # fp32 master weights; under LoRA only the adapters are trained, and the frozen base stays in the compute
     # dtype (bf16 on a GPU: a 3B base is 6 GB, not 6 + 12 of master copy and 24 of Adam)
     model = Transformer.from_pretrained(path, dtype=compute_dtype if cfg.use_peft else torch.float32, device=device)
@@ -220,6 +223,23 @@ def build(cfg: Config, device) -> tuple:
         raise ValueError(f"kv_budget_gb={cfg.kv_budget_gb}: {sampler.kv_budget_bytes / 2**30:.2f} GiB of KV cache holds no "
                          f"row of max_prompt_length + max_completion_length tokens ({row / 2**30:.2f} GiB)")
     return tokenizer, model, ref_model, optimizer, scheduler, sampler
+
+
+def check_memory(cfg: Config, path, device):
+    """The memory plan's one line (grpo/memory.py), and a refusal, with the plan's table and what would fit,
+    where its peak exceeds the device (on a CPU: this node's RAM shared by its ranks). cfg.plan_memory false:
+    the line only."""
+    with open(os.path.join(path, "config.json")) as f:
+        args = ModelArgs.from_hf(json.load(f))
+    world, local = dist.world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    plan = memory_plan(args, cfg, world, device.type, memory / 2**30 if memory else memory_of_cpu(local) / 2**30)
+    dist.print0(plan.summary())
+    if not plan.fits and cfg.plan_memory:
+        fixes = "\n".join(f"  {what}: peak {peak / 2**30:.1f} GiB{'  fits' if fits else ''}"
+                          for what, peak, fits in what_fits(args, cfg, world, device.type, plan.memory / 2**30))
+        raise ValueError(f"{plan.table()}\nwhat would fit (each change alone):\n{fixes}\n"
+                         "(--plan_memory false starts anyway)")
 
 
 def resume(ckpt: Checkpointer, model, optimizer, scheduler, cfg: Config) -> dict | None:

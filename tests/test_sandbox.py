@@ -530,7 +530,8 @@ def test_state_the_kernel_shares_is_refused(sb):
     dnotify: EPERM; syscalls outside the allow-list answer ENOSYS, as a kernel without them would
     (preadv2, whose RWF_NOWAIT probes the page cache; syslog's read of the kernel log). Each of these
     succeeds without the filter (fanotify, refused to non-root anyway, is not checked)."""
-    code = (SYSCALL + f"fd = os.open({sandbox.__file__!r}, os.O_RDONLY)\n"
+    host_file = os.path.realpath(sys.executable)  # visible in every call, wherever the checkout lives (/tmp: not)
+    code = (SYSCALL + f"fd = os.open({host_file!r}, os.O_RDONLY)\n"
             "ctx = ctypes.c_ulong(0)\nbuf = ctypes.create_string_buffer(4096)\n"
             "iov = (ctypes.c_void_p * 2)(ctypes.addressof(buf), 4096)\n"
             "print('flock', sys_(73, fd, 2))\n"  # LOCK_EX with a read-only descriptor

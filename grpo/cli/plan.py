@@ -1,0 +1,75 @@
+"""`python -m grpo.plan`: a recipe's memory plan on a GPU or a CPU, with no GPU, no weights and no network.
+
+    python -m grpo.plan recipes/calculator_qwen25_3b.py --gpus 8 --gpu "RTX 6000 Ada"
+    python -m grpo.plan recipes/retool_qwen3_4b.py --gpus 8 --gpu H200 --micro_batch_tokens 8704
+    python -m grpo.plan recipes/calculator_smollm2_cpu.py --cpu --memory_gb 8
+
+--gpu names a profiled GPU (its memory, and the profile's sizes as a run there would take them);
+--memory_gb sets the memory instead; any other flag is the recipe's own. Prints the table of each
+phase's terms, the peak against the card, and, where it does not fit, what would, each with its peak.
+"""
+import argparse
+import dataclasses
+import importlib.util
+import os
+import sys
+
+from grpo.config import Config, parse_args, required_fields
+from grpo.memory import GIB, GPU_MEMORY_GIB, KNOWN, memory_plan, model_config, what_fits
+from grpo.model import ModelArgs
+
+
+def recipe_config_class(path: str) -> type:
+    """The Config subclass a recipe file defines (its main() runs only as __main__)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))  # recipes import their siblings
+    spec = importlib.util.spec_from_file_location("grpo_plan_recipe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    found = [v for v in vars(module).values() if isinstance(v, type) and issubclass(v, Config)
+             and v.__module__ == module.__name__]
+    if len(found) != 1:
+        raise SystemExit(f"python -m grpo.plan: {path} defines {len(found)} Config subclasses, not one")
+    return found[0]
+
+
+def plan_for(recipe: str, gpus: int = 1, gpu: str | None = None, memory_gb: float | None = None,
+             cpu: bool = False, flags: list[str] = ()):
+    """(plan, model args, config) of a recipe on `gpus` ranks of a GPU (or a CPU), as its run would size it."""
+    if gpu and gpu not in GPU_MEMORY_GIB:
+        raise SystemExit(f"python -m grpo.plan: unknown --gpu {gpu!r}: one of {', '.join(GPU_MEMORY_GIB)}")
+    cls = recipe_config_class(recipe) if recipe.endswith(".py") else Config
+    os.environ["WORLD_SIZE"] = str(gpus)  # recipes size their batches by it (prompts_per_step 0)
+    profile = "cpu" if cpu else gpu or "none"
+    flags = [*flags, "--profile", profile] if "--profile" not in flags else list(flags)
+    given = {f.split("=")[0][2:] for f in flags if f.startswith("--")}
+    flags += [f"--{name}=unread" for name in required_fields(cls) if name not in given | {"model_path"}]  # data paths
+    cfg = parse_args(cls, flags)
+    path = cfg.model_path or "HuggingFaceTB/SmolLM2-135M-Instruct"  # the CPU default's packaged model
+    args = ModelArgs.from_hf(model_config(path))
+    memory = memory_gb if memory_gb is not None else None if cpu else GPU_MEMORY_GIB.get(gpu, 80.0)
+    return memory_plan(args, cfg, gpus, "cpu" if cpu else "cuda", memory), args, cfg
+
+
+def main(argv: list[str]):
+    ap = argparse.ArgumentParser(prog="python -m grpo.plan", description=__doc__.split("\n")[0])
+    ap.add_argument("recipe", help="a recipe file (recipes/*.py), or 'config' for Config's defaults")
+    ap.add_argument("--gpus", type=int, default=1, help="ranks (one GPU each)")
+    ap.add_argument("--gpu", default=None, help=f"one of {', '.join(GPU_MEMORY_GIB)} (default: 80 GiB, no profile)")
+    ap.add_argument("--memory_gb", type=float, default=None, help="memory per rank in GiB, instead of --gpu's")
+    ap.add_argument("--cpu", action="store_true", help="a CPU run (memory: this machine's RAM / ranks)")
+    known, flags = ap.parse_known_args(argv)
+    try:
+        plan, args, cfg = plan_for(known.recipe, known.gpus, known.gpu, known.memory_gb, known.cpu, flags)
+    except ValueError as e:
+        raise SystemExit(f"python -m grpo.plan: {e}") from None
+    where = "CPU" if known.cpu else f"{known.gpus} x {known.gpu or 'GPU'}"
+    print(f"{known.recipe} on {where}: {cfg.model_path or 'SmolLM2-135M'} ({args.n_layers} layers, hidden {args.dim}), "
+          f"gen_batch {cfg.gen_batch}, kv_budget_gb {cfg.kv_budget_gb:g}, micro_batch_tokens {cfg.micro_batch_tokens}, "
+          f"gradient_checkpointing {cfg.gradient_checkpointing}, keep_kv_cache {cfg.keep_kv_cache}")
+    print(plan.table())
+    for note in plan.notes:
+        print(note)
+    if not plan.fits:
+        print("what would fit (each change alone):")
+        for what, peak, fits in what_fits(args, cfg, known.gpus, plan.device, plan.memory / GIB):
+            print(f"  {what}: peak {peak / GIB:.1f} GiB{'  fits' if fits else ''}")

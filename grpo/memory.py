@@ -1,0 +1,238 @@
+"""The memory plan: what each rank holds at the peak of each phase of a run, before anything loads.
+
+    plan = memory_plan(args, cfg, world=8, device="cuda", memory_gib=48)   # args: grpo.model.ModelArgs
+    print(plan.table()); plan.fits; plan.peak
+    python -m grpo.plan recipes/calculator_qwen25_3b.py --gpus 8 --gpu "RTX 6000 Ada"   # grpo/plan.py
+
+A run has three phases, and each rank's memory peaks in one of them:
+- rollouts: the sampler over the gathered weights (FSDP's unsharded compute-dtype copy), its resident
+  decode copy (grpo/decode.py) and its KV cache, sized for the step's rows;
+- eval: the same with the eval's rows and lengths (an eval's completions may be longer);
+- update: gradients, the activations of one packed micro-batch and the fused log-prob's vocabulary chunk.
+Through all three: the sharded master weights and AdamW's two states (and the KL reference's weights
+when beta > 0); with keep_kv_cache on a GPU, the KV cache and the decode copy stay through the update.
+
+Every term is a named line whose formula is in the comment where it is computed. What the plan does
+not see: the allocator's fragmentation (a stated margin: 10% on a GPU), the CUDA context (a stated
+constant), and on a CPU the process's runtime (Python, torch, transformers: a stated constant, measured).
+Activations are counted per token and layer from the tensors autograd keeps in grpo/model.py's Block
+(tests/test_memory.py measures them).
+"""
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+GIB = 2**30
+# the recipes' models, by name: config.json's shape fields (a plan needs no network and no weights)
+_QWEN = dict(vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6)
+KNOWN = {
+    "Qwen/Qwen2.5-0.5B-Instruct": dict(_QWEN, model_type="qwen2", hidden_size=896, intermediate_size=4864,
+                                       num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
+    "Qwen/Qwen2.5-3B-Instruct": dict(_QWEN, model_type="qwen2", hidden_size=2048, intermediate_size=11008,
+                                     num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2),
+    "Qwen/Qwen3-0.6B": dict(_QWEN, model_type="qwen3", hidden_size=1024, intermediate_size=3072, head_dim=128,
+                            num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8),
+    "Qwen/Qwen3-4B-Instruct-2507": dict(_QWEN, model_type="qwen3", hidden_size=2560, intermediate_size=9728,
+                                        head_dim=128, num_hidden_layers=36, num_attention_heads=32,
+                                        num_key_value_heads=8),
+    "HuggingFaceTB/SmolLM2-135M-Instruct": dict(model_type="llama", vocab_size=49152, hidden_size=576,
+                                                intermediate_size=1536, num_hidden_layers=30,
+                                                num_attention_heads=9, num_key_value_heads=3,
+                                                tie_word_embeddings=True, rope_theta=1e5),
+}
+KNOWN["Qwen/Qwen3-4B"] = KNOWN["Qwen/Qwen3-4B-Instruct-2507"]
+# what each profiled GPU reports as its memory (nvidia-smi's total, GiB)
+GPU_MEMORY_GIB = {"B200": 179.0, "H200": 140.4, "H100": 79.6, "A100-80": 80.0, "A100-40": 40.0,
+                  "RTX 6000 Ada": 48.0, "L40S": 45.0, "L4": 22.5}
+CUDA_CONTEXT = 0.6 * GIB   # the CUDA context, cuBLAS's workspace and Triton's modules on each rank
+CPU_RUNTIME = 0.45 * GIB   # Python, torch, transformers and the tokenizer, resident before any tensor
+GPU_MARGIN = 0.10          # the caching allocator's fragmentation, on top of every phase
+
+
+def model_config(model_path: str) -> dict:
+    """config.json of a local folder, else of a model this module knows by name (no network)."""
+    path = os.path.join(model_path, "config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    if model_path in KNOWN:
+        return dict(KNOWN[model_path])
+    raise ValueError(f"no config.json under {model_path!r} and not a model the plan knows by name "
+                     f"({', '.join(KNOWN)}): pass --model_path a local folder")
+
+
+def counts(args) -> dict:
+    """Parameters by part: one block's linear weights, its biases and norms, the root (embedding, LM head
+    when untied, final norm), the whole model, and the LoRA adapters of all seven linear layers per rank r=1."""
+    H, F, L, qd, kd = args.dim, args.ffn_dim, args.n_layers, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    linear = H * qd + 2 * H * kd + qd * H + 3 * H * F        # q, k, v, o, gate, up, down
+    small = 2 * H + (qd + 2 * kd) * args.qkv_bias + 2 * args.head_dim * args.qk_norm
+    root = args.vocab_size * H * (1 if args.tie_embeddings else 2) + H
+    lora = (H + qd) + 2 * (H + kd) + (qd + H) + 2 * (H + F) + (F + H)  # r x (in + out) per adapted layer, r = 1
+    return dict(linear=linear, block=linear + small, root=root, total=L * (linear + small) + root, lora=L * lora)
+
+
+def act_bytes_per_token(args, c: int) -> int:
+    """Bytes autograd keeps per token and layer in grpo/model.py's Block at compute width c: the two
+    norms' inputs and outputs (4H), q, k, v before and after rotary (2(qd + 2kd)), attention's output
+    and its o_proj input copy (2qd), gate, up, silu(gate) and their product (4F); fp32 statistics
+    (the norms' rsqrt, attention's log-sum-exp per head) are 4 bytes each."""
+    H, F, qd, kd = args.dim, args.ffn_dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    return c * (4 * H + 2 * (qd + 2 * kd) + 2 * qd + 4 * F) + 4 * (2 + args.n_heads)
+
+
+@dataclass
+class Plan:
+    phases: dict            # phase -> [(term, bytes, formula)]
+    memory: int             # bytes on the device (a rank's share of the machine's RAM on a CPU)
+    world: int
+    device: str
+    notes: list = field(default_factory=list)
+
+    def total(self, phase: str) -> int:
+        s = sum(b for _, b, _ in self.phases[phase])
+        return int(s * (1 + GPU_MARGIN)) if self.device == "cuda" else s
+
+    @property
+    def peak(self) -> tuple[str, int]:
+        return max(((p, self.total(p)) for p in self.phases), key=lambda x: x[1])
+
+    @property
+    def fits(self) -> bool:
+        return self.peak[1] <= self.memory
+
+    def summary(self) -> str:
+        phase, peak = self.peak
+        room = (self.memory - peak) / GIB
+        verdict = f"fits, with {room:.1f} GiB to spare" if room >= 0 else f"does not fit ({-room:.1f} GiB over)"
+        return (f"memory plan: peak {peak / GIB:.1f} GiB per rank ({phase}) of {self.memory / GIB:.1f} GiB, "
+                f"{self.world} rank(s): {verdict}")
+
+    def table(self) -> str:
+        lines = ["| phase | term | GiB | formula |", "|---|---|---|---|"]
+        for phase, terms in self.phases.items():
+            for name, b, formula in terms:
+                lines.append(f"| {phase} | {name} | {b / GIB:.2f} | {formula} |")
+            margin = f" (+{GPU_MARGIN:.0%} allocator margin)" if self.device == "cuda" else ""
+            lines.append(f"| {phase} | **total{margin}** | **{self.total(phase) / GIB:.2f}** | |")
+        return "\n".join(lines + [self.summary()])
+
+
+def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: float | None = None) -> Plan:
+    """The plan for a run of `cfg` (grpo.config.Config or a recipe's) on `world` ranks of `device`."""
+    gpu = device == "cuda"
+    n, W = counts(args), world
+    c = 2 if gpu or cfg.dtype == "bfloat16" else 4               # the compute dtype's bytes
+    autocast = not gpu and str(cfg.autocast_bf16).lower() in ("true", "1")
+    H, V, L = args.dim, args.vocab_size, args.n_layers
+    fsdp = gpu or W > 1                                           # one CPU process runs without FSDP
+    state, notes = [], []
+    if cfg.use_peft:
+        trained = n["lora"] * cfg.lora_r
+        state.append(("frozen base, sharded", c * n["total"] // W, "compute bytes x parameters / ranks"))
+        state.append(("LoRA adapters, fp32 master", 4 * trained // W, "4 x r x (in + out) x 7 x layers / ranks"))
+    else:
+        trained = n["total"]
+        state.append(("master weights, fp32, sharded", 4 * trained // W, "4 x parameters / ranks"))
+    state.append(("AdamW's two states, fp32", 8 * trained // W, "2 x 4 x trained parameters / ranks"))
+    if cfg.beta > 0 and not cfg.use_peft:  # under LoRA the reference is the base with adapters off
+        state.append(("KL reference, fp32, sharded", 4 * n["total"] // W, "4 x parameters / ranks"))
+    memory = int((memory_gib or 0) * GIB) or _default_memory(device, W)
+    fixed = [("CUDA context", int(CUDA_CONTEXT), "stated")] if gpu else [
+        ("runtime (Python, torch, transformers)", int(CPU_RUNTIME), "stated: measured resident size")]
+
+    # the sampler: the decode copy holds every weight once, its matmuls in their dtype (bf16 under autocast)
+    mm = 2 if (gpu or autocast or c == 2) else 4
+    decode_copy = L * (n["linear"] * mm + (n["block"] - n["linear"]) * c) + n["root"] * c
+    gathered = c * n["total"] if fsdp else 0                      # FSDP's unsharded compute-dtype weights
+    kv_bytes = c                                                  # the cache takes the sampler weights' dtype
+    token_kv = 2 * L * args.n_kv_heads * args.head_dim * kv_bytes  # k and v, every layer
+
+    def sampling(rows: int, length: int) -> list:
+        S = -(-length // 64) * 64                                  # the sampler rounds a row up to 64 positions
+        slot = S * token_kv
+        if gpu:
+            budget = int(cfg.kv_budget_gb * GIB) or (memory - sum(b for _, b, _ in state + fixed) - gathered) // 2
+            slots = max(1, min(cfg.gen_batch, budget // slot))     # gen_batch slots, within the budget
+        else:
+            slots = max(1, min(cfg.gen_batch, rows))               # eager decode: the call's rows
+        prefill = (8192 if gpu else 2048) * (3 * H + args.n_heads * args.head_dim + 3 * args.ffn_dim) * c
+        terms = [("KV cache", slots * slot, f"{slots} slots x {S} positions x 2 x layers x kv heads x head dim x {kv_bytes} B"),
+                 ("decode copy of the weights", decode_copy, "every weight once, matmuls in their dtype"),
+                 ("sampler workspace", slots * V * 4 * 2 + prefill,
+                  "fp32 logits and noise of a step (slots x V x 8) + a prefill chunk's activations")]
+        if gathered:
+            terms.insert(0, ("gathered weights (FSDP, compute dtype)", gathered, "compute bytes x parameters"))
+        return terms
+
+    rows = max(1, cfg.prompts_per_step * cfg.num_generations // W)
+    phases = {"rollouts": fixed + state + sampling(rows, cfg.max_prompt_length + cfg.max_completion_length)}
+    eval_len = getattr(cfg, "eval_max_completion_length", 0) or cfg.max_completion_length
+    eval_rows = max(1, getattr(cfg, "eval_limit", 0) * max(1, getattr(cfg, "eval_n", 1)) // W)
+    if getattr(cfg, "eval_limit", 0):
+        phases["eval"] = fixed + state + sampling(eval_rows, cfg.max_prompt_length + eval_len)
+
+    # the update: one packed micro-batch of T tokens through forward and backward
+    T = cfg.micro_batch_tokens
+    per_layer = act_bytes_per_token(args, c)
+    if cfg.gradient_checkpointing:  # each block keeps its input; one block's activations live in its recompute
+        acts, formula = T * (L * H * c + per_layer), f"{T} tokens x (layers x H x {c} B + one block's {per_layer} B)"
+    else:
+        acts, formula = T * L * per_layer, f"{T} tokens x layers x {per_layer} B a token and layer"
+    chunk = min(V, max(256, (2**26 if gpu else 2**23) // max(T, 1) // 256 * 256))  # grpo.kernels' vocab chunk
+    update = [("gradients, fp32, sharded", 4 * trained // W, "4 x trained parameters / ranks"),
+              ("activations of one micro-batch", acts, formula),
+              ("log-probs' vocabulary chunk", 2 * T * chunk * 4, f"logits and their gradient, {T} x {chunk} fp32"),
+              ("root's input and output", T * H * (c + 4) + T * 4 * 3, "embedding out, final norm out, per-token stats")]
+    if fsdp:  # two blocks gathered at a time (prefetch), the root kept through backward, their unreduced grads
+        update.append(("FSDP's gathered blocks, root and their grads", 2 * c * (2 * n["block"] + n["root"]),
+                       "2 x compute bytes x (2 blocks + root)"))
+    if gpu and cfg.keep_kv_cache:  # kept through the update, so CUDA graphs survive it
+        update += [t for t in sampling(rows, cfg.max_prompt_length + cfg.max_completion_length)
+                   if t[0] in ("KV cache", "decode copy of the weights")]
+    phases["update"] = fixed + state + update
+    if not gpu:
+        notes.append("CPU: the sampler's cache and decode copy are freed after each rollout (release())")
+    return Plan(phases, memory, W, device, notes)
+
+
+def _default_memory(device: str, world: int) -> int:
+    if device == "cuda":
+        import torch
+        return torch.cuda.get_device_properties(0).total_memory
+    return memory_of_cpu(world)
+
+
+def memory_of_cpu(ranks: int = 1) -> int:
+    """This machine's RAM (MemTotal), shared by `ranks` processes; 64 GiB where /proc is not there."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("MemTotal:")) // ranks
+    except (OSError, StopIteration):
+        return (64 * GIB) // ranks
+
+
+def what_fits(args, cfg, world: int, device: str, memory_gib: float | None) -> list[tuple[str, int, bool]]:
+    """Changes that lower the peak, each with its new peak and whether it fits: more GPUs, gradient
+    checkpointing, a smaller micro-batch or gen_batch, LoRA, and keep_kv_cache false."""
+    tries = []
+    longest = cfg.max_prompt_length + cfg.max_completion_length
+    if device == "cuda" and world < 8:
+        tries.append((f"{min(8, 2 * world)} GPUs", cfg, min(8, 2 * world)))
+    if not cfg.gradient_checkpointing:
+        tries.append(("--gradient_checkpointing true", dataclasses.replace(cfg, gradient_checkpointing=True), world))
+    if cfg.micro_batch_tokens // 2 >= longest:  # a sequence must fit one micro-batch
+        tries.append((f"--micro_batch_tokens {cfg.micro_batch_tokens // 2}",
+                      dataclasses.replace(cfg, micro_batch_tokens=cfg.micro_batch_tokens // 2), world))
+    if cfg.gen_batch > 1:
+        tries.append((f"--gen_batch {cfg.gen_batch // 2}", dataclasses.replace(cfg, gen_batch=cfg.gen_batch // 2), world))
+    if not cfg.use_peft:
+        tries.append(("--use_peft (LoRA r 16)", dataclasses.replace(cfg, use_peft=True, lora_r=16), world))
+    if device == "cuda" and cfg.keep_kv_cache:
+        tries.append(("--keep_kv_cache false", dataclasses.replace(cfg, keep_kv_cache=False), world))
+    out = []
+    for what, c, w in tries:
+        p = memory_plan(args, c, w, device, memory_gib)
+        out.append((what, p.peak[1], p.fits))
+    return out

@@ -1,0 +1,135 @@
+"""grpo/memory.py's plan against what the code allocates: its counted terms byte for byte (tiny Qwen2,
+Qwen3 and Llama models), its phase peaks within 20% of the measured ones (a fresh process each:
+tests/memory_probe.py reads the peak resident size, VmHWM), `python -m grpo.plan` on every recipe and
+profiled GPU, and a run refused before its weights load when the plan does not fit."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo.config import Config
+from grpo.decode import DecodeWeights
+from grpo.lora import LoraSettings, add_lora, trainable
+from grpo.memory import GIB, GPU_MEMORY_GIB, KNOWN, counts, memory_plan
+from grpo.model import ModelArgs, Transformer
+from grpo.sampler import Sampler, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.py") if "class " in p.read_text() and
+                 "(Config)" in p.read_text())
+
+
+def terms(plan, phase: str) -> dict:
+    return {name: b for name, b, _ in plan.phases[phase]}
+
+
+def nbytes(tensors) -> int:  # distinct storages once (a tied LM head is the embedding)
+    seen = {}
+    for t in tensors:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_counted_terms_are_the_bytes_the_code_allocates(family, tiny_dir):
+    path, _ = tiny_dir(family, tie_word_embeddings=family != "qwen2")
+    model = Transformer.from_pretrained(path, dtype=torch.float32)
+    P, M = 12, 20
+    cfg = Config(prompts_per_step=3, num_generations=2, max_prompt_length=P, max_completion_length=M,
+                 gen_batch=64, dtype="float32", eval_limit=0, micro_batch_tokens=64)
+    plan = memory_plan(model.args, cfg, 1, "cpu", 64)
+    update, rollouts = terms(plan, "update"), terms(plan, "rollouts")
+    assert update["master weights, fp32, sharded"] == nbytes(model.parameters())
+    ids = torch.randint(0, model.args.vocab_size, (1, 16))
+    model(ids, labels=ids).sum().backward()
+    assert update["gradients, fp32, sharded"] == nbytes(p.grad for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.step()
+    moments = [s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]  # not the scalar steps
+    assert update["AdamW's two states, fp32"] == nbytes(moments)
+    # the sampler: a call of prompts_per_step x G rows of P + M tokens (a multiple of 64 positions here)
+    sampler = Sampler(model.eval(), None, gen_batch=64)
+    prompts = [torch.randint(0, model.args.vocab_size, (P,)).tolist() for _ in range(3)]
+    sampler.generate(prompts, SamplingParams(n=2, max_tokens=M, stop_token_ids=[], seed=0))
+    assert rollouts["KV cache"] == nbytes([sampler.cache.k, sampler.cache.v])
+    w = sampler.weights
+    copy = [w.wqkv, w.wo, w.w13, w.w2, w.ln1, w.ln2, w.norm, w.embed, w.lm_head,
+            *[t for t in (w.bqkv, w.q_norm, w.k_norm) if t is not None]]
+    assert rollouts["decode copy of the weights"] == nbytes(copy)
+    # LoRA: the adapters of all seven linear layers, fp32, and their AdamW states
+    add_lora(model, LoraSettings(r=4))
+    lora = memory_plan(model.args, Config(**{**vars(cfg), "use_peft": True, "lora_r": 4}), 1, "cpu", 64)
+    assert terms(lora, "update")["LoRA adapters, fp32 master"] == nbytes(trainable(model))
+    assert terms(lora, "update")["AdamW's two states, fp32"] == 2 * nbytes(trainable(model))
+
+
+def test_known_shapes_are_the_models_sizes():
+    """The recipes' models by name: the parameter counts their cards state."""
+    sizes = {name: counts(ModelArgs.from_hf(cfg))["total"] / 1e9 for name, cfg in KNOWN.items()}
+    assert sizes["Qwen/Qwen2.5-0.5B-Instruct"] == pytest.approx(0.494, abs=0.001)
+    assert sizes["Qwen/Qwen2.5-3B-Instruct"] == pytest.approx(3.086, abs=0.001)
+    assert sizes["Qwen/Qwen3-0.6B"] == pytest.approx(0.596, abs=0.001)
+    assert sizes["Qwen/Qwen3-4B-Instruct-2507"] == pytest.approx(4.022, abs=0.001)
+    assert sizes["HuggingFaceTB/SmolLM2-135M-Instruct"] == pytest.approx(0.1346, abs=0.0005)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase, which, sizes", [
+    ("update", "small", (1024,)), ("update", "small", (2048,)), ("update", "smollm2", (1024,)),
+    ("sample", "small", (8, 6, 100, 60)), ("sample", "smollm2", (16, 6, 100, 100))])
+def test_planned_peak_within_20_percent_of_measured(phase, which, sizes, request):
+    if which == "smollm2":
+        request.getfixturevalue("smollm2_path")  # skips without the package
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "memory_probe.py"), phase, which, *map(str, sizes)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["measured"] > 50 << 20, got  # a phase that allocates: the comparison means something
+    assert 0.8 <= got["planned"] / got["measured"] <= 1.2, got
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_planned_on_every_gpu(recipe):
+    from grpo.cli.plan import plan_for
+    cpu = "cpu" in recipe
+    for gpu in [None] if cpu else GPU_MEMORY_GIB:
+        for gpus in (1, 8):
+            flags = ["--model_path", "Qwen/Qwen3-0.6B"] if recipe == "custom_task.py" else []  # it has no default
+            plan, _, _ = plan_for(str(ROOT / "recipes" / recipe), gpus, gpu, None, cpu, flags)
+            assert set(plan.phases) >= {"rollouts", "update"}
+            peak = plan.peak[1]
+            assert 0 < peak < 1000 * GIB
+            if gpus == 8 and not cpu:  # more ranks: less of the sharded state on each
+                one, _, _ = plan_for(str(ROOT / "recipes" / recipe), 1, gpu, None, cpu, flags)
+                assert terms(plan, "update")["AdamW's two states, fp32"] < terms(one, "update")["AdamW's two states, fp32"]
+
+
+@pytest.mark.slow
+def test_plan_command_line():
+    r = subprocess.run([sys.executable, "-m", "grpo.plan", "recipes/calculator_qwen25_3b.py", "--gpus", "1",
+                        "--gpu", "L4"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "| update | activations of one micro-batch |" in r.stdout and "does not fit" in r.stdout, r.stdout
+    assert "what would fit (each change alone):" in r.stdout and "--use_peft (LoRA r 16)" in r.stdout, r.stdout
+    r = subprocess.run([sys.executable, "-m", "grpo.plan", "recipes/calculator_qwen25_05b.py", "--gpus", "8",
+                        "--gpu", "H200"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert "fits, with" in r.stdout and "what would fit" not in r.stdout, r.stdout
+
+
+def test_a_run_that_cannot_fit_is_refused_before_its_weights_load(monkeypatch, tmp_path):
+    from grpo import trainer
+    from toy import make_toy_dir
+    path = make_toy_dir(tmp_path / "toy")
+    monkeypatch.setattr(trainer, "memory_of_cpu", lambda ranks=1: GIB // 4)  # a 256 MiB machine
+    monkeypatch.setattr(Transformer, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
+    cfg = Config(model_path=path, output_dir=str(tmp_path / "run"), gen_batch=4)
+    with pytest.raises(ValueError, match=r"does not fit[\s\S]*what would fit[\s\S]*--plan_memory false"):
+        trainer.build(cfg, torch.device("cpu"))
+    loaded = []
+    monkeypatch.setattr(Transformer, "from_pretrained", lambda *a, **k: loaded.append(1) or pytest.skip("loads"))
+    with pytest.raises(pytest.skip.Exception):  # plan_memory false: said, and the weights load
+        trainer.build(Config(**{**vars(cfg), "plan_memory": False}), torch.device("cpu"))
+    assert loaded == [1]
