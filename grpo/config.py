@@ -72,6 +72,8 @@ class Config:
                                       # each step, as a CPU always does (no graphs to keep)
     plan_memory: bool = True          # refuse to start where the memory plan's peak exceeds the device (grpo/memory.py;
                                       # python -m grpo.plan prints it); false: start anyway
+    preflight: bool = False           # before step 1, one synthetic worst-case step (every row at full length, the largest
+                                      # micro-batch): its measured peaks beside the plan's (grpo/preflight.py)
     cuda_graphs: bool = True          # GPU: each sampler decode window one CUDA graph; false = eager launches (slower)
     kernels: str = "auto"             # auto = grpo.kernels' Triton kernels on CUDA; torch = their PyTorch references
                                       # everywhere (slower; the way around a kernel that fails on your GPU)
@@ -266,7 +268,7 @@ HELP_GROUPS = {
                                       "save_total_limit", "time_budget_min", "run_budget_min", "min_rl_steps",
                                       "min_eval_questions"),
     "hardware": ("dtype", "autocast_bf16", "num_threads", "profile", "gen_batch", "kv_budget_gb",
-                 "keep_kv_cache", "plan_memory", "cuda_graphs", "kernels", "micro_batch_tokens",
+                 "keep_kv_cache", "plan_memory", "preflight", "cuda_graphs", "kernels", "micro_batch_tokens",
                  "gradient_checkpointing", "share_prompt", "dist_timeout_min"),
 }
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

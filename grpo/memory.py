@@ -124,8 +124,12 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
     gpu = device == "cuda"
     n, W = counts(args), world
     c = 2 if gpu or cfg.dtype == "bfloat16" else 4               # the compute dtype's bytes
-    autocast = not gpu and str(cfg.autocast_bf16).lower() in ("true", "1")
     H, V, L = args.dim, args.vocab_size, args.n_layers
+    # CPU autocast_bf16 ("auto" counted as on: the bound either way, a bf16 decode copy plus autocast's casts
+    # weigh what an fp32 copy does): the decode copy's matmul weights in bf16, and autocast's bf16 casts of the
+    # blocks' weights, cached through each sampler call and each forward + backward
+    autocast = not gpu and str(cfg.autocast_bf16).lower() in ("true", "1", "auto")
+    casts = [("autocast's bf16 weight casts", 2 * L * n["linear"], "2 x the blocks' linear weights")] if autocast else []
     fsdp = gpu or W > 1                                           # one CPU process runs without FSDP
     state, notes = [], []
     if cfg.use_peft:
@@ -164,7 +168,7 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
                   "fp32 logits and noise of a step (slots x V x 8) + a prefill chunk's activations")]
         if gathered:
             terms.insert(0, ("gathered weights (FSDP, compute dtype)", gathered, "compute bytes x parameters"))
-        return terms
+        return terms + casts
 
     rows = max(1, cfg.prompts_per_step * cfg.num_generations // W)
     phases = {"rollouts": fixed + state + sampling(rows, cfg.max_prompt_length + cfg.max_completion_length)}
@@ -191,7 +195,7 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
     if gpu and cfg.keep_kv_cache:  # kept through the update, so CUDA graphs survive it
         update += [t for t in sampling(rows, cfg.max_prompt_length + cfg.max_completion_length)
                    if t[0] in ("KV cache", "decode copy of the weights")]
-    phases["update"] = fixed + state + update
+    phases["update"] = fixed + state + update + casts
     if not gpu:
         notes.append("CPU: the sampler's cache and decode copy are freed after each rollout (release())")
     return Plan(phases, memory, W, device, notes)

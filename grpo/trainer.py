@@ -31,12 +31,13 @@ from grpo.fallback import kernels_of
 from grpo.kv_cache import KVCache
 from grpo.lora import (BaseModel, adapter_settings, add_lora, cast_base, load_adapter, read_adapter, settings_of,
                        trainable)
-from grpo.memory import memory_of_cpu, memory_plan, what_fits
+from grpo.memory import Plan, memory_of_cpu, memory_plan, what_fits
 from grpo.loss import group_advantages, overlong_penalty
 from grpo.metrics import Logger, credit_metrics, rollout_records, step_metrics
 from grpo.model import ModelArgs, Transformer, _local_or_hub
 from grpo.report import check_reporters, open_trackers, reporters, write_summary
 from grpo.rollout import assign_rewards, rollout, sampling_params
+from grpo.preflight import preflight
 from grpo.sampler import Sampler
 from grpo.sft import warm_start
 from grpo.update import loss_options, policy_update
@@ -225,19 +226,24 @@ def build(cfg: Config, device) -> tuple:
     return tokenizer, model, ref_model, optimizer, scheduler, sampler
 
 
+def plan_run(cfg: Config, args: ModelArgs, device) -> Plan:
+    """The memory plan (grpo/memory.py) of this run on this device: a GPU's memory, or on a CPU this node's
+    RAM shared by its ranks."""
+    world, local = dist.world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else memory_of_cpu(local)
+    return memory_plan(args, cfg, world, device.type, memory / 2**30)
+
+
 def check_memory(cfg: Config, path, device):
-    """The memory plan's one line (grpo/memory.py), and a refusal, with the plan's table and what would fit,
-    where its peak exceeds the device (on a CPU: this node's RAM shared by its ranks). cfg.plan_memory false:
-    the line only."""
+    """The memory plan's one line, and a refusal, with the plan's table and what would fit, where its peak
+    exceeds the device. cfg.plan_memory false: the line only."""
     with open(os.path.join(path, "config.json")) as f:
         args = ModelArgs.from_hf(json.load(f))
-    world, local = dist.world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    plan = memory_plan(args, cfg, world, device.type, memory / 2**30 if memory else memory_of_cpu(local) / 2**30)
+    plan = plan_run(cfg, args, device)
     dist.print0(plan.summary())
     if not plan.fits and cfg.plan_memory:
         fixes = "\n".join(f"  {what}: peak {peak / 2**30:.1f} GiB{'  fits' if fits else ''}"
-                          for what, peak, fits in what_fits(args, cfg, world, device.type, plan.memory / 2**30))
+                          for what, peak, fits in what_fits(args, cfg, plan.world, device.type, plan.memory / 2**30))
         raise ValueError(f"{plan.table()}\nwhat would fit (each change alone):\n{fixes}\n"
                          "(--plan_memory false starts anyway)")
 
@@ -311,6 +317,8 @@ def _train(cfg: Config, env, train_examples: list, eval_examples, reward_weights
     device = dist.device()
     torch.manual_seed(cfg.seed)
     tokenizer, model, ref_model, optimizer, scheduler, sampler = build(cfg, device)
+    if cfg.preflight:  # one synthetic worst-case step: out of memory now, not hours in
+        preflight(cfg, model, sampler, optimizer, device, plan_run(cfg, model.args, device))
     ckpt = Checkpointer(cfg.output_dir, keep_last=cfg.save_total_limit)
     found = resume(ckpt, model, optimizer, scheduler, cfg)
     start, results = (found["step"], found.get("results", {})) if found else (0, {})

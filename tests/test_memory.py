@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from grpo.config import Config
-from grpo.decode import DecodeWeights
 from grpo.lora import LoraSettings, add_lora, trainable
 from grpo.memory import GIB, GPU_MEMORY_GIB, KNOWN, counts, memory_plan
 from grpo.model import ModelArgs, Transformer
@@ -133,3 +132,40 @@ def test_a_run_that_cannot_fit_is_refused_before_its_weights_load(monkeypatch, t
     with pytest.raises(pytest.skip.Exception):  # plan_memory false: said, and the weights load
         trainer.build(Config(**{**vars(cfg), "plan_memory": False}), torch.device("cpu"))
     assert loaded == [1]
+
+
+def test_preflight_runs_a_worst_case_step_and_keeps_nothing(tmp_path, capsys):
+    from grpo import trainer
+    from grpo.preflight import preflight
+    from toy import make_toy_dir
+    cpu = torch.device("cpu")
+    cfg = Config(model_path=make_toy_dir(tmp_path / "toy"), output_dir=str(tmp_path / "run"), prompts_per_step=2,
+                 num_generations=4, max_prompt_length=16, max_completion_length=8, micro_batch_tokens=64, gen_batch=16)
+    trainer.record_run(cfg)  # the run folder build() notes its choices in
+    _, model, _, optimizer, _, sampler = trainer.build(cfg, cpu)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calls = []
+    real = sampler.generate
+    sampler.generate = lambda prompts, p, **kw: calls.append((len(prompts), len(prompts[0]), p.n, p.max_tokens,
+                                                             p.stop_token_ids)) or real(prompts, p, **kw)
+    out = preflight(cfg, model, sampler, optimizer, cpu, trainer.plan_run(cfg, model.args, cpu))
+    assert calls == [(2, 16, 4, 8, [])]  # every row: a full prompt, the whole completion, no stop
+    assert set(out) == {"rollouts", "update"} and all(got > 0 and want > 0 for want, got in out.values())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # no step taken
+    assert all(p.grad is None for p in model.parameters()) and not optimizer.state
+    assert sampler.cache is None  # released, as a CPU step releases it
+    text = capsys.readouterr().out
+    assert "preflight rollouts: measured" in text and "preflight update: measured" in text, text
+
+
+def test_train_runs_the_preflight_when_asked(tmp_path, monkeypatch):
+    from grpo import trainer
+    from toy import ToyEnv, make_toy_dir
+    seen = []
+    monkeypatch.setattr(trainer, "preflight", lambda cfg, model, sampler, opt, device, plan: seen.append(plan.peak))
+    examples = [{"question": f"w{i} w{i + 1}", "answer": ""} for i in range(8)]
+    cfg = Config(model_path=make_toy_dir(tmp_path / "toy"), output_dir=str(tmp_path / "run"), max_steps=1,
+                 prompts_per_step=2, num_generations=2, max_prompt_length=16, max_completion_length=4,
+                 micro_batch_tokens=64, gen_batch=8, eval_limit=0, save_steps=0, export=False, preflight=True)
+    trainer.train(cfg, ToyEnv(), examples, [])
+    assert len(seen) == 1 and seen[0][1] > 0

@@ -9,13 +9,12 @@
 phase's terms, the peak against the card, and, where it does not fit, what would, each with its peak.
 """
 import argparse
-import dataclasses
 import importlib.util
 import os
 import sys
 
 from grpo.config import Config, parse_args, required_fields
-from grpo.memory import GIB, GPU_MEMORY_GIB, KNOWN, memory_plan, model_config, what_fits
+from grpo.memory import GIB, GPU_MEMORY_GIB, memory_plan, model_config, what_fits
 from grpo.model import ModelArgs
 
 

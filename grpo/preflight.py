@@ -1,0 +1,81 @@
+"""--preflight: before step 1, one synthetic worst-case step, its measured peaks beside the memory plan's.
+
+Every row at max_prompt_length random tokens sampling max_completion_length tokens (no stop), a full
+step's rows on this rank, then the largest micro-batch (micro_batch_tokens of sequences as long as a
+prompt and its completion can be) through the log-probs and backward. Nothing is kept: no optimizer
+step, gradients dropped. A run that would run out of memory on its longest step does so here, in
+seconds, not hours in; a run that passes prints how close it came.
+
+Measured: on CUDA the caching allocator's peak (torch.cuda.max_memory_allocated: the tensors, without
+the CUDA context or fragmentation, so the plan's terms are compared without those two); on a CPU the
+peak resident size (VmHWM, reset through /proc/self/clear_refs), the whole process as the plan counts it.
+"""
+import torch
+
+from grpo import dist
+from grpo.memory import GIB, Plan
+from grpo.sampler import SamplingParams
+
+
+def reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # the peak resident size restarts from the current one
+        except OSError:
+            pass
+
+
+def peak_bytes(device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def planned(plan: Plan, phase: str, optimizer_state: bool) -> int:
+    """The plan's phase as the preflight measures it: without what the measurement does not see (the
+    CUDA context, the allocator margin) or what does not exist yet (AdamW's states before the first step)."""
+    skip = {"CUDA context"} | (set() if optimizer_state else {"AdamW's two states, fp32"})
+    return sum(b for name, b, _ in plan.phases[phase] if name not in skip)
+
+
+def preflight(cfg, model, sampler, optimizer, device, plan: Plan) -> dict:
+    """-> {phase: (planned bytes, measured bytes)} for the rollouts and the update, printed on rank 0."""
+    V, G = model.args.vocab_size, cfg.num_generations
+    rows = max(1, cfg.prompts_per_step * G // dist.world_size())
+    g = torch.Generator().manual_seed(cfg.seed)
+    prompts = [torch.randint(0, V, (cfg.max_prompt_length,), generator=g).tolist() for _ in range(max(1, rows // G))]
+    training = model.training
+    model.eval()
+    reset_peak(device)
+    with dist.gathered(model):
+        sampler.generate(prompts, SamplingParams(n=G, temperature=1.0, max_tokens=cfg.max_completion_length,
+                                                 stop_token_ids=[], seed=cfg.seed))
+    measured = {"rollouts": peak_bytes(device)}
+    if device.type == "cpu" or not cfg.keep_kv_cache:  # as a step releases them
+        sampler.release()
+    # the largest micro-batch: documents of the longest sequence, packed (positions restart per document)
+    longest = cfg.max_prompt_length + cfg.max_completion_length
+    T = max(cfg.micro_batch_tokens // longest, 1) * longest
+    ids = torch.randint(0, V, (1, T), generator=g).to(device)
+    positions = (torch.arange(T) % longest)[None].to(device)
+    model.train()
+    reset_peak(device)
+    model(ids, position_ids=positions, labels=ids, temperature=cfg.temperature).float().sum().backward()
+    measured["update"] = peak_bytes(device)
+    optimizer.zero_grad(set_to_none=True)
+    model.train(training)
+    state = bool(optimizer.state)
+    out = {phase: (planned(plan, phase, state), measured[phase]) for phase in measured}
+    for phase, (want, got) in out.items():
+        dist.print0(f"preflight {phase}: measured {got / GIB:.2f} GiB, planned {want / GIB:.2f} GiB "
+                    f"({got / max(want, 1):.0%} of the plan)")
+    return out
