@@ -73,13 +73,17 @@ def counts(args) -> dict:
     return dict(linear=linear, block=linear + small, root=root, total=L * (linear + small) + root, lora=L * lora)
 
 
-def act_bytes_per_token(args, c: int) -> int:
-    """Bytes autograd keeps per token and layer in grpo/model.py's Block at compute width c: the two
-    norms' inputs and outputs (4H), q, k, v before and after rotary (2(qd + 2kd)), attention's output
-    and its o_proj input copy (2qd), gate, up, silu(gate) and their product (4F); fp32 statistics
-    (the norms' rsqrt, attention's log-sum-exp per head) are 4 bytes each."""
+def act_bytes_per_token(args, c: int, lora_dropout: bool = False) -> int:
+    """Bytes autograd keeps per token and layer in grpo/model.py's Block at compute width c. Each RMSNorm
+    keeps its fp32 input (a copy when c is 2: 4 bytes a channel), its normalized value and its output (the
+    next layer's input), c each; Qwen3's q and k norms the same over qd + kd channels; q, k, v before and
+    after rotary (2(qd + 2kd)), attention's output and its o_proj input copy (2qd), gate, up, silu(gate)
+    and their product (4F); fp32 statistics (the norms' rsqrt, attention's log-sum-exp per head). Under
+    LoRA dropout each adapted layer keeps its dropped-out input and mask: 5H + qd + F channels, c + 1 bytes."""
     H, F, qd, kd = args.dim, args.ffn_dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    return c * (4 * H + 2 * (qd + 2 * kd) + 2 * qd + 4 * F) + 4 * (2 + args.n_heads)
+    norms = 2 * H * (4 + 2 * c) + (qd + kd) * (4 + 2 * c) * args.qk_norm
+    rest = c * (2 * (qd + 2 * kd) + 2 * qd + 4 * F) + 4 * (2 + args.n_heads)
+    return norms + rest + (5 * H + qd + F) * (c + 1) * lora_dropout
 
 
 @dataclass
@@ -119,8 +123,11 @@ class Plan:
         return "\n".join(lines + [self.summary()])
 
 
-def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: float | None = None) -> Plan:
-    """The plan for a run of `cfg` (grpo.config.Config or a recipe's) on `world` ranks of `device`."""
+def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: float | None = None,
+                extra: list = ()) -> Plan:
+    """The plan for a run of `cfg` (grpo.config.Config or a recipe's) on `world` ranks of `device`. `extra`:
+    (term, bytes, formula) a recipe holds through every phase (ProcessGRPO's frozen copy and its sampler)."""
+    extra = list(extra)
     gpu = device == "cuda"
     n, W = counts(args), world
     c = 2 if gpu or cfg.dtype == "bfloat16" else 4               # the compute dtype's bytes
@@ -129,12 +136,14 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
     # weigh what an fp32 copy does): the decode copy's matmul weights in bf16, and autocast's bf16 casts of the
     # blocks' weights, cached through each sampler call and each forward + backward
     autocast = not gpu and str(cfg.autocast_bf16).lower() in ("true", "1", "auto")
-    casts = [("autocast's bf16 weight casts", 2 * L * n["linear"], "2 x the blocks' linear weights")] if autocast else []
+    casts = [("autocast's bf16 weight casts", 2 * L * n["linear"], "2 x the blocks' linear weights")] if (
+        autocast and not cfg.use_peft) else []  # a LoRA base stored in bf16 needs none
     fsdp = gpu or W > 1                                           # one CPU process runs without FSDP
     state, notes = [], []
-    if cfg.use_peft:
+    if cfg.use_peft:  # the frozen base in the compute dtype, bf16 under CPU autocast (grpo.lora.cast_base)
         trained = n["lora"] * cfg.lora_r
-        state.append(("frozen base, sharded", c * n["total"] // W, "compute bytes x parameters / ranks"))
+        base = 2 if autocast else c
+        state.append(("frozen base, sharded", base * n["total"] // W, f"{base} x parameters / ranks"))
         state.append(("LoRA adapters, fp32 master", 4 * trained // W, "4 x r x (in + out) x 7 x layers / ranks"))
     else:
         trained = n["total"]
@@ -156,11 +165,12 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
     def sampling(rows: int, length: int) -> list:
         S = -(-length // 64) * 64                                  # the sampler rounds a row up to 64 positions
         slot = S * token_kv
-        if gpu:
-            budget = int(cfg.kv_budget_gb * GIB) or (memory - sum(b for _, b, _ in state + fixed) - gathered) // 2
+        if gpu:  # the sampler's default budget: half of what is free when build() makes it (no AdamW state yet)
+            loaded = sum(b for name, b, _ in state + fixed if not name.startswith("AdamW"))
+            budget = int(cfg.kv_budget_gb * GIB) or (memory - loaded - gathered) // 2
             slots = max(1, min(cfg.gen_batch, budget // slot))     # gen_batch slots, within the budget
-        else:
-            slots = max(1, min(cfg.gen_batch, rows))               # eager decode: the call's rows
+        else:  # eager decode: the call's rows, within the budget (2 GiB by default on a CPU)
+            slots = max(1, min(cfg.gen_batch, rows, (int(cfg.kv_budget_gb * GIB) or 2 * GIB) // slot))
         prefill = (8192 if gpu else 2048) * (3 * H + args.n_heads * args.head_dim + 3 * args.ffn_dim) * c
         terms = [("KV cache", slots * slot, f"{slots} slots x {S} positions x 2 x layers x kv heads x head dim x {kv_bytes} B"),
                  ("decode copy of the weights", decode_copy, "every weight once, matmuls in their dtype"),
@@ -171,15 +181,15 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
         return terms + casts
 
     rows = max(1, cfg.prompts_per_step * cfg.num_generations // W)
-    phases = {"rollouts": fixed + state + sampling(rows, cfg.max_prompt_length + cfg.max_completion_length)}
+    phases = {"rollouts": fixed + state + sampling(rows, cfg.max_prompt_length + cfg.max_completion_length) + extra}
     eval_len = getattr(cfg, "eval_max_completion_length", 0) or cfg.max_completion_length
     eval_rows = max(1, getattr(cfg, "eval_limit", 0) * max(1, getattr(cfg, "eval_n", 1)) // W)
     if getattr(cfg, "eval_limit", 0):
-        phases["eval"] = fixed + state + sampling(eval_rows, cfg.max_prompt_length + eval_len)
+        phases["eval"] = fixed + state + sampling(eval_rows, cfg.max_prompt_length + eval_len) + extra
 
     # the update: one packed micro-batch of T tokens through forward and backward
     T = cfg.micro_batch_tokens
-    per_layer = act_bytes_per_token(args, c)
+    per_layer = act_bytes_per_token(args, c, cfg.use_peft and cfg.lora_dropout > 0)
     if cfg.gradient_checkpointing:  # each block keeps its input; one block's activations live in its recompute
         acts, formula = T * (L * H * c + per_layer), f"{T} tokens x (layers x H x {c} B + one block's {per_layer} B)"
     else:
@@ -192,13 +202,29 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
     if fsdp:  # two blocks gathered at a time (prefetch), the root kept through backward, their unreduced grads
         update.append(("FSDP's gathered blocks, root and their grads", 2 * c * (2 * n["block"] + n["root"]),
                        "2 x compute bytes x (2 blocks + root)"))
-    if gpu and cfg.keep_kv_cache:  # kept through the update, so CUDA graphs survive it
+    if gpu and cfg.keep_kv_cache:  # kept through the update, so CUDA graphs survive it (their pool: the workspace)
         update += [t for t in sampling(rows, cfg.max_prompt_length + cfg.max_completion_length)
-                   if t[0] in ("KV cache", "decode copy of the weights")]
-    phases["update"] = fixed + state + update + casts
+                   if t[0] in ("KV cache", "decode copy of the weights", "sampler workspace")]
+    phases["update"] = fixed + state + update + casts + extra
+    # before sharding, each rank loads the whole model in fp32 (its compute dtype under LoRA), then the reference
+    load = [("the whole model as loaded, before sharding", (c if cfg.use_peft else 4) * n["total"],
+             "bytes x parameters, on every rank")]
+    phases = {"load": fixed + load + extra, **phases}
     if not gpu:
         notes.append("CPU: the sampler's cache and decode copy are freed after each rollout (release())")
     return Plan(phases, memory, W, device, notes)
+
+
+def frozen_copy_terms(args, c: int, slots: int, length: int, budget: int) -> list:
+    """A second model a recipe holds through the run with its own sampler (ProcessGRPO's frozen copy), as
+    memory_plan's `extra`: its weights and decode copy at c bytes, and its KV cache of `slots` rows of
+    `length` positions within `budget` bytes."""
+    n = counts(args)["total"]
+    slot = -(-length // 64) * 64 * 2 * args.n_layers * args.n_kv_heads * args.head_dim * c
+    kv = max(1, min(slots, budget // slot)) * slot
+    return [("frozen copy's weights", c * n, f"{c} x parameters"),
+            ("frozen copy's decode copy", c * n, f"{c} x parameters"),
+            ("frozen copy's KV cache", kv, f"{kv // slot} slots x {length} positions, within its budget")]
 
 
 def _default_memory(device: str, world: int) -> int:
@@ -217,7 +243,7 @@ def memory_of_cpu(ranks: int = 1) -> int:
         return (64 * GIB) // ranks
 
 
-def what_fits(args, cfg, world: int, device: str, memory_gib: float | None) -> list[tuple[str, int, bool]]:
+def what_fits(args, cfg, world: int, device: str, memory_gib: float | None, extra: list = ()) -> list[tuple[str, int, bool]]:
     """Changes that lower the peak, each with its new peak and whether it fits: more GPUs, gradient
     checkpointing, a smaller micro-batch or gen_batch, LoRA, and keep_kv_cache false."""
     tries = []
@@ -237,6 +263,6 @@ def what_fits(args, cfg, world: int, device: str, memory_gib: float | None) -> l
         tries.append(("--keep_kv_cache false", dataclasses.replace(cfg, keep_kv_cache=False), world))
     out = []
     for what, c, w in tries:
-        p = memory_plan(args, c, w, device, memory_gib)
+        p = memory_plan(args, c, w, device, memory_gib, extra)
         out.append((what, p.peak[1], p.fits))
     return out

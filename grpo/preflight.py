@@ -1,10 +1,14 @@
-"""--preflight: before step 1, one synthetic worst-case step, its measured peaks beside the memory plan's.
+"""--preflight: before step 1, one synthetic step at the rollouts' and the update's largest sizes, its
+measured peaks beside the memory plan's.
 
-Every row at max_prompt_length random tokens sampling max_completion_length tokens (no stop), a full
-step's rows on this rank, then the largest micro-batch (micro_batch_tokens of sequences as long as a
-prompt and its completion can be) through the log-probs and backward. Nothing is kept: no optimizer
-step, gradients dropped. A run that would run out of memory on its longest step does so here, in
-seconds, not hours in; a run that passes prints how close it came.
+The rollouts: a step's rows on this rank, every prompt max_prompt_length random tokens, each row sampling
+max_completion_length tokens (no stop) with the run's sampling settings. The update: the largest
+micro-batch, as many rows of max_prompt_length + max_completion_length tokens as micro_batch_tokens
+holds, through the log-probs (with entropy) and backward, as the update runs them. Nothing is kept: no
+optimizer step, gradients dropped, the random state restored. A run that would run out of memory in
+these two phases does so here, in minutes, not hours in. Not run: the eval (whose rows may be longer:
+the plan's eval phase covers it), the KL reference's and the old policy's log-prob passes, and a
+recipe's own models (ProcessGRPO's continuations).
 
 Measured: on CUDA the caching allocator's peak (torch.cuda.max_memory_allocated: the tensors, without
 the CUDA context or fragmentation, so the plan's terms are compared without those two); on a CPU the
@@ -53,26 +57,29 @@ def preflight(cfg, model, sampler, optimizer, device, plan: Plan) -> dict:
     rows = max(1, cfg.prompts_per_step * G // dist.world_size())
     g = torch.Generator().manual_seed(cfg.seed)
     prompts = [torch.randint(0, V, (cfg.max_prompt_length,), generator=g).tolist() for _ in range(max(1, rows // G))]
+    rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     training = model.training
     model.eval()
     reset_peak(device)
     with dist.gathered(model):
-        sampler.generate(prompts, SamplingParams(n=G, temperature=1.0, max_tokens=cfg.max_completion_length,
+        sampler.generate(prompts, SamplingParams(n=G, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                                 min_p=cfg.min_p, max_tokens=cfg.max_completion_length,
                                                  stop_token_ids=[], seed=cfg.seed))
     measured = {"rollouts": peak_bytes(device)}
     if device.type == "cpu" or not cfg.keep_kv_cache:  # as a step releases them
         sampler.release()
-    # the largest micro-batch: documents of the longest sequence, packed (positions restart per document)
     longest = cfg.max_prompt_length + cfg.max_completion_length
-    T = max(cfg.micro_batch_tokens // longest, 1) * longest
-    ids = torch.randint(0, V, (1, T), generator=g).to(device)
-    positions = (torch.arange(T) % longest)[None].to(device)
+    ids = torch.randint(0, V, (max(cfg.micro_batch_tokens // longest, 1), longest), generator=g).to(device)
     model.train()
     reset_peak(device)
-    model(ids, position_ids=positions, labels=ids, temperature=cfg.temperature).float().sum().backward()
+    logprobs, _ = model(ids, labels=ids, temperature=cfg.temperature, return_entropy=True)  # entropy: no gradient
+    logprobs.float().sum().backward()
     measured["update"] = peak_bytes(device)
     optimizer.zero_grad(set_to_none=True)
     model.train(training)
+    torch.set_rng_state(rng[0])
+    if rng[1] is not None:
+        torch.cuda.set_rng_state(rng[1], device)
     state = bool(optimizer.state)
     out = {phase: (planned(plan, phase, state), measured[phase]) for phase in measured}
     for phase, (want, got) in out.items():

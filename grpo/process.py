@@ -133,6 +133,15 @@ class ProcessCredit:
             raise ValueError(f"mode={self.mode!r}: process | outcome | shuffled")
         self.term = getattr(self.env, "score_term", "correct")   # the reward term that means "solved"
 
+    def memory_terms(self, cfg) -> list:
+        """What the frozen copy and its sampler hold through the run, for the trainer's memory plan."""
+        if self.sampler is None:
+            return []
+        from grpo.memory import frozen_copy_terms
+        s, args = self.sampler, self.sampler.model.args
+        length = cfg.max_prompt_length + cfg.max_completion_length + self.max_continuation_tokens
+        return frozen_copy_terms(args, next(s.model.parameters()).element_size(), s.gen_batch, length, s.kv_budget_bytes)
+
     def __call__(self, trajs: list[Trajectory], advantages: torch.Tensor, step: int = 0) -> torch.Tensor:
         """(N,) outcome advantages -> (N, C_max) token advantages (0 past each completion)."""
         if self.mode == "outcome":

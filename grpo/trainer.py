@@ -172,7 +172,7 @@ def model_folder(model_path: str) -> str:
     return str(path)
 
 
-def build(cfg: Config, device) -> tuple:
+def build(cfg: Config, device, extra: list = ()) -> tuple:
     """Tokenizer, policy (fp32 master weights, sharded; bf16 compute on CUDA), the frozen
     reference when beta > 0, AdamW, the lr schedule, and the sampler over the policy's weights."""
     from transformers import AutoTokenizer
@@ -183,7 +183,7 @@ def build(cfg: Config, device) -> tuple:
     threads = set_threads(cfg.num_threads) if device.type == "cpu" else torch.get_num_threads()
     dist.print0(f"grpo | {cfg.model_path} | world {dist.world_size()} | {compute_dtype} | {threads} threads | "
                 f"{cfg.max_steps} steps x {cfg.prompts_per_step} prompts x G={cfg.num_generations}")
-    check_memory(cfg, path, device)  # before any weight loads
+    check_memory(cfg, path, device, extra)  # before any weight of the policy loads
     # fp32 master weights; under LoRA only the adapters are trained, and the frozen base stays in the compute
     # dtype (bf16 on a GPU: a 3B base is 6 GB, not 6 + 12 of master copy and 24 of Adam)
     model = Transformer.from_pretrained(path, dtype=compute_dtype if cfg.use_peft else torch.float32, device=device)
@@ -226,24 +226,24 @@ def build(cfg: Config, device) -> tuple:
     return tokenizer, model, ref_model, optimizer, scheduler, sampler
 
 
-def plan_run(cfg: Config, args: ModelArgs, device) -> Plan:
+def plan_run(cfg: Config, args: ModelArgs, device, extra: list = ()) -> Plan:
     """The memory plan (grpo/memory.py) of this run on this device: a GPU's memory, or on a CPU this node's
     RAM shared by its ranks."""
     world, local = dist.world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else memory_of_cpu(local)
-    return memory_plan(args, cfg, world, device.type, memory / 2**30)
+    return memory_plan(args, cfg, world, device.type, memory / 2**30, extra)
 
 
-def check_memory(cfg: Config, path, device):
+def check_memory(cfg: Config, path, device, extra: list = ()):
     """The memory plan's one line, and a refusal, with the plan's table and what would fit, where its peak
     exceeds the device. cfg.plan_memory false: the line only."""
     with open(os.path.join(path, "config.json")) as f:
         args = ModelArgs.from_hf(json.load(f))
-    plan = plan_run(cfg, args, device)
+    plan = plan_run(cfg, args, device, extra)
     dist.print0(plan.summary())
     if not plan.fits and cfg.plan_memory:
         fixes = "\n".join(f"  {what}: peak {peak / 2**30:.1f} GiB{'  fits' if fits else ''}"
-                          for what, peak, fits in what_fits(args, cfg, plan.world, device.type, plan.memory / 2**30))
+                          for what, peak, fits in what_fits(args, cfg, plan.world, device.type, plan.memory / 2**30, extra))
         raise ValueError(f"{plan.table()}\nwhat would fit (each change alone):\n{fixes}\n"
                          "(--plan_memory false starts anyway)")
 
@@ -316,9 +316,10 @@ def _train(cfg: Config, env, train_examples: list, eval_examples, reward_weights
     dist.on_rank0(record_run, cfg)
     device = dist.device()
     torch.manual_seed(cfg.seed)
-    tokenizer, model, ref_model, optimizer, scheduler, sampler = build(cfg, device)
+    extra = credit.memory_terms(cfg) if hasattr(credit, "memory_terms") else []  # a recipe's own models
+    tokenizer, model, ref_model, optimizer, scheduler, sampler = build(cfg, device, extra)
     if cfg.preflight:  # one synthetic worst-case step: out of memory now, not hours in
-        preflight(cfg, model, sampler, optimizer, device, plan_run(cfg, model.args, device))
+        preflight(cfg, model, sampler, optimizer, device, plan_run(cfg, model.args, device, extra))
     ckpt = Checkpointer(cfg.output_dir, keep_last=cfg.save_total_limit)
     found = resume(ckpt, model, optimizer, scheduler, cfg)
     start, results = (found["step"], found.get("results", {})) if found else (0, {})

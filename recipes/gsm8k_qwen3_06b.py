@@ -68,6 +68,8 @@ class GSM8KQwen3(Config):
     mask_truncated_completions: bool = True
     max_prompt_length: int = 512         # zero-shot training prompts (the 10-shot eval sizes its own sampler)
     max_completion_length: int = 768
+    gradient_checkpointing: bool = True  # the memory plan: without it the profiles' micro-batches (32-64k tokens)
+                                      # hold more activations than an H100 has (python -m grpo.plan)
     eval_limit: int = 1319
     eval_steps: int = 50
     save_steps: int = 25

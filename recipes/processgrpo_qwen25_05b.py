@@ -124,6 +124,7 @@ from grpo.checkpoint import refuse_used_dir
 from grpo.data import DataError
 from grpo.envs.processgrpo import (DEFAULT_WEIGHTS, TRAIN_SOURCES, VALIDATION_SOURCES, OneShotMathEnv,
                                    filter_by_solve_rate, load_sources, without)
+from grpo.memory import frozen_copy_terms
 from grpo.model import Transformer
 from grpo.process import ProcessCredit
 from grpo.sampler import Sampler
@@ -158,6 +159,8 @@ class ProcessGRPOQwen(Config):
     temperature: float = 1.0
     max_prompt_length: int = 1024     # the worked example + a question: ~300 tokens; MATH problems run longer
     max_completion_length: int = 3072
+    gradient_checkpointing: bool = True  # the memory plan: without it the profiles' micro-batches (32-64k tokens)
+                                      # hold more activations than an H100 has (python -m grpo.plan)
     eval_limit: int = 350
     eval_steps: int = 20
     save_steps: int = 20
@@ -236,6 +239,17 @@ def data(cfg: ProcessGRPOQwen) -> tuple[list[dict], object, list[dict]]:
     print(f"data: {len(kept)} training problems ({len(train_examples) - len(kept)} held out for "
           f"validation), {len(eval_examples)} validation problems (the first {cfg.eval_limit} evaluated)")
     return kept, env, eval_examples
+
+
+def memory_terms(cfg, args, world: int, device: str, memory: int) -> list:
+    """For python -m grpo.plan: the frozen copy and its sampler, held through the run (the trainer counts
+    them from the objects themselves: grpo.process.ProcessCredit.memory_terms)."""
+    if cfg.credit == "outcome" and not cfg.filter_solve_rate:
+        return []
+    c = 2 if device == "cuda" else 4
+    budget = int(cfg.kv_budget_gb * 2**30) or (memory // 2 if device == "cuda" else 2 << 30)
+    length = cfg.max_prompt_length + cfg.max_completion_length + cfg.max_continuation_length
+    return frozen_copy_terms(args, c, cfg.continuation_batch, length, budget)
 
 
 def main(cls=ProcessGRPOQwen):

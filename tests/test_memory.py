@@ -97,12 +97,12 @@ def test_every_recipe_planned_on_every_gpu(recipe):
     for gpu in [None] if cpu else GPU_MEMORY_GIB:
         for gpus in (1, 8):
             flags = ["--model_path", "Qwen/Qwen3-0.6B"] if recipe == "custom_task.py" else []  # it has no default
-            plan, _, _ = plan_for(str(ROOT / "recipes" / recipe), gpus, gpu, None, cpu, flags)
+            plan, _, _, _ = plan_for(str(ROOT / "recipes" / recipe), gpus, gpu, None, cpu, flags)
             assert set(plan.phases) >= {"rollouts", "update"}
             peak = plan.peak[1]
             assert 0 < peak < 1000 * GIB
             if gpus == 8 and not cpu:  # more ranks: less of the sharded state on each
-                one, _, _ = plan_for(str(ROOT / "recipes" / recipe), 1, gpu, None, cpu, flags)
+                one, _, _, _ = plan_for(str(ROOT / "recipes" / recipe), 1, gpu, None, cpu, flags)
                 assert terms(plan, "update")["AdamW's two states, fp32"] < terms(one, "update")["AdamW's two states, fp32"]
 
 
@@ -119,19 +119,27 @@ def test_plan_command_line():
 
 
 def test_a_run_that_cannot_fit_is_refused_before_its_weights_load(monkeypatch, tmp_path):
+    """Refused on a machine one MiB short of the plan's peak, before any weight loads; started on one
+    one MiB over it (the refusal follows the computed terms, not only the stated runtime)."""
     from grpo import trainer
     from toy import make_toy_dir
     path = make_toy_dir(tmp_path / "toy")
-    monkeypatch.setattr(trainer, "memory_of_cpu", lambda ranks=1: GIB // 4)  # a 256 MiB machine
-    monkeypatch.setattr(Transformer, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
-    cfg = Config(model_path=path, output_dir=str(tmp_path / "run"), gen_batch=4)
-    with pytest.raises(ValueError, match=r"does not fit[\s\S]*what would fit[\s\S]*--plan_memory false"):
-        trainer.build(cfg, torch.device("cpu"))
+    cfg = Config(model_path=path, output_dir=str(tmp_path / "run"), gen_batch=64, max_prompt_length=512,
+                 max_completion_length=512)
+    with open(Path(path) / "config.json") as f:
+        peak = memory_plan(ModelArgs.from_hf(json.load(f)), cfg, 1, "cpu", 64).peak[1]
     loaded = []
     monkeypatch.setattr(Transformer, "from_pretrained", lambda *a, **k: loaded.append(1) or pytest.skip("loads"))
+    monkeypatch.setattr(trainer, "memory_of_cpu", lambda ranks=1: peak - (1 << 20))
+    with pytest.raises(ValueError, match=r"does not fit[\s\S]*what would fit[\s\S]*--plan_memory false"):
+        trainer.build(cfg, torch.device("cpu"))
+    assert loaded == []
     with pytest.raises(pytest.skip.Exception):  # plan_memory false: said, and the weights load
         trainer.build(Config(**{**vars(cfg), "plan_memory": False}), torch.device("cpu"))
-    assert loaded == [1]
+    monkeypatch.setattr(trainer, "memory_of_cpu", lambda ranks=1: peak + (1 << 20))
+    with pytest.raises(pytest.skip.Exception):  # fits: the weights load
+        trainer.build(cfg, torch.device("cpu"))
+    assert loaded == [1, 1]
 
 
 def test_preflight_runs_a_worst_case_step_and_keeps_nothing(tmp_path, capsys):
@@ -144,6 +152,7 @@ def test_preflight_runs_a_worst_case_step_and_keeps_nothing(tmp_path, capsys):
     trainer.record_run(cfg)  # the run folder build() notes its choices in
     _, model, _, optimizer, _, sampler = trainer.build(cfg, cpu)
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
     calls = []
     real = sampler.generate
     sampler.generate = lambda prompts, p, **kw: calls.append((len(prompts), len(prompts[0]), p.n, p.max_tokens,
@@ -154,6 +163,7 @@ def test_preflight_runs_a_worst_case_step_and_keeps_nothing(tmp_path, capsys):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # no step taken
     assert all(p.grad is None for p in model.parameters()) and not optimizer.state
     assert sampler.cache is None  # released, as a CPU step releases it
+    assert torch.equal(torch.get_rng_state(), rng)  # a run with --preflight draws what one without it draws
     text = capsys.readouterr().out
     assert "preflight rollouts: measured" in text and "preflight update: measured" in text, text
 
@@ -169,3 +179,9 @@ def test_train_runs_the_preflight_when_asked(tmp_path, monkeypatch):
                  micro_batch_tokens=64, gen_batch=8, eval_limit=0, save_steps=0, export=False, preflight=True)
     trainer.train(cfg, ToyEnv(), examples, [])
     assert len(seen) == 1 and seen[0][1] > 0
+
+
+def test_readme_table_is_the_plans():
+    """README's table of the recipes' planned peaks is what `python -m grpo.plan --table` prints now."""
+    from grpo.cli.plan import gpu_table
+    assert gpu_table(str(ROOT / "recipes")) in (ROOT / "README.md").read_text()

@@ -3,6 +3,7 @@
     python -m grpo.plan recipes/calculator_qwen25_3b.py --gpus 8 --gpu "RTX 6000 Ada"
     python -m grpo.plan recipes/retool_qwen3_4b.py --gpus 8 --gpu H200 --micro_batch_tokens 8704
     python -m grpo.plan recipes/calculator_smollm2_cpu.py --cpu --memory_gb 8
+    python -m grpo.plan --table         # every GPU recipe on 1 and 8 of each profiled GPU (README's table)
 
 --gpu names a profiled GPU (its memory, and the profile's sizes as a run there would take them);
 --memory_gb sets the memory instead; any other flag is the recipe's own. Prints the table of each
@@ -18,8 +19,11 @@ from grpo.memory import GIB, GPU_MEMORY_GIB, memory_plan, model_config, what_fit
 from grpo.model import ModelArgs
 
 
-def recipe_config_class(path: str) -> type:
-    """The Config subclass a recipe file defines (its main() runs only as __main__)."""
+def recipe_module(path: str):
+    """A recipe file as a module (its main() runs only as __main__): its Config subclass, and its
+    memory_terms(cfg, args, world, device, memory) where it holds models of its own (ProcessGRPO)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"no recipe file {path}")
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))  # recipes import their siblings
     spec = importlib.util.spec_from_file_location("grpo_plan_recipe", path)
     module = importlib.util.module_from_spec(spec)
@@ -27,29 +31,63 @@ def recipe_config_class(path: str) -> type:
     found = [v for v in vars(module).values() if isinstance(v, type) and issubclass(v, Config)
              and v.__module__ == module.__name__]
     if len(found) != 1:
-        raise SystemExit(f"python -m grpo.plan: {path} defines {len(found)} Config subclasses, not one")
-    return found[0]
+        raise ValueError(f"{path} defines {len(found)} Config subclasses, not one")
+    return module, found[0]
 
 
 def plan_for(recipe: str, gpus: int = 1, gpu: str | None = None, memory_gb: float | None = None,
              cpu: bool = False, flags: list[str] = ()):
     """(plan, model args, config) of a recipe on `gpus` ranks of a GPU (or a CPU), as its run would size it."""
+    if gpus < 1:
+        raise ValueError(f"--gpus {gpus}: at least 1")
     if gpu and gpu not in GPU_MEMORY_GIB:
-        raise SystemExit(f"python -m grpo.plan: unknown --gpu {gpu!r}: one of {', '.join(GPU_MEMORY_GIB)}")
-    cls = recipe_config_class(recipe) if recipe.endswith(".py") else Config
-    os.environ["WORLD_SIZE"] = str(gpus)  # recipes size their batches by it (prompts_per_step 0)
-    profile = "cpu" if cpu else gpu or "none"
-    flags = [*flags, "--profile", profile] if "--profile" not in flags else list(flags)
+        raise ValueError(f"unknown --gpu {gpu!r}: one of {', '.join(GPU_MEMORY_GIB)}")
+    module, cls = recipe_module(recipe) if recipe.endswith(".py") else (None, Config)
+    flags = list(flags)
+    if not any(f == "--profile" or f.startswith("--profile=") for f in flags):
+        flags += ["--profile", "cpu" if cpu else gpu or "none"]  # the sizes a run there would take
     given = {f.split("=")[0][2:] for f in flags if f.startswith("--")}
     flags += [f"--{name}=unread" for name in required_fields(cls) if name not in given | {"model_path"}]  # data paths
-    cfg = parse_args(cls, flags)
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(gpus)  # recipes size their batches by it (prompts_per_step 0)
+    try:
+        cfg = parse_args(cls, flags)
+    finally:
+        if saved is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = saved
     path = cfg.model_path or "HuggingFaceTB/SmolLM2-135M-Instruct"  # the CPU default's packaged model
     args = ModelArgs.from_hf(model_config(path))
+    device = "cpu" if cpu else "cuda"
     memory = memory_gb if memory_gb is not None else None if cpu else GPU_MEMORY_GIB.get(gpu, 80.0)
-    return memory_plan(args, cfg, gpus, "cpu" if cpu else "cuda", memory), args, cfg
+    extra = []
+    if hasattr(module, "memory_terms"):
+        total = int(memory * GIB) if memory else memory_plan(args, cfg, gpus, device).memory
+        extra = module.memory_terms(cfg, args, gpus, device, total)
+    return memory_plan(args, cfg, gpus, device, memory, extra), args, cfg, extra
+
+
+GPU_RECIPES = ["calculator_qwen25_05b.py", "calculator_qwen25_3b.py", "gsm8k_qwen3_06b.py", "retool_qwen3_4b.py",
+               "processgrpo_qwen25_05b.py"]
+
+
+def gpu_table(folder: str = "recipes") -> str:
+    """The README's table: each GPU recipe's planned peak per rank on 1 / 8 of each profiled GPU."""
+    lines = ["| recipe | " + " | ".join(GPU_MEMORY_GIB) + " |", "|---|" + "---|" * len(GPU_MEMORY_GIB)]
+    for recipe in GPU_RECIPES:
+        cells = []
+        for gpu in GPU_MEMORY_GIB:
+            plans = [plan_for(os.path.join(folder, recipe), n, gpu)[0] for n in (1, 8)]
+            cells.append(" / ".join(f"{p.peak[1] / GIB:.0f}{'' if p.fits else ' ✗'}" for p in plans))
+        lines.append(f"| {recipe} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str]):
+    if argv == ["--table"]:  # every GPU recipe on every profiled GPU: the README's table
+        print(gpu_table())
+        return
     ap = argparse.ArgumentParser(prog="python -m grpo.plan", description=__doc__.split("\n")[0])
     ap.add_argument("recipe", help="a recipe file (recipes/*.py), or 'config' for Config's defaults")
     ap.add_argument("--gpus", type=int, default=1, help="ranks (one GPU each)")
@@ -58,7 +96,7 @@ def main(argv: list[str]):
     ap.add_argument("--cpu", action="store_true", help="a CPU run (memory: this machine's RAM / ranks)")
     known, flags = ap.parse_known_args(argv)
     try:
-        plan, args, cfg = plan_for(known.recipe, known.gpus, known.gpu, known.memory_gb, known.cpu, flags)
+        plan, args, cfg, extra = plan_for(known.recipe, known.gpus, known.gpu, known.memory_gb, known.cpu, flags)
     except ValueError as e:
         raise SystemExit(f"python -m grpo.plan: {e}") from None
     where = "CPU" if known.cpu else f"{known.gpus} x {known.gpu or 'GPU'}"
@@ -70,5 +108,5 @@ def main(argv: list[str]):
         print(note)
     if not plan.fits:
         print("what would fit (each change alone):")
-        for what, peak, fits in what_fits(args, cfg, known.gpus, plan.device, plan.memory / GIB):
+        for what, peak, fits in what_fits(args, cfg, known.gpus, plan.device, plan.memory / GIB, extra):
             print(f"  {what}: peak {peak / GIB:.1f} GiB{'  fits' if fits else ''}")
