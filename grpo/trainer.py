@@ -31,13 +31,13 @@ from grpo.fallback import kernels_of
 from grpo.kv_cache import KVCache
 from grpo.lora import (BaseModel, adapter_settings, add_lora, cast_base, load_adapter, read_adapter, settings_of,
                        trainable)
-from grpo.memory import Plan, memory_of_cpu, memory_plan, what_fits
 from grpo.loss import group_advantages, overlong_penalty
+from grpo.memory import Plan, memory_of_cpu, memory_plan, what_fits
 from grpo.metrics import Logger, credit_metrics, rollout_records, step_metrics
 from grpo.model import ModelArgs, Transformer, _local_or_hub
+from grpo.preflight import preflight
 from grpo.report import check_reporters, open_trackers, reporters, write_summary
 from grpo.rollout import assign_rewards, rollout, sampling_params
-from grpo.preflight import preflight
 from grpo.sampler import Sampler
 from grpo.sft import warm_start
 from grpo.update import loss_options, policy_update
