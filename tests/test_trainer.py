@@ -277,9 +277,9 @@ def test_kernels_torch_and_cuda_graphs_false_reach_the_run(tmp_path, monkeypatch
     seen = {}
     real_build, real_sampler = trainer.build, trainer.Sampler
 
-    def build(cfg, device):
+    def build(cfg, device, *extra):
         seen["references"] = target._references
-        return real_build(cfg, device)
+        return real_build(cfg, device, *extra)
 
     def sampler(*args, **kwargs):
         seen["cuda_graphs"] = kwargs.get("cuda_graphs")
@@ -314,7 +314,7 @@ def test_a_failure_inside_triton_or_graph_capture_names_the_way_around(tmp_path,
     assert fallback.way_around(raised_in(str(tmp_path / "recipe.py"))) is None
     assert fallback.way_around(raised_in(triton_dir + "_not_it/jit.py")) is None  # a sibling folder is not triton's
 
-    def fails(cfg, device):
+    def fails(cfg, device, *extra):
         raise raised_in(os.path.join(triton_dir, "compiler", "compiler.py"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(trainer, "build", fails)
