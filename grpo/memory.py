@@ -160,11 +160,9 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
     decode_copy = L * (n["linear"] * mm + (n["block"] - n["linear"]) * c) + n["root"] * c
     gathered = c * n["total"] if fsdp else 0                      # FSDP's unsharded compute-dtype weights
     kv_bytes = c                                                  # the cache takes the sampler weights' dtype
-    token_kv = 2 * L * args.n_kv_heads * args.head_dim * kv_bytes  # k and v, every layer
 
     def sampling(rows: int, length: int) -> list:
-        S = -(-length // 64) * 64                                  # the sampler rounds a row up to 64 positions
-        slot = S * token_kv
+        S, slot = slot_bytes(args, length, kv_bytes)
         if gpu:  # the sampler's default budget: half of what is free when build() makes it (no AdamW state yet)
             loaded = sum(b for name, b, _ in state + fixed if not name.startswith("AdamW"))
             budget = int(cfg.kv_budget_gb * GIB) or (memory - loaded - gathered) // 2
@@ -215,12 +213,21 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
     return Plan(phases, memory, W, device, notes)
 
 
+def slot_bytes(args, length: int, c: int) -> tuple[int, int]:
+    """(positions, bytes) of one sampler row of `length` tokens: rounded up to 64 positions as the sampler
+    sizes it (Sampler._start), k and v of every layer at c bytes (KVCache.slot_bytes)."""
+    import torch
+    from grpo.kv_cache import KVCache
+    S = -(-length // 64) * 64
+    return S, KVCache.slot_bytes(args, S, torch.bfloat16 if c == 2 else torch.float32)
+
+
 def frozen_copy_terms(args, c: int, slots: int, length: int, budget: int) -> list:
     """A second model a recipe holds through the run with its own sampler (ProcessGRPO's frozen copy), as
     memory_plan's `extra`: its weights and decode copy at c bytes, and its KV cache of `slots` rows of
     `length` positions within `budget` bytes."""
     n = counts(args)["total"]
-    slot = -(-length // 64) * 64 * 2 * args.n_layers * args.n_kv_heads * args.head_dim * c
+    _, slot = slot_bytes(args, length, c)
     kv = max(1, min(slots, budget // slot)) * slot
     return [("frozen copy's weights", c * n, f"{c} x parameters"),
             ("frozen copy's decode copy", c * n, f"{c} x parameters"),

@@ -15,6 +15,7 @@ import torch
 from grpo.config import Config
 from grpo.memory import memory_plan
 from grpo.model import Transformer
+from grpo.preflight import peak_bytes, reset_peak
 from grpo.sampler import Sampler, SamplingParams
 
 SMALL = dict(model_type="llama", vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
@@ -62,10 +63,9 @@ def main(phase: str, which: str, *sizes: int):
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     base = status("VmRSS:")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
+    reset_peak(torch.device("cpu"))  # VmHWM := VmRSS
     run()
-    measured = status("VmHWM:") - base
+    measured = peak_bytes(torch.device("cpu")) - base
     plan = memory_plan(model.args, cfg, 1, "cpu", 64)
     planned = {name: b for name, b, _ in plan.phases["update" if phase == "update" else "rollouts"]}
     print(json.dumps({"measured": measured, "planned": sum(planned[t] for t in terms)}))
