@@ -47,6 +47,10 @@ What is covered (on Linux, where `unshare` may make namespaces; the start line s
   readahead, mincore, cachestat; preadv2's RWF_NOWAIT is outside the list), inotify, fanotify, and
   fcntl's leases (which stall another process's open of the file) and dnotify. Sockets of AF_UNIX only;
   other arches' and x32 syscalls are refused.
+- A cgroup per call where the trainer may make one (grpo.envs.cgroups: v1's memory and pids hierarchies
+  writable, or a delegated v2 cgroup): memory_mb in all (every process, tmpfs page, memfd and shared
+  memory of the call; no swap) and RLIMIT_NPROC + 1 processes, the worker joining it before anything
+  runs; the start line says whether it was made, and why not (not a missing layer).
 - rlimits, every one the code could use set rather than inherited (never raised past the trainer's):
   CPU seconds (timeout + 1), address space (memory_mb), file size 16 MiB (output included), 64 open
   files, 64 processes, no core files, no locked memory, real-time priority, raised niceness or POSIX
@@ -62,16 +66,17 @@ What is not covered:
 - Reads: the code can read whatever its user may (world-readable files, the repository). It cannot
   send them anywhere, but it can print them into its observation. A unix socket file outside the
   covered folders stays connectable (read-only mounts do not stop that) if its user may write it.
-- Memory is limited per process (address space), not in total: there is no cgroup per call, so 64
+- Without a cgroup per call, memory is limited per process (address space), not in total: 64
   processes, the tmpfs (64 + 3 x 16 MiB, each folder covered), memfds (16 MiB each) and 16 MiB of SysV
   shared memory of one call can use about 64 x memory_mb while it runs. All of it is freed when the call
-  ends (its processes, mounts and IPC die with it). CPU is limited per process too (timeout + 1 s each).
+  ends (its processes, mounts and IPC die with it). CPU is limited per process (timeout + 1 s each), with
+  a cgroup or without: the call's CPU share is not (a busy call slows the others on the same cores).
 - State the kernel still shares: fcntl's record locks (sqlite3 needs them): a read lock on a host file
   it can read holds off another process's write lock on that file (not its writes). The page cache by
   timing: a read that is fast was cached (by another call, or the trainer). Two trainers in two
   containers on one kernel claim their uid blocks apart only through a folder both see
   (GRPO_SANDBOX_UID_LOCKS); otherwise by chance (a random block of ~36,000). What would close these: a
-  cgroup per call, a VM.
+  VM, or a filesystem per call.
 - The kernel: namespaces and a seccomp filter are not a VM; a kernel bug in what stays allowed is an
   escape.
 - Without seccomp: other socket families and the calls above are open, and a uid's user keyring can
@@ -122,6 +127,7 @@ LIMITS = {"RLIMIT_FSIZE": 16 << 20, "RLIMIT_NOFILE": 64, "RLIMIT_NPROC": 64, "RL
 # address-space limit), 16 message queues of 64 KiB, a few semaphores
 IPC_LIMITS = {"shmmax": 16 << 20, "shmall": 4096, "shmmni": 16, "shm_rmid_forced": 1, "msgmni": 16,
               "msgmnb": 64 << 10, "msgmax": 8192, "sem": "32 1024 32 32"}
+CGROUP_PIDS = LIMITS["RLIMIT_NPROC"] + 1  # a call's cgroup: its processes (threads count) and its worker
 GRACE = 5.0  # s past the timeout before the trainer kills a worker whose init did not answer
 READY_TIMEOUT = 60.0  # s a call waits for a ready worker (one starts in well under 1 s) before an error
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
@@ -129,6 +135,8 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4
 LOCKED = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024, "nodiratime": 2048,
           "relatime": 1 << 21, "strictatime": 1 << 24}
 _libc = ctypes.CDLL(None, use_errno=True)
+if __name__ != "__main__":  # the trainer's side only: a worker runs this file as a script, without the package
+    from grpo.envs import cgroups
 
 
 def namespaces() -> tuple[list[str] | None, str]:
@@ -165,6 +173,9 @@ class Sandbox:
             threading.Lock()
         self._exiting, self._uids = [], collections.deque()
         self._claim, self._next_uid = _claim_uids()
+        roots, no_cgroup = cgroups.where()
+        self._cgroups, no_cgroup = cgroups.make_pool(roots) if roots else ({}, no_cgroup)
+        self._memory = memory_mb << 20
         self._last_uid = self._next_uid + UID_BLOCK - 1
         self._argv = [*(self.prefix or []), sys.executable, "-I", os.path.abspath(__file__), json.dumps(cfg)]
         self._ready = queue.Queue()
@@ -179,7 +190,9 @@ class Sandbox:
             raise RuntimeError(f"grpo.envs.sandbox: isolation layers missing here: {'; '.join(missing)}; "
                                "pass allow_missing=True or set GRPO_SANDBOX_ALLOW_MISSING=1 to run code "
                                "without them")
-        self.isolation = (f"{report}; rlimits: cpu timeout+1 s, address space {memory_mb} MiB, file size "
+        cgroup = (f"a cgroup per call (v{next(iter(self._cgroups.values()))[1]}): {memory_mb} MiB in all, no "
+                  f"swap, {CGROUP_PIDS} processes" if self._cgroups else f"no cgroup per call ({no_cgroup})")
+        self.isolation = (f"{report}; {cgroup}; rlimits: cpu timeout+1 s, address space {memory_mb} MiB, file size "
                           f"{LIMITS['RLIMIT_FSIZE'] >> 20} MiB, {LIMITS['RLIMIT_NOFILE']} files, "
                           f"{LIMITS['RLIMIT_NPROC']} processes, {LIMITS['RLIMIT_STACK'] >> 20} MiB stack, "
                           f"{LIMITS['RLIMIT_SIGPENDING']} pending signals, no memlock, rtprio, nice or "
@@ -209,13 +222,18 @@ class Sandbox:
             if not self._uids:
                 raise RuntimeError(f"all {UID_BLOCK} uids of this pool are in use")
             uid = self._uids.popleft()
+        folders = []
         try:
-            w = subprocess.Popen([*self._argv, str(uid)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, env=ENV, cwd="/", start_new_session=True)
+            if self._cgroups:
+                folders = cgroups.make_call(self._cgroups, f"call-{uid}", self._memory, CGROUP_PIDS)
+            w = subprocess.Popen([*self._argv, str(uid), json.dumps(folders)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, cwd="/",
+                                 start_new_session=True)
         except BaseException:
             self._uids.append(uid)
+            cgroups.remove(folders)
             raise
-        w.uid = uid
+        w.uid, w.cgroups = uid, folders
         return w
 
     def _refill(self, attempt: int = 0) -> None:
@@ -257,6 +275,7 @@ class Sandbox:
             for x in [x for x in self._exiting if x.poll() is not None]:
                 x.stdout.close()
                 self._exiting.remove(x)
+                cgroups.remove(x.cgroups)  # before its uid comes back: the next worker of that uid makes it anew
                 self._uids.append(x.uid)
 
     def _call(self, code: str, timeout: float) -> tuple[str, str, list[str]]:
@@ -291,6 +310,9 @@ class Sandbox:
                 os.killpg(w.pid, signal.SIGKILL)
             w.wait()
             w.stdout.close()
+            cgroups.remove(w.cgroups, wait=1.0)
+        cgroups.remove(self._cgroups, wait=1.0)
+        self._cgroups = {}
 
     def __enter__(self):
         return self
@@ -631,15 +653,22 @@ def _seccomp() -> str:
     return _install(_seccomp_filter())
 
 
-def _worker(cfg: dict, uid: int) -> None:
+def _worker(cfg: dict, uid: int, cgroups: list[str]) -> None:
     _libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the code may not ptrace this init
+    missing = []
+    for folder in cgroups:  # first: everything this worker starts from here on is inside the call's cgroup
+        try:
+            with open(os.path.join(folder, "cgroup.procs"), "w") as f:
+                f.write("0")  # 0: the writer itself
+        except OSError as e:
+            missing.append(f"the call's cgroup ({e.strerror}: {folder})")
     oom = ""
     try:  # the first the OOM killer takes: a call, never the trainer (children inherit it; raising is free)
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")
     except OSError as e:
         oom = f"oom_score_adj 1000 ({e.strerror})"
-    missing = [oom] if oom else []
+    missing += [oom] if oom else []
     isolated = os.getpid() == 1
     ipc = _ipc_limits() if isolated else ""  # before /proc is remounted read-only
     report, lost = _private_view(cfg["hide"], cfg["keep"]) if isolated else ("no namespaces", [])
@@ -771,4 +800,4 @@ def _child(code: str, limits: dict, out: int, err: int, work: str, uid: int | No
 
 
 if __name__ == "__main__":
-    _worker(json.loads(sys.argv[1]), int(sys.argv[2]))
+    _worker(json.loads(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]))
