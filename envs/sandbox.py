@@ -48,9 +48,13 @@ What is covered (on Linux, where `unshare` may make namespaces; the start line s
   fcntl's leases (which stall another process's open of the file) and dnotify. Sockets of AF_UNIX only;
   other arches' and x32 syscalls are refused.
 - A cgroup per call where the trainer may make one (grpo.envs.cgroups: v1's memory and pids hierarchies
-  writable, or a delegated v2 cgroup): memory_mb in all (every process, tmpfs page, memfd and shared
-  memory of the call; no swap) and RLIMIT_NPROC + 1 processes, the worker joining it before anything
-  runs; the start line says whether it was made, and why not (not a missing layer).
+  writable, or a v2 cgroup delegated to the trainer's user): memory_mb + 64 MiB in all (every process,
+  tmpfs page, memfd and shared memory of the call, the worker's interpreter; no swap where the kernel
+  accounts it) and RLIMIT_NPROC + 1 processes. The worker's launcher joins it before it execs unshare, so
+  the call's cgroup namespace is rooted there: the code cannot leave it. Memory past the limit is the
+  cgroup's OOM kill ("[crashed: SIGKILL (killed)]"). The start line says whether it was made, and why not
+  (not a missing layer: most unprivileged machines cannot make one; a worker that cannot join it never
+  starts). Not made where the code would run as the trainer's own user without namespaces.
 - rlimits, every one the code could use set rather than inherited (never raised past the trainer's):
   CPU seconds (timeout + 1), address space (memory_mb), file size 16 MiB (output included), 64 open
   files, 64 processes, no core files, no locked memory, real-time priority, raised niceness or POSIX
@@ -128,6 +132,9 @@ LIMITS = {"RLIMIT_FSIZE": 16 << 20, "RLIMIT_NOFILE": 64, "RLIMIT_NPROC": 64, "RL
 IPC_LIMITS = {"shmmax": 16 << 20, "shmall": 4096, "shmmni": 16, "shm_rmid_forced": 1, "msgmni": 16,
               "msgmnb": 64 << 10, "msgmax": 8192, "sem": "32 1024 32 32"}
 CGROUP_PIDS = LIMITS["RLIMIT_NPROC"] + 1  # a call's cgroup: its processes (threads count) and its worker
+# a call's cgroup holds memory_mb and this much more: the worker's own interpreter, and room for one process
+# at its address-space limit to get MemoryError rather than the cgroup's OOM kill
+CGROUP_HEADROOM_MB = 64
 GRACE = 5.0  # s past the timeout before the trainer kills a worker whose init did not answer
 READY_TIMEOUT = 60.0  # s a call waits for a ready worker (one starts in well under 1 s) before an error
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
@@ -171,17 +178,24 @@ class Sandbox:
                "userns": "--user" in (self.prefix or [])}
         self.max_output, self.ready_timeout, self._closed, self._lock = max_output, ready_timeout, False, \
             threading.Lock()
-        self._exiting, self._uids = [], collections.deque()
+        self._exiting, self._uids, self._busy, self._spawned = [], collections.deque(), [], 0
         self._claim, self._next_uid = _claim_uids()
-        roots, no_cgroup = cgroups.where()
-        self._cgroups, no_cgroup = cgroups.make_pool(roots) if roots else ({}, no_cgroup)
-        self._memory = memory_mb << 20
         self._last_uid = self._next_uid + UID_BLOCK - 1
+        if self.prefix is None and os.geteuid() != 0:  # the code would run as the user that owns the folders
+            self._cgroups, cgroup = {}, "the code would run as this user, without namespaces: it could lift them"
+        else:
+            roots, cgroup = cgroups.where()
+            self._cgroups, cgroup = cgroups.make_pool(roots) if roots else ({}, cgroup)
+        self._memory = (memory_mb + CGROUP_HEADROOM_MB) << 20
         self._argv = [*(self.prefix or []), sys.executable, "-I", os.path.abspath(__file__), json.dumps(cfg)]
         self._ready = queue.Queue()
-        for _ in range(workers):
-            self._ready.put(self._spawn())
-        text, report, missing = self._call("print('ok')", 10.0)  # the first call: proves the workers work
+        try:
+            for _ in range(workers):
+                self._ready.put(self._spawn())
+            text, report, missing = self._call("print('ok')", 10.0)  # the first call: proves the workers work
+        except BaseException:
+            self.close()
+            raise
         if text != "ok\n":
             self.close()
             raise RuntimeError(f"grpo.envs.sandbox: a worker failed at start: {text!r}")
@@ -190,8 +204,8 @@ class Sandbox:
             raise RuntimeError(f"grpo.envs.sandbox: isolation layers missing here: {'; '.join(missing)}; "
                                "pass allow_missing=True or set GRPO_SANDBOX_ALLOW_MISSING=1 to run code "
                                "without them")
-        cgroup = (f"a cgroup per call (v{next(iter(self._cgroups.values()))[1]}): {memory_mb} MiB in all, no "
-                  f"swap, {CGROUP_PIDS} processes" if self._cgroups else f"no cgroup per call ({no_cgroup})")
+        cgroup = (f"a cgroup per call ({cgroup}): {memory_mb} + {CGROUP_HEADROOM_MB} MiB in all, {CGROUP_PIDS} "
+                  "processes" if self._cgroups else f"no cgroup per call ({cgroup})")
         self.isolation = (f"{report}; {cgroup}; rlimits: cpu timeout+1 s, address space {memory_mb} MiB, file size "
                           f"{LIMITS['RLIMIT_FSIZE'] >> 20} MiB, {LIMITS['RLIMIT_NOFILE']} files, "
                           f"{LIMITS['RLIMIT_NPROC']} processes, {LIMITS['RLIMIT_STACK'] >> 20} MiB stack, "
@@ -222,11 +236,17 @@ class Sandbox:
             if not self._uids:
                 raise RuntimeError(f"all {UID_BLOCK} uids of this pool are in use")
             uid = self._uids.popleft()
+            self._spawned += 1
+            name = f"call-{uid}-{self._spawned}"  # never reused: a killed worker's stays busy a few ms
         folders = []
         try:
+            if self._closed:
+                raise RuntimeError("the sandbox is closed")
             if self._cgroups:
-                folders = cgroups.make_call(self._cgroups, f"call-{uid}", self._memory, CGROUP_PIDS)
-            w = subprocess.Popen([*self._argv, str(uid), json.dumps(folders)], stdin=subprocess.PIPE,
+                folders = cgroups.make_call(self._cgroups, name, self._memory, CGROUP_PIDS)
+            # the launcher joins the call's cgroup, then execs unshare: the worker, the code and the root of
+            # the call's cgroup namespace are inside it
+            w = subprocess.Popen([*cgroups.join_argv(folders), *self._argv, str(uid)], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, cwd="/",
                                  start_new_session=True)
         except BaseException:
@@ -275,8 +295,9 @@ class Sandbox:
             for x in [x for x in self._exiting if x.poll() is not None]:
                 x.stdout.close()
                 self._exiting.remove(x)
-                cgroups.remove(x.cgroups)  # before its uid comes back: the next worker of that uid makes it anew
+                self._busy += x.cgroups  # a killed worker's pid namespace dies a few ms after unshare
                 self._uids.append(x.uid)
+            self._busy = cgroups.remove(self._busy)
 
     def _call(self, code: str, timeout: float) -> tuple[str, str, list[str]]:
         w, raw = self._take(), None
@@ -310,9 +331,9 @@ class Sandbox:
                 os.killpg(w.pid, signal.SIGKILL)
             w.wait()
             w.stdout.close()
-            cgroups.remove(w.cgroups, wait=1.0)
-        cgroups.remove(self._cgroups, wait=1.0)
-        self._cgroups = {}
+            self._busy += w.cgroups
+        cgroups.remove(self._busy, wait=1.0)
+        cgroups.remove(self._cgroups, wait=1.0)  # what is still busy after 1 s: the next pool's sweep
 
     def __enter__(self):
         return self
@@ -394,9 +415,10 @@ def _read(fd: int, deadline: float, limit: int) -> bytes | None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The worker: `python -I sandbox.py CFG UID`, pid 1 of its namespaces. It sets up the view of the files
-# and the seccomp filter, reads one job from stdin, forks the child that runs it as UID, waits, and
-# prints one JSON result: the answer, what isolation it made, and which layers it could not make.
+# The worker: `python -I sandbox.py CFG UID`, started by unshare (after the launcher that joins its cgroup),
+# pid 1 of its namespaces. It sets up the view of the files and the seccomp filter, reads one job from
+# stdin, forks the child that runs it as UID, waits, and prints one JSON result: the answer, what
+# isolation it made, and which layers it could not make.
 
 def _mount(source, target: str, fstype, flags: int, data: str | None = None) -> bool:
     enc = lambda s: None if s is None else os.fsencode(s)  # noqa: E731  (a path's bytes, as the kernel has them)
@@ -653,22 +675,15 @@ def _seccomp() -> str:
     return _install(_seccomp_filter())
 
 
-def _worker(cfg: dict, uid: int, cgroups: list[str]) -> None:
+def _worker(cfg: dict, uid: int) -> None:
     _libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the code may not ptrace this init
-    missing = []
-    for folder in cgroups:  # first: everything this worker starts from here on is inside the call's cgroup
-        try:
-            with open(os.path.join(folder, "cgroup.procs"), "w") as f:
-                f.write("0")  # 0: the writer itself
-        except OSError as e:
-            missing.append(f"the call's cgroup ({e.strerror}: {folder})")
     oom = ""
     try:  # the first the OOM killer takes: a call, never the trainer (children inherit it; raising is free)
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")
     except OSError as e:
         oom = f"oom_score_adj 1000 ({e.strerror})"
-    missing += [oom] if oom else []
+    missing = [oom] if oom else []
     isolated = os.getpid() == 1
     ipc = _ipc_limits() if isolated else ""  # before /proc is remounted read-only
     report, lost = _private_view(cfg["hide"], cfg["keep"]) if isolated else ("no namespaces", [])
@@ -800,4 +815,4 @@ def _child(code: str, limits: dict, out: int, err: int, work: str, uid: int | No
 
 
 if __name__ == "__main__":
-    _worker(json.loads(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]))
+    _worker(json.loads(sys.argv[1]), int(sys.argv[2]))

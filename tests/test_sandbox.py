@@ -740,58 +740,67 @@ CGROUPS, NO_CGROUPS = cgroups.where()
 @pytest.mark.skipif(not CGROUPS, reason=f"no cgroup per call here: {NO_CGROUPS}")
 def test_a_cgroup_bounds_the_whole_call():
     """Four processes of 150 MiB each fit the address-space limit (256 MiB a process) but not the call's
-    cgroup (256 MiB in all): the kernel kills some. Without the cgroup all four finish (exit 0)."""
+    cgroup (256 + 64 MiB in all): the kernel kills some. Without the cgroup all four finish (exit 0). The
+    code sees its cgroup as the root of its namespace; a timed-out call's folder goes with the pool."""
     code = ("import os, time\npids = []\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
             "        b = bytearray(150 << 20)\n        b[::4096] = b'x' * len(b[::4096])\n"
             "        time.sleep(1)\n        os._exit(0)\n    pids.append(pid)\n"
             "print(sorted(os.waitpid(p, 0)[1] for p in pids))\n"
-            "print([l.split(':')[2] for l in open('/proc/self/cgroup') if 'memory' in l or l[0] == '0'])")
+            "print(sorted({l.strip().split(':')[2] for l in open('/proc/self/cgroup') if 'memory' in l or 'pids' in l}))")
     with Sandbox(workers=1, memory_mb=256, allow_network=NS is None, allow_missing=not SECCOMP) as box:
-        assert "a cgroup per call" in box.isolation and "256 MiB in all" in box.isolation, box.isolation
+        assert "a cgroup per call" in box.isolation and "256 + 64 MiB in all" in box.isolation, box.isolation
         w = box._ready.queue[0]
-        limits = {"memory.limit_in_bytes": 256 << 20, "memory.max": 256 << 20, "pids.max": 65}
+        limits = {"memory.limit_in_bytes": 320 << 20, "memory.max": 320 << 20, "pids.max": 65}
         for folder in w.cgroups:  # the trainer's view: the limits written, the worker inside
             for name, value in limits.items():
                 if os.path.exists(os.path.join(folder, name)):
                     assert int(open(os.path.join(folder, name)).read()) == value, (folder, name)
-            deadline = time.monotonic() + 10  # the worker writes itself in as it starts
+            deadline = time.monotonic() + 10  # the launcher writes itself in as it starts
             while not open(os.path.join(folder, "cgroup.procs")).read().split():
                 assert time.monotonic() < deadline, f"the worker never joined {folder}"
                 time.sleep(0.05)
-        statuses, where = box.run(code, timeout=30).splitlines()[:2]
-        assert signal.SIGKILL in eval(statuses), statuses  # the cgroup's OOM killer took some
-        assert "call-" in where, where  # the code's own view: its cgroup is the call's
-        folders = [os.path.dirname(f) for f in w.cgroups]
-    assert not any(os.path.exists(f) for f in folders), folders  # the pool's folders go with it
+        lines = box.run(code, timeout=30).splitlines()
+        assert signal.SIGKILL in eval(lines[0]), lines  # the cgroup's OOM killer took some
+        assert lines[1] == "['/']", lines  # the call's cgroup namespace is rooted at its own cgroup
+        assert box.run("import time\ntime.sleep(5)", timeout=0.5).startswith("[timed out")
+        pools = {os.path.dirname(f) for f in w.cgroups}
+    assert not any(os.path.exists(p) for p in pools), pools  # its calls' folders, killed ones too, and the pool
 
 
 def test_cgroup_folders_found_and_written(tmp_path):
-    """where() on faked /proc files: v1 where memory and pids are mounted, else a delegated v2; the
-    limits written to the files of that version (a faked cgroupfs is plain folders: no kernel here)."""
+    """where() on faked /proc files: v1 where memory and pids are mounted, else a v2 parent that hands them
+    down; the limits written to that version's files (a faked cgroupfs is plain folders: no kernel)."""
     proc, fs = tmp_path / "proc", tmp_path / "fs"
     proc.mkdir()
-    (fs / "v2" / "user.slice" / "job").mkdir(parents=True)
-    (fs / "v2" / "user.slice" / "job" / "cgroup.controllers").write_text("cpu memory pids\n")
+    job = fs / "v2" / "user.slice" / "job"
+    job.mkdir(parents=True)
+    (job / "cgroup.controllers").write_text("cpu memory pids\n")
+    (job.parent / "cgroup.procs").write_text("")
     (proc / "cgroup").write_text("0::/user.slice/job\n")
-    (proc / "mountinfo").write_text(f"30 25 0:26 / {fs}/v2 rw - cgroup2 cgroup2 rw\n")
+    (proc / "mountinfo").write_text(f"30 25 0:26 / {fs}/v2 rw shared:9 - cgroup2 cgroup2 rw,nsdelegate\n")
     roots, why = cgroups.where(str(proc))
-    assert roots == {"memory": (f"{fs}/v2/user.slice/job", 2), "pids": (f"{fs}/v2/user.slice/job", 2)}, why
-    pool, why = cgroups.make_pool(roots)
-    call = cgroups.make_call(pool, "call-7", 256 << 20, 65)
-    assert len(call) == 1 and open(f"{call[0]}/memory.max").read() == str(256 << 20), why
+    assert roots == {"memory": (str(job.parent), 2), "pids": (str(job.parent), 2)}, why  # beside the trainer's
+    pool, words = cgroups.make_pool(roots)
+    assert open(f"{pool['memory'][0]}/cgroup.subtree_control").read() == "+memory +pids"
+    assert words == "v2, swap not limited (not accounted here)"  # no memory.swap.max in the pool
+    call = cgroups.make_call(pool, "call-7-1", 320 << 20, 65)
+    assert len(call) == 1 and open(f"{call[0]}/memory.max").read() == str(320 << 20)
     assert open(f"{call[0]}/pids.max").read() == "65"
-    assert open(f"{fs}/v2/user.slice/job/cgroup.subtree_control").read() == "+memory +pids"
-    (fs / "v2" / "user.slice" / "job" / "cgroup.controllers").write_text("cpu io\n")
-    assert cgroups.where(str(proc)) == ({}, f"cgroup v2 at {fs}/v2/user.slice/job is not given the "
-                                            "memory and pids controllers (cpu io)")
+    assert cgroups.join_argv(call) == ["/bin/sh", "-c", cgroups.JOIN, "sh", call[0], "--"]
+    (job / "cgroup.controllers").write_text("cpu io\n")
+    assert cgroups.where(str(proc)) == ({}, f"cgroup v2: {job.parent} does not hand memory and pids down (cpu io)")
+    (proc / "cgroup").write_text("0::/\n")
+    assert "at its namespace's root" in cgroups.where(str(proc))[1]
     (fs / "memory" / "abc").mkdir(parents=True)  # v1; memory's mount is of /docker (a container's view)
     (fs / "pids" / "docker" / "abc").mkdir(parents=True)
     (proc / "cgroup").write_text("4:memory:/docker/abc\n8:pids:/docker/abc\n0::/\n")
     (proc / "mountinfo").write_text(f"31 25 0:27 /docker {fs}/memory rw - cgroup cgroup rw,memory\n"
-                                    f"32 25 0:28 / {fs}/pids rw - cgroup cgroup rw,pids\n")
+                                    f"32 25 0:28 / {fs}/pids rw - cgroup  rw,pids\n")  # an empty source field
     roots, why = cgroups.where(str(proc))
     assert roots == {"memory": (f"{fs}/memory/abc", 1), "pids": (f"{fs}/pids/docker/abc", 1)}, why
-    pool, why = cgroups.make_pool(roots)
-    call = cgroups.make_call(pool, "call-8", 128 << 20, 65)
+    pool, words = cgroups.make_pool(roots)
+    call = cgroups.make_call(pool, "call-8-2", 128 << 20, 65)
     assert [open(f"{d}/{f}").read() for d, f in zip(call, ["memory.limit_in_bytes", "pids.max"])] == \
         [str(128 << 20), "65"]
+    (proc / "mountinfo").write_bytes(b"31 25 0:27 /\xff /x rw - cgroup cgroup rw,memory\n")  # not UTF-8
+    assert cgroups.where(str(proc))[0] == {}
