@@ -1,4 +1,4 @@
-"""Benchmark without a GPU: every Triton kernel compiled for the GPUs the recipes have profiles
+"""Benchmark without a GPU: every Triton kernel compiled for the GPUs the recipes are planned
 for, and the kernels one decode step launches, counted from the code path.
 
     python bench/compile_kernels.py                  # sm_80 A100, sm_89 RTX 6000 Ada, sm_90 H100/H200, sm_100 B200

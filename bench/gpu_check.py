@@ -70,7 +70,7 @@ import step as bench_step  # noqa: E402
 
 from grpo import dist  # noqa: E402
 from grpo import model as model_module  # noqa: E402
-from grpo.config import Config, pick_profile  # noqa: E402
+from grpo.config import Config  # noqa: E402
 from grpo.kernels import linear_logprobs  # noqa: E402
 from grpo.kernels.reference import entropy_ref, linear_logprobs_ref  # noqa: E402
 from grpo.loss import LossOptions, group_advantages, policy_loss  # noqa: E402
@@ -429,7 +429,7 @@ def decode_figures(name: str, device, sizes: dict) -> list[dict]:
 
 def rollout_figures(name: str, device, sizes: dict) -> list[dict]:
     """The calculator 0.5B recipe's rollout on one rank, without its tokenizer: G 8 rows of one
-    prompt in the profile's 256 slots, up to 4 assistant turns and 500 tokens, T 0.9. A turn ends
+    prompt in 256 slots (a large GPU's gen_batch), up to 4 assistant turns and 500 tokens, T 0.9. A turn ends
     at any of V / 100 random tool-stop tokens (random weights sample nearly uniformly: turns of
     ~100 tokens, geometric), and each tool call is answered by 25 tokens. Reported: the call's
     time with graphs warm (a first call captures them), and per decode step the rows decoding, the
@@ -481,10 +481,9 @@ def kernels_per_step(sampler, B: int, plen: int) -> int:
 
 def step_figures(name: str, device, sizes: dict) -> list[dict]:
     B, G, plen, new = sizes["step"][name]
-    profile = {k: v for k, v in pick_profile().items() if k != "dtype"}
-    if name == "qwen2.5-3b":  # the profiles' micro-batches fit a ~0.5B model's activations, not a 3B's
-        profile["gradient_checkpointing"] = True
-    r = bench_step.bench(name, build(name, device), B, G, plen, new, device, 1, profile)
+    model = build(name, device)
+    profile = bench_step.sizes_on_this_gpu(model.args, B, G, plen, new, device)  # as a run sizes itself here
+    r = bench_step.bench(name, model, B, G, plen, new, device, 1, profile)
     note = f"{B} x {G} rows, {plen} + {new} tokens, step {r['step_s']:.2f} s"
     return [goal("figures", name, "generation share of a GRPO step", r["gen_share"], f"{r['gen_share']:.0%}",
                  r["gen_share"] < 0.5, "< 50%", note, step=r),

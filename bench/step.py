@@ -6,7 +6,7 @@ on the sampler), old log-probs (update.batch_logprobs, the mu > 1 pass) and the 
     python bench/step.py --quick        # CPU: 2 prompts x G=2, prompt 64, 16 new tokens
     python bench/step.py --gpu          # CUDA: random Qwen2.5-0.5B shape, bf16 compute on fp32 master
                                         # weights (FSDP2 on one GPU, as the trainer), 16 prompts x G=8,
-                                        # prompt 256, 512 new tokens; the GPU profile's micro-batches
+                                        # prompt 256, 512 new tokens; sizes from the memory plan there
     python bench/step.py --gpu --quick  # CUDA: 4 prompts x G=4, prompt 128, 128 new tokens
 
 Every row samples exactly `new` tokens (no stop ids), so the phases see fixed shapes. Update
@@ -24,7 +24,8 @@ import time
 import torch
 
 from grpo import dist
-from grpo.config import Config, pick_profile
+from grpo.config import Config
+from grpo.memory import size
 from grpo.model import Transformer
 from grpo.rollout import rollout
 from grpo.sampler import Sampler, SamplingParams
@@ -162,7 +163,7 @@ def cpu_rows(quick: bool, repeat: int) -> list[dict]:
     from grpo.smollm2 import local_path
     B, G, plen, new = (2, 2, 64, 16) if quick else (4, 4, 128, 64)
     model = Transformer.from_pretrained(local_path(), dtype=torch.float32)
-    return [bench("smollm2-135m fp32", model, B, G, plen, new, torch.device("cpu"), repeat, dict(pick_profile("cpu")))]
+    return [bench("smollm2-135m fp32", model, B, G, plen, new, torch.device("cpu"), repeat, {"dtype": "float32"})]
 
 
 def gpu_rows(quick: bool, repeat: int) -> list[dict]:
@@ -174,8 +175,18 @@ def gpu_rows(quick: bool, repeat: int) -> list[dict]:
     torch.manual_seed(0)
     with torch.device(device):
         model = Transformer(config)  # random weights, fp32 master copy as in the trainer
-    profile = {k: v for k, v in pick_profile().items() if k != "dtype"}
+    profile = sizes_on_this_gpu(model.args, B, G, plen, new, device)
     return [bench("qwen2.5-0.5b-shape bf16", model, B, G, plen, new, device, repeat, profile)]
+
+
+def sizes_on_this_gpu(args, B: int, G: int, plen: int, new: int, device) -> dict:
+    """gen_batch, kv_budget_gb, micro_batch_tokens and gradient checkpointing as a run of these shapes would
+    size them on this GPU (grpo.memory.size: the memory plan, profile auto); Config's on a CPU."""
+    if device.type != "cuda":
+        return {}
+    shape = Config(prompts_per_step=B, num_generations=G, max_prompt_length=plen, max_completion_length=new,
+                   eval_limit=0)
+    return size(args, shape, 1, "cuda", None)
 
 
 def print_step_table(rows: list[dict]):

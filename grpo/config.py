@@ -1,8 +1,8 @@
-"""The trainer's one flat config, its command line, and per-GPU profiles.
+"""The trainer's one flat config, its command line, and the profile.
 
 A recipe subclasses `Config` with its own defaults and fields; precedence is
-    Config defaults < GPU profile < recipe defaults < --config YAML file < command line
-(the profile sizes what a recipe leaves at Config's default; it never overrides a forker's choice).
+    Config defaults < profile < recipe defaults < --config YAML file < command line
+(on a GPU the memory plan sizes, at start, what none of them set; it never overrides a forker's choice).
     python recipes/calculator_smollm2_cpu.py --num_generations=8 --learning_rate 1e-6
 Field names are TRL's GRPOConfig names where the idea is the same (num_generations,
 learning_rate, max_prompt_length, max_completion_length, max_steps, num_iterations = mu,
@@ -11,7 +11,7 @@ gradient_checkpointing, save_steps, save_total_limit, eval_steps, lr_scheduler_t
 difference of meaning: `prompts_per_step` counts prompts over all ranks, where TRL's
 per_device_train_batch_size counts completions per device (ours x G / ranks).
 A field's trailing comment is its description in `--help`. The command line (YAML, --help,
-one-line errors) and the GPU profiles sit beside the fields they read.
+one-line errors) and the profile sit beside the fields they read.
 """
 import dataclasses
 import difflib
@@ -55,7 +55,9 @@ class Config:
     autocast_bf16: str = "false"      # CPU, fp32 weights: bf16 matmuls in the blocks under torch.autocast;
                                       # auto = where a start-up measurement finds them faster (grpo.cpu)
     num_threads: int = 0              # CPU threads per rank; 0 = the cores this process may use, shared by its node's ranks
-    profile: str = "auto"             # GPU profile (PROFILES): sizes and budgets; auto = detect, none = off
+    profile: str = "auto"             # auto: on a GPU the memory plan sizes gen_batch, kv_budget_gb, micro_batch_tokens and
+                                      # gradient_checkpointing where nothing set them; on a CPU, fp32; a GPU's name
+                                      # (grpo.memory.GPU_MEMORY_GIB): sized for its memory; none: Config's values
     # ---- sampling
     temperature: float = 1.0          # sampling temperature of the rollouts (log-probs use it too)
     top_p: float = 1.0                # nucleus sampling; 1 = off
@@ -182,7 +184,8 @@ class Config:
              "overlong_buffer must be < max_completion_length")
         need(self.num_iterations >= 1 and self.micro_batch_tokens >= 1 and self.steps_per_generation >= 1,
              "num_iterations, steps_per_generation and micro_batch_tokens >= 1")
-        need(self.micro_batch_tokens >= self.max_prompt_length + self.max_completion_length,
+        sized = getattr(self, "profile_applied", {}).get("sized_by_plan", ())  # on a GPU, sized at start to hold one
+        need(self.micro_batch_tokens >= self.max_prompt_length + self.max_completion_length or "micro_batch_tokens" in sized,
              f"micro_batch_tokens={self.micro_batch_tokens} cannot hold one sequence of "
              f"{self.max_prompt_length}+{self.max_completion_length} tokens")
         need(self.gen_batch >= 1 and self.kv_budget_gb >= 0, "gen_batch >= 1 and kv_budget_gb >= 0")
@@ -346,7 +349,9 @@ def required_fields(cls) -> tuple:
 
 def print_help(cls):
     defaults, hints, text = cls(), typing.get_type_hints(cls), descriptions(cls)
-    profile, required = pick_profile(), required_fields(cls)
+    from grpo.memory import SIZED
+    profile = {k: "sized by the memory plan" for k in SIZED} if _cuda() else {"dtype": "float32"}
+    required = required_fields(cls)
     doc = cls.__doc__ or ""
     if doc.startswith(cls.__name__ + "("):  # dataclass's generated signature: the recipe's own text instead
         doc = (sys.modules[cls.__module__].__doc__ or "").strip().split("\n\n")[0]
@@ -368,7 +373,7 @@ def print_help(cls):
             if name in CHOICES:
                 line += f" {{{' | '.join(CHOICES[name])}}}"
             if name in profile:
-                line += f" [this machine's profile sets {profile[name]!r}]"
+                line += f" [profile auto here: {profile[name]}]"
             print(line + (f"\n      {text[name]}" if name in text else ""))
 
 
@@ -408,7 +413,7 @@ def parse_args(cls=Config, argv: list[str] | None = None):
         given[name] = _convert(name, text, hints[name]) if eq else True
     from_file = load_yaml(config_file, fields, hints) if config_file else {}
     cfg = cls()
-    apply_profile(cfg, given.get("profile", from_file.get("profile", cfg.profile)))
+    apply_profile(cfg, given.get("profile", from_file.get("profile", cfg.profile)), {*from_file, *given})
     for key, value in {**from_file, **given}.items():
         setattr(cfg, key, value)
     text = descriptions(cls)
@@ -441,63 +446,33 @@ def load_yaml(path: str, fields: set, hints: dict) -> dict:
     return {k: _convert(k, v, hints[k], label=f"--config {path}: key {k!r}") for k, v in data.items()}
 
 
-# ----------------------------------------------------------------------------- GPU profiles
+# ----------------------------------------------------------------------------- profiles
 
-# Per GPU: sampler slots, KV-cache budget and packed micro-batch size for a ~0.5-4B model in
-# bf16 with fp32 master weights under FSDP. Chosen from memory size; the recipes' own
-# batch shapes (prompts_per_step, num_generations) stay as the reference runs set them.
-PROFILES = {
-    "B200":     dict(gen_batch=256, kv_budget_gb=60, micro_batch_tokens=65536),
-    "H200":     dict(gen_batch=256, kv_budget_gb=50, micro_batch_tokens=49152),
-    "H100":     dict(gen_batch=256, kv_budget_gb=24, micro_batch_tokens=32768),
-    "A100-80":  dict(gen_batch=256, kv_budget_gb=24, micro_batch_tokens=32768),
-    "A100-40":  dict(gen_batch=128, kv_budget_gb=10, micro_batch_tokens=16384),
-    "RTX 6000 Ada": dict(gen_batch=128, kv_budget_gb=12, micro_batch_tokens=16384,
-                         gradient_checkpointing=True),
-    "L40S":     dict(gen_batch=128, kv_budget_gb=12, micro_batch_tokens=16384, gradient_checkpointing=True),
-    "L4":       dict(gen_batch=64, kv_budget_gb=5, micro_batch_tokens=8192, gradient_checkpointing=True),
-    "cpu":      dict(dtype="float32"),
-}
-
-
-def apply_profile(cfg: Config, name: str = "auto") -> dict:
-    """The GPU profile's settings onto cfg, under what the recipe chose: Config defaults < profile <
-    the recipe's own defaults (< YAML < command line, which parse_args applies after). A field the
-    recipe declares keeps its value, even when that is Config's default (a 0.5B recipe's
-    gradient_checkpointing False), and so does one set to a value of its own. Resolved once;
-    cfg.profile_applied records it (config.json: a Config built in Python without this records
-    that no profile was applied)."""
-    settings = {} if name == "none" else pick_profile(None if name == "auto" else name)
-    base, fields = Config(), {f.name for f in dataclasses.fields(cfg)}
+def apply_profile(cfg: Config, name: str = "auto", given=()) -> dict:
+    """Resolve the profile once, under what the recipe chose: Config defaults < profile < the recipe's own
+    defaults < YAML < command line (`given`: the fields those two set). On a GPU ("auto", or a GPU's name
+    in grpo.memory.GPU_MEMORY_GIB) it names the fields the memory plan sizes at start
+    (grpo.trainer.fit_to_memory): of grpo.memory.SIZED, those nobody set; a field the recipe declares is
+    its choice, even at Config's default. On a CPU it sets dtype float32. "none": Config's own values.
+    cfg.profile_applied records it (config.json: a Config built in Python records that none was applied).
+    -> the settings applied now."""
+    from grpo.memory import GPU_MEMORY_GIB, SIZED
+    if name not in ("auto", "none", "cpu", *GPU_MEMORY_GIB):
+        raise ValueError(f"unknown profile {name!r}: auto, none, cpu or a GPU ({', '.join(GPU_MEMORY_GIB)})")
+    cpu = name == "cpu" or name == "auto" and not _cuda()
+    settings = {"dtype": "float32"} if cpu else {}
+    base = Config()
     declared = {k for c in type(cfg).__mro__[:type(cfg).__mro__.index(Config)] for k in inspect.get_annotations(c)}
-    own = {k for k in settings if k in fields and (k in declared or getattr(cfg, k) != getattr(base, k))}
-    applied = {k: v for k, v in settings.items() if k in fields and k not in own}
+    own = {k for k in (*settings, *SIZED) if k in declared or getattr(cfg, k) != getattr(base, k)}
+    applied = {k: v for k, v in settings.items() if k not in own and k not in given}
     for key, value in applied.items():
         setattr(cfg, key, value)
-    resolved = next((k for k, v in PROFILES.items() if v == settings), None) if name == "auto" else name
-    cfg.profile_applied = {"name": name, "resolved": resolved, "settings": applied,
-                           "kept_from_the_recipe": {k: getattr(cfg, k) for k in sorted(own)}}
+    sized = [] if cpu or name == "none" else [k for k in SIZED if k not in own and k not in given]
+    cfg.profile_applied = {"name": name, "resolved": "cpu" if cpu else name, "settings": applied,
+                           "sized_by_plan": sized, "kept_from_the_recipe": {k: getattr(cfg, k) for k in sorted(own)}}
     return applied
 
 
-def pick_profile(name: str | None = None) -> dict:
-    """Settings for the GPU found (or the one named), or the CPU profile without CUDA."""
+def _cuda() -> bool:
     import torch
-    if name is None:
-        if not torch.cuda.is_available():
-            return dict(PROFILES["cpu"])
-        props = torch.cuda.get_device_properties(0)
-        gb = props.total_memory / 2**30
-        name = props.name
-        for key in ("B200", "H200", "H100", "RTX 6000 Ada", "L40S", "L4"):
-            if key in name:
-                return dict(PROFILES[key])
-        if "A100" in name:
-            return dict(PROFILES["A100-80" if gb > 50 else "A100-40"])
-        # unknown GPU: scale the smallest profile that fits its memory
-        key = "A100-80" if gb > 70 else "L40S" if gb > 40 else "L4"
-        print(f"pick_profile: unknown GPU {name!r} ({gb:.0f} GB), using the {key} profile")
-        return dict(PROFILES[key])
-    if name not in PROFILES:
-        raise ValueError(f"unknown profile {name!r}: one of {list(PROFILES)}")
-    return dict(PROFILES[name])
+    return torch.cuda.is_available()

@@ -42,7 +42,7 @@ KNOWN = {
                                                 tie_word_embeddings=True, rope_theta=1e5),
 }
 KNOWN["Qwen/Qwen3-4B"] = KNOWN["Qwen/Qwen3-4B-Instruct-2507"]
-# what each profiled GPU reports as its memory (nvidia-smi's total, GiB)
+# the GPUs a plan knows by name: what each reports as its memory (nvidia-smi's total, GiB)
 GPU_MEMORY_GIB = {"B200": 179.0, "H200": 140.4, "H100": 79.6, "A100-80": 80.0, "A100-40": 40.0,
                   "RTX 6000 Ada": 48.0, "L40S": 45.0, "L4": 22.5}
 CUDA_CONTEXT = 0.6 * GIB   # the CUDA context, cuBLAS's workspace and Triton's modules on each rank
@@ -248,6 +248,58 @@ def memory_of_cpu(ranks: int = 1) -> int:
             return next(int(line.split()[1]) << 10 for line in f if line.startswith("MemTotal:")) // ranks
     except (OSError, StopIteration):
         return (64 * GIB) // ranks
+
+
+# what a run sizes from the plan where the recipe, its YAML and its command line leave them (grpo.config's
+# profile "auto" on a GPU), and the values it tries, largest first
+SIZED = ("gen_batch", "kv_budget_gb", "micro_batch_tokens", "gradient_checkpointing")
+GEN_BATCHES = (256, 128, 64, 32, 16, 8)
+MICRO_BATCHES = (65536, 49152, 32768, 24576, 16384, 12288, 8192, 4096, 2048)
+FAST_MICRO_BATCH = 8192  # below it a GPU's update GEMMs run short of rows: checkpointing is the better trade
+
+
+def size(args, cfg, world: int, device: str, memory_gib: float | None, extra: list = (),
+         free=SIZED) -> dict:
+    """Values for the `free` fields of cfg (of SIZED) with which the plan fits, chosen in two steps:
+    - the sampler: the largest gen_batch (no more than a call's rows: the step's or an eval's per rank,
+      rounded up to a power of two) that leaves the update room for a FAST_MICRO_BATCH with checkpointing
+      (with keep_kv_cache the cache stays through the update), else any update; its KV budget what gen_batch rows of
+      training's longest sequence hold (so no GiB is held for nothing; an eval's longer rows, where its
+      completions are longer, take fewer slots of the same budget, at least one);
+    - the update: the largest micro-batch without gradient checkpointing, down to FAST_MICRO_BATCH tokens,
+      else the largest with it; never below the longest sequence (one must fit a micro-batch).
+    Where nothing fits, the smallest of each: the run's refusal then names what else would fit."""
+    free = [f for f in SIZED if f in free]
+    if not free:
+        return {}
+    longest = cfg.max_prompt_length + cfg.max_completion_length
+    eval_len = cfg.max_prompt_length + (getattr(cfg, "eval_max_completion_length", 0) or cfg.max_completion_length)
+    c = 2 if device == "cuda" or cfg.dtype == "bfloat16" else 4
+    slot, eval_slot = slot_bytes(args, longest, c)[1], slot_bytes(args, eval_len, c)[1]
+    rows = max(cfg.prompts_per_step * cfg.num_generations // world,
+               getattr(cfg, "eval_limit", 0) * max(1, getattr(cfg, "eval_n", 1)) // world, 1)
+    batches = [g for g in GEN_BATCHES if g < 2 * rows] or [GEN_BATCHES[-1]]
+    micro = [m for m in MICRO_BATCHES if m >= longest] or [-(-longest // 1024) * 1024]
+    updates = [(False, m) for m in micro if m >= FAST_MICRO_BATCH] + [(True, m) for m in micro]  # (checkpointing, tokens)
+    if "gen_batch" not in free:
+        batches = [cfg.gen_batch]
+    if "gradient_checkpointing" not in free:
+        updates = [(ckpt, m) for ckpt, m in updates if ckpt == cfg.gradient_checkpointing]
+    if "micro_batch_tokens" not in free:
+        updates = list(dict.fromkeys((ckpt, cfg.micro_batch_tokens) for ckpt, _ in updates))
+
+    def sized(g: int, update: tuple) -> dict:
+        kv = -(-max(g * slot, eval_slot) // (GIB // 4)) / 4  # GiB, rounded up to a quarter
+        values = dict(zip(SIZED, (g, kv, update[1], update[0])))
+        return {k: values[k] for k in free}
+
+    def fits(g: int, update: tuple) -> bool:
+        return memory_plan(args, dataclasses.replace(cfg, **sized(g, update)), world, device, memory_gib, extra).fits
+
+    floor = next((u for u in reversed(updates) if u[1] >= FAST_MICRO_BATCH), updates[-1])
+    g = next((g for g in batches if fits(g, floor)), None) or next(
+        (g for g in batches if fits(g, updates[-1])), batches[-1])
+    return sized(g, next((u for u in updates if fits(g, u)), updates[-1]))
 
 
 def what_fits(args, cfg, world: int, device: str, memory_gib: float | None, extra: list = ()) -> list[tuple[str, int, bool]]:

@@ -32,7 +32,7 @@ from grpo.kv_cache import KVCache
 from grpo.lora import (BaseModel, adapter_settings, add_lora, cast_base, load_adapter, read_adapter, settings_of,
                        trainable)
 from grpo.loss import group_advantages, overlong_penalty
-from grpo.memory import Plan, memory_of_cpu, memory_plan, what_fits
+from grpo.memory import GIB, GPU_MEMORY_GIB, Plan, memory_of_cpu, memory_plan, size, what_fits
 from grpo.metrics import Logger, credit_metrics, rollout_records, step_metrics
 from grpo.model import ModelArgs, Transformer, _local_or_hub
 from grpo.preflight import preflight
@@ -234,6 +234,27 @@ def plan_run(cfg: Config, args: ModelArgs, device, extra: list = ()) -> Plan:
     return memory_plan(args, cfg, world, device.type, memory / 2**30, extra)
 
 
+def size_to_memory(cfg: Config, device, extra: list = ()) -> dict:
+    """On a GPU, before anything loads: the fields the profile left to the plan (cfg.profile_applied's
+    sized_by_plan: what the recipe, its YAML and its command line did not set) sized by the memory plan
+    for this GPU's memory, or for the GPU the profile names (grpo.memory.size says how). Rank 0 decides for
+    every rank. -> the values set."""
+    profile = getattr(cfg, "profile_applied", {})
+    free = profile.get("sized_by_plan", [])
+    if not free or device.type != "cuda":
+        return {}
+    with open(os.path.join(model_folder(cfg.model_path), "config.json")) as f:
+        args = ModelArgs.from_hf(json.load(f))
+    props = torch.cuda.get_device_properties(device)
+    name = profile["name"] if profile["name"] in GPU_MEMORY_GIB else props.name
+    memory = GPU_MEMORY_GIB.get(profile["name"], props.total_memory / GIB)
+    chosen = dist.broadcast(size(args, cfg, dist.world_size(), "cuda", memory, extra, free) if dist.is_main() else None)
+    for key, value in chosen.items():
+        setattr(cfg, key, value)
+    dist.print0(f"memory plan for {name} ({memory:.0f} GiB): " + ", ".join(f"{k} {v}" for k, v in chosen.items()))
+    return chosen
+
+
 def check_memory(cfg: Config, path, device, extra: list = ()):
     """The memory plan's one line, and a refusal, with the plan's table and what would fit, where its peak
     exceeds the device. cfg.plan_memory false: the line only."""
@@ -313,10 +334,11 @@ def _train(cfg: Config, env, train_examples: list, eval_examples, reward_weights
     dist.init(cfg.dist_timeout_min)
     sft_examples = sft_examples or train_examples
     check_inputs(cfg, env, train_examples, sft_examples)
-    dist.on_rank0(record_run, cfg)
     device = dist.device()
-    torch.manual_seed(cfg.seed)
     extra = credit.memory_terms(cfg) if hasattr(credit, "memory_terms") else []  # a recipe's own models
+    size_to_memory(cfg, device, extra)  # before config.json records the sizes
+    dist.on_rank0(record_run, cfg)
+    torch.manual_seed(cfg.seed)
     tokenizer, model, ref_model, optimizer, scheduler, sampler = build(cfg, device, extra)
     if cfg.preflight:  # one synthetic worst-case step: out of memory now, not hours in
         preflight(cfg, model, sampler, optimizer, device, plan_run(cfg, model.args, device, extra))

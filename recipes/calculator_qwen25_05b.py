@@ -8,9 +8,9 @@ github.com/Danau5tin/calculator_agent_rl).
 Reference: accuracy 0.6% -> 34% on its 158 held-out questions, same settings as the 3B recipe
 (calculator_qwen25_3b.py, whose docstring tables them against the reference's), trained on 6 RTX
 6000 Adas (vLLM on 2 more): 8 generations per training GPU, so `--prompts_per_step 6` is its batch
-on any number of GPUs (the default, 0, gives 8 x GPUs / G). By the memory plan a 0.5B model fits
-every profile without activation checkpointing but one A100-40 or L4 (`python -m grpo.plan
-recipes/calculator_qwen25_05b.py --gpu L4`): there `--gradient_checkpointing true`.
+on any number of GPUs (the default, 0, gives 8 x GPUs / G). On a GPU the memory plan sizes the
+sampler's batch and KV budget, the micro-batch and gradient checkpointing at start, for the GPU it
+finds (`python -m grpo.plan recipes/calculator_qwen25_05b.py --gpu L4` shows what it picks there).
 """
 from dataclasses import dataclass
 
@@ -21,7 +21,6 @@ from calculator_qwen25_3b import CalculatorQwen, main
 class CalculatorQwen05B(CalculatorQwen):
     model_path: str = "Qwen/Qwen2.5-0.5B-Instruct"
     output_dir: str = "runs/calculator_qwen25_05b"
-    gradient_checkpointing: bool = False  # a 0.5B model's activations fit the profiles' micro-batches (not L4's)
 
 
 if __name__ == "__main__":

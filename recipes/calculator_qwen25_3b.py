@@ -35,8 +35,8 @@ The loaders read local files and dataset ids, not URLs: download them, then pass
         -> --train_data=calculator_train.csv (its 1,500 training questions)
     https://raw.githubusercontent.com/Danau5tin/agentic_environments/qwen/examples/calculator_agent/datasets/basic_calculations_eval.csv
         -> --eval_data=basic_calculations_eval.csv (its 158 evaluation questions)
-Without them, questions are generated (grpo.envs.calculator_data). Batch sizes per GPU come from
-grpo.config.pick_profile.
+Without them, questions are generated (grpo.envs.calculator_data). On a GPU the memory plan sizes the
+sampler's batch and KV budget, the micro-batch and gradient checkpointing at start (`python -m grpo.plan`).
 
 | setting | the reference | here | why |
 | --- | --- | --- | --- |
@@ -91,8 +91,6 @@ class CalculatorQwen(Config):
     eval_max_completion_length: int = 6500  # 5 calls and the answer, with the calculator's outputs
     save_steps: int = 25
     dtype: str = "auto"               # bf16 compute on GPU, fp32 master weights
-    gradient_checkpointing: bool = True  # a 3B model's activations at the profiles' micro-batch sizes
-                                      # (32-64k tokens) would need ~200 GB without it (estimated)
 
     def check(self):
         if self.judge_base_url and not self.judge_model:

@@ -26,7 +26,7 @@ card's own path is three commands, each from the last one's export:
         --temperature 1.15 --seed 2 --output_dir runs/gsm8k_r5
 (each stage draws its prompts anew: another --seed orders them differently, where the card's stages
 together saw each prompt at most once). The eval's token limit is training's, 768, here and in the
-eval command above. Profiles: L4 24 GB, L40S 48 GB, A100, H100/H200 (grpo.config.pick_profile).
+eval command above. Sizes per GPU: the memory plan's, at start (python -m grpo.plan).
 
 | setting | the card | here | why |
 | --- | --- | --- | --- |
@@ -68,8 +68,6 @@ class GSM8KQwen3(Config):
     mask_truncated_completions: bool = True
     max_prompt_length: int = 512         # zero-shot training prompts (the 10-shot eval sizes its own sampler)
     max_completion_length: int = 768
-    gradient_checkpointing: bool = True  # the memory plan: without it the profiles' micro-batches (32-64k tokens)
-                                      # hold more activations than an H100 has (python -m grpo.plan)
     eval_limit: int = 1319
     eval_steps: int = 50
     save_steps: int = 25

@@ -159,8 +159,6 @@ class ProcessGRPOQwen(Config):
     temperature: float = 1.0
     max_prompt_length: int = 1024     # the worked example + a question: ~300 tokens; MATH problems run longer
     max_completion_length: int = 3072
-    gradient_checkpointing: bool = True  # the memory plan: without it the profiles' micro-batches (32-64k tokens)
-                                      # hold more activations than an H100 has (python -m grpo.plan)
     eval_limit: int = 350
     eval_steps: int = 20
     save_steps: int = 20

@@ -22,12 +22,13 @@ carry DAPO's instruction to end on an "Answer: $Answer" line, which fights the \
 it is stripped (grpo.envs.retool.dapo_example), so the model sees the problem and the card's
 system prompt.
 
-Sizing (bf16 KV cache, estimated, not measured: no GPU has run it). Qwen3-4B keeps
+Sizing (bf16 KV cache, planned, not measured: no GPU has run it). Qwen3-4B keeps
 2 (K, V) x 36 layers x 8 KV heads x 128 dims x 2 bytes = 144 KiB per token, so a slot of
-512 prompt + 8,192 completion tokens is 1.2 GiB: the H100 / A100-80 profiles' 24 GiB KV budget
-holds 20 rows per GPU, H200's 50 GiB 41, B200's 60 GiB 50. A step is 1,024 rows: 128 per GPU on
-8 GPUs, in about 7 waves of continuous batching on H100 (3 on B200); rows that finish early
-free their slot at once. The update (fp32 master weights sharded over 8, bf16 compute,
+512 prompt + 8,192 completion tokens is 1.2 GiB. On 8 GPUs the memory plan sizes 32 slots (38 GiB
+of KV) on H100 / A100-80 and 64 (77 GiB) on H200 / B200, with checkpointing and micro-batches of
+32k / 64k tokens (`python -m grpo.plan recipes/retool_qwen3_4b.py --gpus 8 --gpu H100`). A step is
+1,024 rows: 128 per GPU on 8 GPUs, in about 4 waves of continuous batching on H100 (2 on H200);
+rows that finish early free their slot at once. The update (fp32 master weights sharded over 8, bf16 compute,
 gradient checkpointing) is small next to the sampling of ~3M tokens a step.
 Data: DAPO-Math-17k from the hub (open-r1/DAPO-Math-17k-Processed, config all: `prompt` and
 `solution` columns) or a local file with --train_data/--question_field/--answer_field; eval
@@ -106,8 +107,6 @@ class ReToolQwen3(Config):
     max_completion_length: int = 8192  # sampled and injected (tool responses) tokens
     max_turns: int = 16               # assistant turns: tool calls and the answer
     enable_thinking: bool = False     # the 2507 Instruct model has no thinking mode
-    gradient_checkpointing: bool = True
-    micro_batch_tokens: int = 16384   # holds one 512 + 8,192-token sequence; the recipe's, so on every GPU
     eval_max_completion_length: int = 16384  # the card's eval budget (training: 8,192); 2.3 GiB of KV a row
     eval_limit: int = 30
     eval_n: int = 16

@@ -1,4 +1,4 @@
-"""The Triton kernels compiled for each GPU the recipes have profiles for, on this CPU
+"""The Triton kernels compiled for each GPU the recipes are planned for, on this CPU
 (grpo.kernels.compile_for: Triton's pipeline down to a cubin, nothing launched), and the
 kernels one decode step launches, counted from the code path (bench/compile_kernels.py)."""
 import importlib.util

@@ -1,7 +1,9 @@
 """grpo/memory.py's plan against what the code allocates: its counted terms byte for byte (tiny Qwen2,
 Qwen3 and Llama models), its phase peaks within 20% of the measured ones (a fresh process each:
 tests/memory_probe.py reads the peak resident size, VmHWM), `python -m grpo.plan` on every recipe and
-profiled GPU, and a run refused before its weights load when the plan does not fit."""
+GPU, the sizes a GPU run takes from the plan, and a run refused before its weights load when the plan
+does not fit."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,7 +14,7 @@ import torch
 
 from grpo.config import Config
 from grpo.lora import LoraSettings, add_lora, trainable
-from grpo.memory import GIB, GPU_MEMORY_GIB, KNOWN, counts, memory_plan
+from grpo.memory import FAST_MICRO_BATCH, GEN_BATCHES, GIB, GPU_MEMORY_GIB, KNOWN, MICRO_BATCHES, counts, memory_plan, size
 from grpo.model import ModelArgs, Transformer
 from grpo.sampler import Sampler, SamplingParams
 
@@ -104,6 +106,67 @@ def test_every_recipe_planned_on_every_gpu(recipe):
             if gpus == 8 and not cpu:  # more ranks: less of the sharded state on each
                 one, _, _, _ = plan_for(str(ROOT / "recipes" / recipe), 1, gpu, None, cpu, flags)
                 assert terms(plan, "update")["AdamW's two states, fp32"] < terms(one, "update")["AdamW's two states, fp32"]
+
+
+@pytest.mark.parametrize("recipe", ["calculator_qwen25_05b.py", "calculator_qwen25_3b.py", "retool_qwen3_4b.py"])
+def test_sizes_from_the_plan_fit_and_are_the_largest_that_do(recipe):
+    """On each GPU, 1 and 8 of them: where the sized run fits, a larger micro-batch in the same mode (or no
+    checkpointing at all) would not, and a larger gen_batch would not leave the update its floor; where it
+    does not fit, the sizes are the smallest (more GPUs or LoRA are what would fit: the refusal says so)."""
+    from grpo.cli.plan import plan_for
+    for gpu in GPU_MEMORY_GIB:
+        for gpus in (1, 8):
+            plan, args, cfg, extra = plan_for(str(ROOT / "recipes" / recipe), gpus, gpu)
+            longest = cfg.max_prompt_length + cfg.max_completion_length
+            assert cfg.micro_batch_tokens >= longest and cfg.kv_budget_gb * GIB >= cfg.gen_batch * 2 * \
+                args.n_layers * args.n_kv_heads * args.head_dim * 2 * longest  # the budget holds gen_batch rows
+            plans = lambda **kw: memory_plan(args, dataclasses.replace(cfg, **kw), gpus, "cuda", GPU_MEMORY_GIB[gpu], extra)  # noqa: E731
+            if not plan.fits:
+                assert cfg.gen_batch == GEN_BATCHES[-1] or cfg.gen_batch == min(
+                    g for g in GEN_BATCHES if g >= cfg.gen_batch), (recipe, gpu, gpus)
+                assert cfg.gradient_checkpointing and cfg.micro_batch_tokens == min(m for m in MICRO_BATCHES if m >= longest)
+                continue
+            bigger = [m for m in MICRO_BATCHES if m > cfg.micro_batch_tokens]
+            if bigger:
+                assert not plans(micro_batch_tokens=min(bigger)).fits, (recipe, gpu, gpus)
+            fast = min(m for m in MICRO_BATCHES if m >= max(longest, FAST_MICRO_BATCH))
+            if cfg.gradient_checkpointing:
+                assert not plans(gradient_checkpointing=False, micro_batch_tokens=fast).fits, (recipe, gpu, gpus)
+            rows = max(cfg.prompts_per_step * cfg.num_generations, cfg.eval_limit * cfg.eval_n) // gpus
+            more = [g for g in GEN_BATCHES if cfg.gen_batch < g < 2 * rows]
+            if more:  # twice the rows, its cache twice the size: the update's floor no longer fits
+                floor = dict(gradient_checkpointing=True, micro_batch_tokens=fast)
+                assert not plans(gen_batch=min(more), kv_budget_gb=cfg.kv_budget_gb * min(more) / cfg.gen_batch,
+                                 **floor).fits, (recipe, gpu, gpus)
+
+
+def test_what_the_user_set_is_kept_and_refused_where_it_cannot_fit():
+    from grpo.cli.plan import plan_for
+    recipe = str(ROOT / "recipes" / "calculator_qwen25_05b.py")
+    plan, _, cfg, _ = plan_for(recipe, 1, "L4", flags=["--micro_batch_tokens", "65536"])
+    assert cfg.micro_batch_tokens == 65536 and cfg.gradient_checkpointing and plan.fits  # the plan's answer
+    plan, _, cfg, _ = plan_for(recipe, 1, "L4", flags=["--micro_batch_tokens", "65536", "--gradient_checkpointing",
+                                                         "false"])
+    assert (cfg.micro_batch_tokens, cfg.gradient_checkpointing) == (65536, False)
+    assert not plan.fits  # 64k tokens of activations kept on a 22.5 GiB card: the run would be refused
+    plan, _, cfg, _ = plan_for(recipe, 1, "L4")
+    assert plan.fits and cfg.micro_batch_tokens < 65536
+
+
+def test_a_gpu_run_sizes_itself_before_it_records_its_config(monkeypatch, tmp_path):
+    """grpo.trainer.size_to_memory on a (faked) L4: the plan's sizes for what nobody set, the user's kept."""
+    import types
+    from grpo import config, trainer
+    from toy import make_toy_dir
+    monkeypatch.setattr(config, "_cuda", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: types.SimpleNamespace(name="NVIDIA L4", total_memory=int(22.5 * GIB)))
+    cfg = config.parse_args(Config, ["--model_path", make_toy_dir(tmp_path / "toy"), "--gen_batch", "16"])
+    chosen = trainer.size_to_memory(cfg, types.SimpleNamespace(type="cuda"))
+    assert set(chosen) == {"kv_budget_gb", "micro_batch_tokens", "gradient_checkpointing"} and cfg.gen_batch == 16
+    assert chosen["micro_batch_tokens"] == MICRO_BATCHES[0] and not chosen["gradient_checkpointing"]  # a toy fits
+    assert (cfg.micro_batch_tokens, cfg.kv_budget_gb) == (chosen["micro_batch_tokens"], chosen["kv_budget_gb"])
+    assert trainer.size_to_memory(cfg, torch.device("cpu")) == {}  # a CPU run sizes nothing
 
 
 @pytest.mark.slow

@@ -3,19 +3,21 @@
     python -m grpo.plan recipes/calculator_qwen25_3b.py --gpus 8 --gpu "RTX 6000 Ada"
     python -m grpo.plan recipes/retool_qwen3_4b.py --gpus 8 --gpu H200 --micro_batch_tokens 8704
     python -m grpo.plan recipes/calculator_smollm2_cpu.py --cpu --memory_gb 8
-    python -m grpo.plan --table         # every GPU recipe on 1 and 8 of each profiled GPU (README's table)
+    python -m grpo.plan --table         # every GPU recipe on 1 and 8 of each GPU below (README's table)
 
---gpu names a profiled GPU (its memory, and the profile's sizes as a run there would take them);
+--gpu names a GPU (its memory, and the sizes a run there would take from the plan where the recipe
+and the flags leave them);
 --memory_gb sets the memory instead; any other flag is the recipe's own. Prints the table of each
 phase's terms, the peak against the card, and, where it does not fit, what would, each with its peak.
 """
 import argparse
+import dataclasses
 import importlib.util
 import os
 import sys
 
 from grpo.config import Config, parse_args, required_fields
-from grpo.memory import GIB, GPU_MEMORY_GIB, memory_plan, model_config, what_fits
+from grpo.memory import GIB, GPU_MEMORY_GIB, memory_plan, model_config, size, what_fits
 from grpo.model import ModelArgs
 
 
@@ -61,10 +63,12 @@ def plan_for(recipe: str, gpus: int = 1, gpu: str | None = None, memory_gb: floa
     args = ModelArgs.from_hf(model_config(path))
     device = "cpu" if cpu else "cuda"
     memory = memory_gb if memory_gb is not None else None if cpu else GPU_MEMORY_GIB.get(gpu, 80.0)
-    extra = []
-    if hasattr(module, "memory_terms"):
-        total = int(memory * GIB) if memory else memory_plan(args, cfg, gpus, device).memory
-        extra = module.memory_terms(cfg, args, gpus, device, total)
+    total = int(memory * GIB) if memory else memory_plan(args, cfg, gpus, device).memory
+    terms = lambda c: module.memory_terms(c, args, gpus, device, total) if hasattr(module, "memory_terms") else []  # noqa: E731
+    free = cfg.profile_applied["sized_by_plan"]
+    if free and not cpu:  # as a run on that GPU sizes itself at start (grpo.trainer.size_to_memory)
+        cfg = dataclasses.replace(cfg, **size(args, cfg, gpus, device, memory, terms(cfg), free))
+    extra = terms(cfg)
     return memory_plan(args, cfg, gpus, device, memory, extra), args, cfg, extra
 
 
@@ -73,7 +77,8 @@ GPU_RECIPES = ["calculator_qwen25_05b.py", "calculator_qwen25_3b.py", "gsm8k_qwe
 
 
 def gpu_table(folder: str = "recipes") -> str:
-    """The README's table: each GPU recipe's planned peak per rank on 1 / 8 of each profiled GPU."""
+    """The README's table: each GPU recipe's planned peak per rank on 1 / 8 of each GPU, sized as a run there
+    sizes itself."""
     lines = ["| recipe | " + " | ".join(GPU_MEMORY_GIB) + " |", "|---|" + "---|" * len(GPU_MEMORY_GIB)]
     for recipe in GPU_RECIPES:
         cells = []
@@ -85,13 +90,13 @@ def gpu_table(folder: str = "recipes") -> str:
 
 
 def main(argv: list[str]):
-    if argv == ["--table"]:  # every GPU recipe on every profiled GPU: the README's table
+    if argv == ["--table"]:  # every GPU recipe on every GPU: the README's table
         print(gpu_table())
         return
     ap = argparse.ArgumentParser(prog="python -m grpo.plan", description=__doc__.split("\n")[0])
     ap.add_argument("recipe", help="a recipe file (recipes/*.py), or 'config' for Config's defaults")
     ap.add_argument("--gpus", type=int, default=1, help="ranks (one GPU each)")
-    ap.add_argument("--gpu", default=None, help=f"one of {', '.join(GPU_MEMORY_GIB)} (default: 80 GiB, no profile)")
+    ap.add_argument("--gpu", default=None, help=f"one of {', '.join(GPU_MEMORY_GIB)} (default: 80 GiB, Config's sizes)")
     ap.add_argument("--memory_gb", type=float, default=None, help="memory per rank in GiB, instead of --gpu's")
     ap.add_argument("--cpu", action="store_true", help="a CPU run (memory: this machine's RAM / ranks)")
     known, flags = ap.parse_known_args(argv)
