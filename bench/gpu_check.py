@@ -38,6 +38,8 @@ its eager reference at both decode shapes and the decode attention's launch alte
 shipped one (bench/decode_kernels.py, --sweep).
 The calculator 0.5B recipe's rollout shape (8 rows in 256 slots, tool turns of random length) on random
 weights: its time and, per decode step, the rows decoding, the rows decoded (the batch bucket) and the slots.
+--preflight (grpo/preflight.py) of the 0.5B step shape sized by the memory plan for this GPU: the measured
+peaks of a worst-case step's rollouts and update against the plan's (the plan should not be exceeded).
 The dry run maps each part onto the CPU: the tiny model for both shapes, the torch kernels (Triton under
 TRITON_INTERPRET=1), eager decode (the sampler has no graphs on CPU), FSDP2 over gloo. Without flash-attn
 its parts are skipped with a message. --perturb breaks one side of every parity check (for the test).
@@ -77,6 +79,8 @@ from grpo.loss import LossOptions, group_advantages, policy_loss  # noqa: E402
 from grpo.model import Transformer  # noqa: E402
 from grpo.rollout import Trajectory  # noqa: E402
 from grpo.sampler import Sampler, SamplingParams  # noqa: E402
+from grpo.memory import GIB, memory_plan  # noqa: E402
+from grpo.preflight import preflight  # noqa: E402
 from grpo.update import batch_logprobs, loss_options, policy_update, update_batches  # noqa: E402
 
 decode_module = importlib.import_module("grpo.decode")
@@ -427,6 +431,31 @@ def decode_figures(name: str, device, sizes: dict) -> list[dict]:
                        note=f"{gpu}: {bw / 1e12:.2f} TB/s")]
 
 
+def preflight_figures(name: str, device, sizes: dict) -> list[dict]:
+    """--preflight of a run of the step's shape (bench/step.py's) sized by the memory plan for this GPU, as
+    the trainer builds it: fp32 master weights under FSDP2 with bf16 compute, the sampler over the gathered
+    weights, AdamW. One worst-case step (every row at full length, the largest micro-batch): the measured
+    peaks of the rollouts and the update against the plan's (grpo/preflight.py says what each counts)."""
+    B, G, plen, new = sizes["step"][name]
+    model = build(name, device)
+    shape = Config(prompts_per_step=B, num_generations=G, max_prompt_length=plen, max_completion_length=new,
+                   eval_limit=0, beta=0.0)
+    cfg = dataclasses.replace(shape, **bench_step.sizes_on_this_gpu(model.args, B, G, plen, new, device)).check()
+    model.activation_checkpointing = cfg.gradient_checkpointing
+    dist.shard(model, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    with dist.gathered(model):
+        sampler = Sampler(model, None, gen_batch=cfg.gen_batch, kv_budget_bytes=int(cfg.kv_budget_gb * GIB) or None)
+    plan = memory_plan(model.args, cfg, 1, device.type)
+    out = preflight(cfg, model, sampler, optimizer, device, plan)
+    sampler.pool.shutdown()
+    sized = (f"gen_batch {cfg.gen_batch}, kv_budget_gb {cfg.kv_budget_gb:g}, micro_batch_tokens "
+             f"{cfg.micro_batch_tokens}, checkpointing {cfg.gradient_checkpointing}; {B} x {G} rows of {plen} + {new}")
+    return [goal("figures", name, f"preflight {phase}: measured peak / planned", got / want, f"{got / want:.0%}",
+                 got <= want, "<= 100%", f"measured {got / GIB:.2f} GiB, planned {want / GIB:.2f} GiB; {sized}")
+            for phase, (want, got) in out.items()]
+
+
 def rollout_figures(name: str, device, sizes: dict) -> list[dict]:
     """The calculator 0.5B recipe's rollout on one rank, without its tokenizer: G 8 rows of one
     prompt in 256 slots (a large GPU's gen_batch), up to 4 assistant turns and 500 tokens, T 0.9. A turn ends
@@ -504,8 +533,9 @@ def parts_of(device, backend: str, sizes: dict, perturb: bool) -> list[tuple]:
             parts.append(("update", update_parity, (name, device, sizes, perturb)))
         parts += [("sampler", greedy_parity, (name, device, sizes, perturb)),
                   ("figures", decode_figures, (name, device, sizes))]
-        if i == 0:  # the calculator 0.5B recipe's rollout: the first (smaller) shape
-            parts.append(("figures", rollout_figures, (name, device, sizes)))
+        if i == 0:  # the calculator 0.5B recipe's rollout, and a preflight: the first (smaller) shape
+            parts += [("figures", rollout_figures, (name, device, sizes)),
+                      ("figures", preflight_figures, (name, device, sizes))]
         parts.append(("figures", step_figures, (name, device, sizes)))
     return parts
 

@@ -91,8 +91,10 @@ def test_dry_run_passes(runs):
         "greedy bfloat16, cuda graphs vs eager SDPA: rows parted off a tie"]  # fp32 is checked, bf16 shown
     figures = " ".join(r["what"] for r in rows if r["part"] == "figures")
     for what in ("peak memory / naive", "time / naive", "decode tokens/s", "roofline", "generation share",
-                 "update MFU"):
+                 "update MFU", "preflight rollouts: measured peak / planned", "preflight update: measured peak"):
         assert what in figures, what
+    preflight = [r for r in rows if r["what"].startswith("preflight")]
+    assert all(0 < r["value"] < 2 and "planned" in r["note"] for r in preflight), preflight  # measured, not assumed
     # one table row per report row, in the same order, and the summary line
     table = table_rows(stdout)
     assert [(t[0], t[2], t[5]) for t in table] == [(r["part"], r["what"], r["status"]) for r in rows]
@@ -104,8 +106,9 @@ def test_perturbed_parity_fails(runs):
     rc, stdout, stderr, report = runs["perturbed"]
     assert rc == 1, stdout[-4000:] + stderr[-4000:]
     assert not report["ok"] and not report["partial"] and report["backend"] == "torch"
-    # isolated: kernels, fused, decode kernels, attention launches, update, sampler, decode, rollout, step
-    assert stdout.count("== part ") == 9
+    # isolated: kernels, fused, decode kernels, attention launches, update, sampler, decode, rollout, preflight,
+    # step
+    assert stdout.count("== part ") == 10
     assert not [r for r in report["rows"] if r["status"] == "error"], stdout[-4000:]
     assert {r["part"] for r in report["rows"] if r["status"] == "fail"} == PARITY_PARTS
     assert any(t[5] == "fail" for t in table_rows(stdout))
