@@ -379,7 +379,7 @@ def print_help(cls):
 
 def parse_args(cls=Config, argv: list[str] | None = None):
     """--name=value or --name value (a bare --flag sets a bool; --flag true|false|1|0 too), over cls's
-    defaults, an optional --config YAML file and the GPU profile. Unknown fields, bad values and
+    defaults, an optional --config YAML file and the profile. Unknown fields, bad values and
     missing required fields are one-line errors (ValueError; from the real command line, an exit
     with that line)."""
     if argv is None:
