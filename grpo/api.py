@@ -14,7 +14,7 @@ reach the reward functions as keyword lists. Reward functions: TRL's convention 
 Where we differ from TRL:
 - `model` is a checkpoint folder or hub id (a transformers model: the folder it was loaded from);
   the tokenizer is the folder's own, so `processing_class` must be None;
-- `args` is grpo.config.Config (TRL's names where the idea is the same; grpo.config.TRL_NAMES says
+- `args` is grpo.config.Config (TRL's names where the idea is the same; grpo.flags.TRL_NAMES says
   what replaces the others); `reward_weights` is an argument here or a field of a recipe's config;
 - no reward models (a string in `reward_funcs`), no `trainer_state` keyword for the functions;
 - eval: `eval_dataset` is scored by the first reward function (mean@k, pass@k with intervals),

@@ -139,8 +139,7 @@ def update_batches(trajs: list, advantages: torch.Tensor, cfg: Config, device) -
 
 def loss_options(cfg: Config) -> LossOptions:
     """The config's loss fields, once per run (0 turns an option off in the config)."""
-    eps_high = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high  # unset: symmetric clip
-    return LossOptions(loss_type=cfg.loss_type, eps_low=cfg.epsilon, eps_high=eps_high,
+    return LossOptions(loss_type=cfg.loss_type, eps_low=cfg.epsilon, eps_high=cfg.clip_high(),
                        delta=cfg.delta or None, dual_clip=cfg.dual_clip or None, beta=cfg.beta,
                        tis_cap=cfg.tis_cap or None, max_completion_length=cfg.max_completion_length,
                        importance_sampling_level=getattr(cfg, "importance_sampling_level", "token"))

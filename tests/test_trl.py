@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from grpo.api import GRPOTrainer
-from grpo.config import Config, parse_args, print_help
+from grpo.config import Config
 from grpo.cli.reward_funcs import import_functions
 from grpo.rewards import RewardFunctionsEnv
 from grpo.rollout import render_prompt, assign_rewards
@@ -136,62 +136,6 @@ def test_reward_funcs_take_modules_files_and_paths(tmp_path, monkeypatch):
         import_functions("my_rewards:nope")
     with pytest.raises(SystemExit, match=r"^error: --reward_funcs 'missing.py:f': ImportError: no such file"):
         import_functions("missing.py:f")
-
-
-# ----------------------------------------------------------------------------- the command line
-
-@pytest.mark.parametrize("argv,message", [
-    (["--per_device_train_batch_size=4"], "use --prompts_per_step"),
-    (["--generation_batch_size", "8"], "use --prompts_per_step"),
-    (["--gradient_accumulation_steps=2"], "--micro_batch_tokens"),
-    (["--use_vllm"], "not needed: the sampler runs on the training weights"),
-    (["--peft_config=x"], r"GRPOTrainer\(peft_config=peft.LoraConfig"),
-    (["--use_dora"], "LoRA only"),
-    (["--num_generation=4"], r"did you mean --num_generations"),
-])
-def test_trl_names_say_what_to_use(argv, message):
-    with pytest.raises(ValueError, match=message) as e:
-        parse_args(Config, argv + ["--profile=none"])
-    assert "eval_temperature" not in str(e.value) and "gradient_checkpointing" not in str(e.value)
-
-
-def test_every_bool_takes_true_false_1_0():
-    for text, value in (("false", False), ("true", True), ("0", False), ("1", True)):
-        cfg = parse_args(Config, ["--mask_truncated_completions", text, "--beta", "0.1", "--profile=none"])
-        assert cfg.mask_truncated_completions is value and cfg.beta == 0.1
-    assert parse_args(Config, ["--export", "--seed", "3", "--profile=none"]).export is True
-    assert parse_args(Config, ["--importance_sampling_level", "sequence", "--profile=none"]).importance_sampling_level \
-        == "sequence"
-    from grpo.cli.eval import _flag
-    assert _flag("false") is False and _flag("1") is True
-
-
-def test_yaml_errors_name_the_file_and_key(tmp_path):
-    bad = tmp_path / "run.yaml"
-    bad.write_text("max_steps: many\n")
-    with pytest.raises(ValueError, match=rf"--config {bad}: key 'max_steps'='many': expected int"):
-        parse_args(Config, ["--config", str(bad)])
-    bad.write_text("use_vllm: true\n")
-    with pytest.raises(ValueError, match=rf"--config {bad}: key 'use_vllm' is a TRL GRPOConfig option"):
-        parse_args(Config, ["--config", str(bad)])
-
-
-def test_help_is_grouped_with_required_fields_first(capsys, monkeypatch):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("custom_task_help", ROOT / "recipes" / "custom_task.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "custom_task_help", module)
-    spec.loader.exec_module(module)
-    print_help(module.CustomTask)
-    text = capsys.readouterr().out
-    heads = [line for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
-    assert heads == ["required:", "model and data:", "GRPO:", "generation:", "optimization:", "LoRA:",
-                     "logging, eval and checkpoints:", "hardware:"]
-    required = text.split("required:")[1].split("model and data:")[0]
-    for name in ("model_path", "train_data", "reward_funcs"):
-        assert f"--{name} (str, REQUIRED)" in required
-    # a description that continues on comment lines is shown whole
-    assert "masking them too makes not stopping free" in text
 
 
 @pytest.mark.slow  # processes of their own

@@ -27,7 +27,7 @@ from grpo.fallback import add_arguments, kernels_of
 
 def _flag(text: str) -> bool:
     """A boolean flag's value, spelled as the recipes take it (grpo.config)."""
-    from grpo.config import _convert
+    from grpo.flags import _convert
     try:
         return _convert("flag", text, bool)
     except ValueError:
