@@ -169,8 +169,9 @@ def build(config: dict, layers: int):
 
 def step_count(config: dict, B: int, layers: int, way: str, arch: int) -> dict:
     """Kernels of one decode step over B rows at position PLEN, `way` one of "model" | "torch" | "triton"."""
-    import grpo.sampler as sampler_module
+    import grpo.window as sampler_module  # where decode_step finds decode_hidden
     from grpo.sampler import Sampler, SamplingParams, decode_step
+    from grpo.sampling import sample
     model = build(config, layers)
     sampler = Sampler(model, gen_batch=B, max_seq_len=PLEN + NEW, cuda_graphs=False)
     st = sampler.state
@@ -195,7 +196,7 @@ def step_count(config: dict, B: int, layers: int, way: str, arch: int) -> dict:
         if way == "model":  # the model's forward gives logits, and the sampler samples them
             stack.enter_context(mock.patch.object(sampler_module, "decode_hidden", model_decode))
             stack.enter_context(mock.patch.object(sampler_module, "sample_hidden",
-                                                  lambda logits, weight, *a: sampler_module.sample(logits, *a)))
+                                                  lambda logits, weight, *a: sample(logits, *a)))
         stack.enter_context(mock.patch.object(kernels, "fused_sample", sample_kernel))
         with count:
             decode_step(sampler.weights, sampler.cache, st, SamplingParams(temperature=1.0, stop_token_ids=[]), B,

@@ -42,6 +42,7 @@ import torch
 import transformers
 
 import grpo.sampler
+import grpo.window
 from grpo.envs.calculator import SHORT_SYSTEM_PROMPT, CalculatorEnv, generate_questions
 from grpo.model import Transformer
 from grpo.rollout import continuation_ids, render_prompt, rollout, sampling_params
@@ -115,7 +116,7 @@ def planned_sample(plans: list[list[int]], keys: list[int], obs_len: int, eos: i
     def sample_hidden(hidden, weight, key, step, *args):  # decode steps: the logits, then the rule above
         return sample(torch.nn.functional.linear(hidden.to(weight.dtype), weight), key, step, *args)
     with mock.patch.object(grpo.sampler, "sample", sample), \
-            mock.patch.object(grpo.sampler, "sample_hidden", sample_hidden):
+            mock.patch.object(grpo.window, "sample_hidden", sample_hidden):  # decode_step's, grpo/window.py
         yield
 
 
@@ -126,7 +127,7 @@ def counting(model):
     """Tokens through prefill forwards (B*T, T > 1) and rows of decode forwards (T == 1): a
     pre-hook on the top module, which sees (B, T) input ids on both sides, and our sampler's
     decode steps (grpo.decode.decode_hidden over its resident weights, not the module: wrapped here)."""
-    import grpo.sampler as sampler_module
+    import grpo.window as sampler_module  # where the sampler's decode_step calls it
     count, inner = {"prefill": 0, "decode": 0}, sampler_module.decode_hidden
 
     def hook(module, args, kwargs):

@@ -3,17 +3,17 @@
     Sampler(model, tokenizer).generate(prompts, SamplingParams(n=8, max_tokens=500), tool)
     Sampler(model).continue_from(sequences, cuts, params)  # n continuations of each sequences[i][:c]
 
-One loop over four moves, each a short function:
+One loop over four moves, each a short function (1 and 2 in grpo/prefill.py):
   1. admit   waiting requests take free cache slots: fresh prompts are prefilled packed in
              one row (no padding), once per prompt, then forked into the slots of its n samples.
              `continue_from` makes one document of a sequence's prefixes: the sequence is
              prefilled once, up to its longest cut, and each cut's rows fork that KV truncated
              at the cut (a causal prefix's keys and values do not depend on what follows);
   2. resume  rows whose tool call returned get the observation appended to their cache;
-  3. decode  a window of steps over the occupied slots on device (`decode_step` over the
-             resident decode weights of grpo/decode.py; stop and length checks on device too),
-             then one host sync to read the tokens back;
-  4. finish  stops, stop strings, tool calls (run in a thread pool, so the other rows keep
+  3. decode  a window of steps over the occupied slots on device (grpo/window.py's `decode_step`
+             over the resident decode weights of grpo/decode.py; stop and length checks on device
+             too), then one host sync to read the tokens back;
+  4. finish  stops, stop strings (grpo/stops.py), tool calls (run in a thread pool, so the other rows keep
              decoding) and length; a finished row frees its slot for the next request
              (continuous batching).
 Randomness is per request (grpo/sampling.py), so results do not depend on the batch.
@@ -24,137 +24,25 @@ sampler's life (evals included, where keep_kv_cache), so each graph is captured 
 replayed by every later call (flash-attn's KV-cache kernel is used when importable). On CPU
 the window is a single eager step over exactly the occupied slots.
 Multi-turn tool calls (resume) and prefix continuations (continue_from) share the
-admit/decode/finish loop with plain sampling; the sampling rule is its own file.
+admit/decode/finish loop with plain sampling; the sampling rule is its own file, and so is what a
+call holds (grpo/rows.py: SamplingParams, Completion, its rows).
 """
 import concurrent.futures as cf
-import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import Tensor
 
 from grpo.cpu import trim
-from grpo.decode import DecodeWeights, decode_hidden
+from grpo.decode import DecodeWeights
 from grpo.kv_cache import KVCache, to_device
-from grpo.sampling import request_key, sample, sample_hidden
+from grpo.prefill import admit, resume
+from grpo.progress import Progress
+from grpo.rows import Call, Completion, Row, SamplingParams, public, turn_limit
+from grpo.sampling import request_key, sample
+from grpo.stops import find_stop_string, string_ends
+from grpo.window import DecodeState, bucket, cache_bucket, capture, decode_step
 
-
-@dataclass
-class SamplingParams:
-    n: int = 1                      # G: completions per prompt
-    temperature: float = 1.0        # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0                  # 0 = off
-    min_p: float = 0.0
-    max_tokens: int = 256           # completion tokens, sampled + injected
-    stop_token_ids: list[int] | None = None  # None = every EOS id of the model's generation_config
-    stop_strings: list[str] = field(default_factory=list)
-    tool_stop_token_ids: list[int] = field(default_factory=list)  # end a turn with a tool call
-    tool_stop_strings: list[str] = field(default_factory=list)
-    max_turns: int = 8              # assistant turns; one more tool call ends the row with "turns"
-    max_turn_tokens: int = 0        # tokens one assistant turn may sample (ends the row: "length"); 0 = no limit
-    seed: int | None = None         # None = drawn from torch's global generator
-
-    def __post_init__(self):
-        checks = [(self.n >= 1, "n >= 1"), (self.temperature >= 0, "temperature >= 0"),
-                  (0 < self.top_p <= 1, "0 < top_p <= 1"), (self.top_k >= 0, "top_k >= 0"),
-                  (0 <= self.min_p < 1, "0 <= min_p < 1"), (self.max_tokens >= 1, "max_tokens >= 1"),
-                  (self.max_turns >= 1, "max_turns >= 1"), (self.max_turn_tokens >= 0, "max_turn_tokens >= 0")]
-        for ok, what in checks:
-            if not ok:
-                raise ValueError(f"SamplingParams needs {what}: got {self}")
-
-
-@dataclass
-class Completion:
-    prompt_index: int
-    sample_index: int
-    token_ids: list[int] = field(default_factory=list)  # after the prompt: sampled and injected
-    loss_mask: list[int] = field(default_factory=list)  # 1 on sampled tokens, 0 on injected ones
-    logprobs: list[float] = field(default_factory=list)  # log softmax(logits / T), 0 on injected
-    finish_reason: str = ""         # "stop" | "length" | "turns" | "error" (bad request or tool failure)
-    num_turns: int = 1
-    error: str | None = None
-
-
-class _Seq(Completion):  # a request in flight: a Completion plus where it lives
-    def __init__(self, index: int, i: int, j: int, prompt: list[int], key: int, max_tokens: int, doc: int):
-        super().__init__(i, j)
-        self.index, self.prompt, self.key, self.max_tokens = index, prompt, key, max_tokens
-        self.doc = doc  # prompts of one document are prefixes of each other: their KV is shared
-        self.slot, self.turn_start, self.in_tool = -1, 0, False
-        self.epoch = 0  # bumped when the row stops decoding: a window launched before then is not its
-
-
-@dataclass
-class _Call:
-    """One generate() call: its settings and where each of its requests is."""
-    params: SamplingParams
-    tool: Callable | None           # tool(index, completion_ids) -> observation ids | None
-    out: list                       # (prompts x n) Completion or finished _Seq, in request order
-    stops: set[int]                 # token ids that end a row
-    tool_stops: set[int]            # token ids that end a turn with a tool call
-    tail: int                       # tokens decoded per stop-string check (0 = no stop strings)
-    string_end: list | None         # (V,) bool: the tokens that can complete a stop string
-    unadmitted: list[int]           # per prompt: samples still waiting (its logits are kept till 0)
-    members: dict                   # document -> [(prompt index, prompt length)]
-    bar: object = None              # progress bar (or a do-nothing one)
-    waiting: deque = field(default_factory=deque)  # _Seq not yet in a slot, in queue order (_start)
-    live: dict = field(default_factory=dict)       # slot -> _Seq, decoding or in a tool call
-    pending: dict = field(default_factory=dict)    # tool future -> _Seq
-    prompt_logits: dict = field(default_factory=dict)  # prompt index -> (V,) logits of its last token
-    in_flight: tuple | None = None  # pipelined: the launched window whose tokens are not taken yet
-    launched: int = 0               # windows launched (their host buffers alternate)
-
-
-class _State:
-    """Per-slot decode state on device: the next token to feed (at `pos`, not yet cached),
-    tokens so far (the RNG counter), the row's max_tokens (the request's, capped by the cache),
-    and whether it is decoding; the call's stop ids (V,) and the window's outputs. It lives as
-    long as the cache, so CUDA graphs that read it replay in every call."""
-    def __init__(self, slots: int, window: int, vocab: int, device):
-        z = lambda dtype=torch.int64: torch.zeros(slots, dtype=dtype, device=device)
-        self.tok, self.pos, self.ntok, self.max_tokens, self.key = z(), z(), z(), z(), z()
-        self.active = z(torch.bool)
-        self.is_stop = torch.zeros(vocab, dtype=torch.bool, device=device)  # stop and tool-stop ids
-        self.out_tok = torch.zeros(slots, window, dtype=torch.int64, device=device)  # (slots, window)
-        self.out_lp = torch.zeros(slots, window, device=device)
-        self.out_ok = torch.zeros(slots, window, dtype=torch.bool, device=device)
-
-
-def decode_step(weights: DecodeWeights, cache: KVCache, state: _State, params: SamplingParams, num_slots: int,
-                cache_len: int, column: int):
-    """One token for slots [0, num_slots): feed each row's last token (attending to cache
-    positions [0, cache_len)), sample the next, record it in window column `column`, and retire
-    rows that hit a stop id or their max_tokens. No host sync."""
-    st, p, rows = state, params, slice(0, num_slots)
-    active, pos = st.active[rows], st.pos[rows]
-    y = decode_hidden(weights, cache, st.tok[rows], pos, num_slots, cache_len)  # (num_slots, H)
-    tok, lp = sample_hidden(y, weights.lm_head, st.key[rows], st.ntok[rows], p.temperature, p.top_k, p.top_p,
-                            p.min_p)
-    st.out_tok[rows, column], st.out_lp[rows, column], st.out_ok[rows, column] = tok, lp, active
-    st.tok[rows] = torch.where(active, tok, st.tok[rows])
-    st.pos[rows] += active
-    st.ntok[rows] += active
-    st.active[rows] = active & ~st.is_stop[tok] & (st.ntok[rows] < st.max_tokens[rows])
-
-
-def bucket(n: int, slots: int) -> int:
-    """The batch a graphed window decodes for n occupied slots: the next power of two, capped at
-    `slots` (log2(slots) + 1 graphs per cache bucket, each at most twice the live rows' work)."""
-    return min(slots, 1 << max(n - 1, 0).bit_length())
-
-
-def cache_bucket(n: int, max_seq_len: int) -> int:
-    """The keys a graphed window reads when its longest row needs n: the next power of two from
-    256, capped at the cache's length. Each is a graph per batch bucket; a 256-token step gave a
-    ReTool row of 8.7k tokens 34 of them (x 7 batch buckets: ~240 captures), powers of two give 7.
-    The attention kernels read each row's own length, so the bucket only sets how the keys are
-    split across programs (at most half of its splits past the longest row) and, without a kernel
-    (SDPA over the span), at most twice the attention's work."""
-    return min(max_seq_len, 1 << max(n - 1, 255).bit_length())
+__all__ = ["Sampler", "SamplingParams", "Completion", "decode_step", "bucket", "cache_bucket"]  # the public names
 
 
 class Sampler:
@@ -207,7 +95,7 @@ class Sampler:
             raise ValueError(f"kv_budget_bytes={self.kv_budget_bytes} holds no row of {max_seq_len} tokens")
         self.release(weights=False)  # the graphs read the old cache and state
         self.cache = KVCache(self.model.args, slots, max_seq_len, self.dtype, self.device)
-        self.state = _State(slots, self.window, self.model.args.vocab_size, self.device)
+        self.state = DecodeState(slots, self.window, self.model.args.vocab_size, self.device)
         pin = self.device.type == "cuda"  # page-locked: the copies back overlap the next window
         self.host_out = [[torch.empty(slots, self.window, dtype=t.dtype, pin_memory=pin)
                           for t in (self.state.out_tok, self.state.out_lp, self.state.out_ok)] for _ in range(2)]
@@ -250,7 +138,7 @@ class Sampler:
                 docs.append(i)
         return self._run(self._start(prompts, params, None, prompt_ids, progress, docs))
 
-    def _run(self, call: _Call) -> list[Completion]:
+    def _run(self, call: Call) -> list[Completion]:
         # A disabled autocast around the loop keeps torch's autocast cache alive between forwards:
         # under the model's autocast_bf16 each weight is cast to bf16 once per call, not once per
         # decode step (CPU, SmolLM2-135M, 48 rows: ~110 -> ~93 ms a step). The weights do not change
@@ -258,8 +146,8 @@ class Sampler:
         try:
             with torch.autocast(self.device.type, enabled=False):
                 while call.waiting or call.live or call.pending or call.in_flight:
-                    self._admit(call)
-                    self._resume(call)
+                    admit(self, call)  # grpo/prefill.py: 1. new rows into free slots
+                    resume(self, call)  # 2. rows back from a tool call
                     if any(not s.in_tool for s in call.live.values()):
                         self._decode(call)
                         call.bar.tokens(lambda: sum(len(s.token_ids) for s in call.live.values())
@@ -267,15 +155,15 @@ class Sampler:
                     elif call.in_flight:  # nothing left to launch: take the last window's tokens
                         self._take(call, *call.in_flight)
                         call.in_flight = None
-                    elif call.pending and not (call.waiting and self._free(call)):
+                    elif call.pending and not (call.waiting and self.free_slots(call)):
                         cf.wait(list(call.pending), return_when=cf.FIRST_COMPLETED)
         finally:
             torch.clear_autocast_cache()
         call.bar.close()
-        return [c if type(c) is Completion else _public(c) for c in call.out]
+        return [c if type(c) is Completion else public(c) for c in call.out]
 
     def _start(self, prompts: list[list[int]], p: SamplingParams, tool, prompt_ids: list[int] | None,
-               progress: bool, docs: list[int] | None = None) -> _Call:
+               progress: bool, docs: list[int] | None = None) -> Call:
         """Check the request, size the cache for it, and queue its prompts x n rows, each with
         its random stream's key (a bad prompt's rows are finished with an error here). `docs`:
         each prompt's document (default: its own); a document's rows queue longest prompt first."""
@@ -304,7 +192,7 @@ class Sampler:
         members = {}
         for i, (d, x) in enumerate(zip(docs, prompts)):
             members.setdefault(d, []).append((i, len(x)))
-        call = _Call(p, tool, out, stops, set(p.tool_stop_token_ids), tail,
+        call = Call(p, tool, out, stops, set(p.tool_stop_token_ids), tail,
                      self._string_ends(strings) if strings else None, [n] * len(prompts), members)
         # longest prompt first within a document: while such a row lives, its cache holds the
         # prefixes of all the document's later (shorter) prompts, which then fork it with no prefill
@@ -317,33 +205,18 @@ class Sampler:
                                                 error=f"prompt {i}: {bad}")
                 else:
                     key, max_tokens = request_key(seed, prompt_ids[i], j), min(p.max_tokens, S - len(prompt))
-                    call.waiting.append(_Seq(i * n + j, i, j, list(prompt), key, max_tokens, docs[i]))
-        call.bar = _progress(sum(c is None for c in out), progress)
+                    call.waiting.append(Row(i * n + j, i, j, list(prompt), key, max_tokens, docs[i]))
+        call.bar = Progress(sum(c is None for c in out), progress)
         self.state.active.zero_()
         self.state.is_stop.zero_()  # decode_step retires a row at either kind of stop id
         self.state.is_stop[to_device([t for t in stops | call.tool_stops if 0 <= t < V], self.device, torch.int64)] = True
         return call
 
     def _string_ends(self, strings: list[str]) -> list[bool]:
-        """(V,) whether token v can complete one of `strings`: the text it adds after a plain
-        character holds a string's last character, or is partial UTF-8 (U+FFFD: its characters
-        appear only beside its neighbours), or is empty. A string first appears at the token that
-        adds its last character, so checking only these tokens finds every stop the per-token
-        check found, with a tokenizer decode on a few tokens in a hundred instead of on every one.
-        Computed once per set of strings (one batch decode of the vocabulary)."""
+        """grpo.stops.string_ends, once per set of strings."""
         key = tuple(sorted(set(strings)))
         if key not in self._string_end:
-            tk, V = self.tokenizer, self.model.args.vocab_size
-            known = min(V, len(tk)) if hasattr(tk, "__len__") else V  # padded rows past its ids stay candidates
-            # after a plain token, so that a SentencePiece word start keeps its space (a tokenizer
-            # with decode() alone, as the sampler needs, decodes each token by itself)
-            anchor = tk.encode("a", add_special_tokens=False)[:1] if hasattr(tk, "encode") else []
-            base = tk.decode(anchor)
-            lasts = {x[-1] for x in key if x}
-            ids = [anchor + [v] for v in range(known)]
-            texts = tk.batch_decode(ids) if hasattr(tk, "batch_decode") else [tk.decode(x) for x in ids]
-            self._string_end[key] = [not t.startswith(base) or not (added := t[len(base):]) or "\ufffd" in added
-                                     or any(c in added for c in lasts) for t in texts] + [True] * (V - known)
+            self._string_end[key] = string_ends(self.tokenizer, self.model.args.vocab_size, list(key))
         return self._string_end[key]
 
     def _check(self, prompt: list[int], V: int, S: int) -> str | None:
@@ -355,123 +228,10 @@ class Sampler:
             return f"{len(prompt)} tokens leave no room in max_seq_len={S}"
         return None
 
-    def _free(self, call: _Call) -> list[int]:
+    def free_slots(self, call: Call) -> list[int]:
         return sorted(set(range(self.cache.slots)) - set(call.live))
 
-    # ------------------------------------------------------------------------- 1. admit
-
-    def _admit(self, call: _Call):
-        """Fill free slots from the queue (lowest slots first, so decode spans few slots). A
-        document is prefilled once, up to its longest new prompt; each new row forks its prompt's
-        KV from a row of its document whose cache holds it (a live one, or the one just prefilled)."""
-        held = {}  # document -> (prompt length, slot) of its live row with the longest prompt
-        for s in call.live.values():
-            if len(s.prompt) > held.get(s.doc, (0, -1))[0]:
-                held[s.doc] = (len(s.prompt), s.slot)
-        free, new = self._free(call), []
-        while free and call.waiting:
-            s = call.waiting.popleft()
-            s.slot = free.pop(0)
-            call.unadmitted[s.prompt_index] -= 1
-            call.live[s.slot] = s
-            new.append(s)
-        if not new:
-            return
-        groups = {}
-        for s in new:
-            groups.setdefault(s.doc, []).append(s)
-        # prefill a document unless a live row holds every new prompt's KV and its logits are kept
-        fresh = [g for d, g in groups.items()
-                 if any(len(s.prompt) > held.get(d, (0, -1))[0] or s.prompt_index not in call.prompt_logits
-                        for s in g)]
-        heads = [max(g, key=lambda s: len(s.prompt)) for g in fresh]  # prefilled up to their longest prompt
-        for h in heads:
-            held[h.doc] = (len(h.prompt), h.slot)
-        starting = {s.prompt_index for s in new}
-        for chunk in _prefill_chunks([h.prompt for h in heads], self.prefill_tokens):
-            self._prefill(call, [heads[k] for k in chunk], starting)
-        forks = {}  # (source slot, prompt length) -> destination slots
-        for s in new:
-            src = held[s.doc][1]
-            if s.slot != src:
-                forks.setdefault((src, len(s.prompt)), []).append(s.slot)
-        for (src, length), dst in forks.items():
-            self.cache.fork(src, dst, length)
-        logits = torch.stack([call.prompt_logits[s.prompt_index] for s in new])  # (B_new, V)
-        for i in starting:  # keep a prompt's logits only while samples of it still wait
-            if call.unadmitted[i] == 0:
-                del call.prompt_logits[i]
-        self._sample_into(call, new, logits)
-
-    def _prefill(self, call: _Call, heads: list[_Seq], starting: set[int]):
-        """One packed forward over the prompts of `heads`, each the longest new prompt of a fresh
-        document (positions restart at 0 per prompt, so the model's document mask keeps them
-        apart), KV into the head's slot; logits kept at the last token of each of the document's
-        prompts that it covers and that has samples starting now or later."""
-        dev = self.device
-        ids = to_device([t for h in heads for t in h.prompt], dev)[None]  # (1, T) packed
-        pos = torch.cat([torch.arange(len(h.prompt), device=dev) for h in heads])
-        slot = torch.cat([torch.full((len(h.prompt),), h.slot, device=dev) for h in heads])
-        wanted, last, offset = [], [], 0  # prompt indices and where their last tokens sit in the row
-        for h in heads:
-            for i, length in call.members[h.doc]:
-                if length <= len(h.prompt) and (i in starting or call.unadmitted[i] > 0):
-                    wanted.append(i)
-                    last.append(offset + length - 1)
-            offset += len(h.prompt)
-        self.cache.packed(slot, pos)
-        out = to_device(last, dev)[None]  # (1, K)
-        logits = self.model(ids, pos[None], cache=self.cache, output_index=out)[0]  # (K, V)
-        self.tokens_prefilled += ids.shape[1]
-        for i, row in zip(wanted, logits):
-            call.prompt_logits[i] = row
-
-    # ------------------------------------------------------------------------- 2. resume
-
-    def _resume(self, call: _Call):
-        """Rows whose tool call returned: append the observation (mask 0) to the row and to its
-        cache in one padded forward over those rows, then sample their next token."""
-        rows = []
-        for fut in [f for f in call.pending if f.done()]:
-            s = call.pending.pop(fut)
-            s.in_tool = False
-            V = self.model.args.vocab_size
-            try:
-                obs, bad = fut.result(), None
-                if obs is not None and any(not (isinstance(t, int) and 0 <= t < V) for t in obs):
-                    bad = f"tool returned token ids outside the vocabulary [0, {V})"
-            except Exception as e:  # a failing tool ends its own row, not the batch
-                bad = f"tool raised {type(e).__name__}: {e}"
-            if bad:
-                self._finish(call, s, "error", error=bad)
-                continue
-            if obs is None:
-                self._finish(call, s, "stop")
-                continue
-            obs = list(obs)[: s.max_tokens - len(s.token_ids)]
-            cached = len(s.token_ids) - 1  # the tool-stop token itself is not in the cache yet
-            s.token_ids += obs
-            s.loss_mask += [0] * len(obs)
-            s.logprobs += [0.0] * len(obs)
-            s.num_turns, s.turn_start = s.num_turns + 1, len(s.token_ids)
-            if len(s.token_ids) >= s.max_tokens:
-                self._finish(call, s, "length")
-            else:
-                rows.append((s, s.token_ids[cached:], len(s.prompt) + cached))
-        if not rows:
-            return
-        dev, T = self.device, max(len(x) for _, x, _ in rows)
-        ids = to_device([x + [0] * (T - len(x)) for _, x, _ in rows], dev)  # (B, T) padded
-        valid = to_device([[t < len(x) for t in range(T)] for _, x, _ in rows], dev)
-        start = to_device([p for _, _, p in rows], dev)
-        slots = to_device([s.slot for s, _, _ in rows], dev)
-        self.cache.rows(slots, start, T, max(p for _, _, p in rows) + T, valid)
-        last = to_device([[len(x) - 1] for _, x, _ in rows], dev)  # (B, 1)
-        positions = start[:, None] + torch.arange(T, device=dev)
-        logits = self.model(ids, positions, cache=self.cache, output_index=last)[:, 0]  # (B, V)
-        self._sample_into(call, [s for s, _, _ in rows], logits)
-
-    def _sample_into(self, call: _Call, seqs: list[_Seq], logits: Tensor):
+    def sample_into(self, call: Call, seqs: list[Row], logits: Tensor):
         """Sample one token per row from (B, V) logits outside the decode loop (first tokens,
         after observations), then arm the rows that go on in the device state."""
         st, p = self.state, call.params
@@ -483,13 +243,13 @@ class Sampler:
         if go:
             idx = to_device([s.slot for s in go], self.device)
             new = to_device([[s.token_ids[-1], len(s.prompt) + len(s.token_ids) - 1, len(s.token_ids),
-                              _limit(call, s), s.key] for s in go], self.device)
+                              turn_limit(call, s), s.key] for s in go], self.device)
             st.tok[idx], st.pos[idx], st.ntok[idx], st.max_tokens[idx], st.key[idx] = new.T
             st.active[idx] = True
 
     # ------------------------------------------------------------------------- 3. decode
 
-    def _decode(self, call: _Call):
+    def _decode(self, call: Call):
         st, W = self.state, self.window
         # The live rows sit in slots [0, len(live)) (_compact). Eager decode computes exactly those;
         # a CUDA graph replays the shapes it was captured with, so a graphed window decodes the
@@ -526,7 +286,7 @@ class Sampler:
             self._take(call, *call.in_flight)
         call.in_flight = window
 
-    def _take(self, call: _Call, out: list, num_slots: int, rows: list, done):
+    def _take(self, call: Call, out: list, num_slots: int, rows: list, done):
         """Accept one window's tokens. `rows`: (slot, row, epoch) at its launch; a row that stopped
         since (a stop string found in the window before, a finish) takes none of its tokens, and
         the row now in that slot, if any, was not decoding in it."""
@@ -544,7 +304,7 @@ class Sampler:
         if stopped:  # stop strings are found here, not on device: retire those rows there too
             self.state.active[to_device(stopped, self.device)] = False
 
-    def _compact(self, call: _Call):
+    def _compact(self, call: Call):
         """Move the rows in the highest occupied slots down into the free slots below them, so
         that a decode step over [0, max(live) + 1) computes no finished row. A move copies the
         row's cached positions once (a fork) and its decode state; without it, rows that finished
@@ -564,40 +324,28 @@ class Sampler:
             st.active[src] = False
             s.slot, call.live[dst] = dst, s
 
-    def _graph(self, call: _Call, num_slots: int, cache_len: int):
+    def _graph(self, call: Call, num_slots: int, cache_len: int):
         """The CUDA graph of one decode window over slots [0, num_slots) and keys [0, cache_len),
         captured on first use and kept (with the cache, the state and the decode weights it
         reads, all at fixed addresses) for every later call. Warm-up runs on a copy of the
         state, which is then restored (capture runs nothing)."""
-        p = call.params
+        p, st = call.params, self.state
         key = (num_slots, cache_len, p.temperature, p.top_k, p.top_p, p.min_p)
         if key not in self.graphs:
-            t0, st = time.time(), self.state
-            window = lambda: [decode_step(self.weights, self.cache, st, p, num_slots, cache_len, column)
-                              for column in range(self.window)]
-            saved = [t.clone() for t in (st.tok, st.pos, st.ntok, st.active)]
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                window()
-            torch.cuda.current_stream().wait_stream(s)
-            for t, v in zip((st.tok, st.pos, st.ntok, st.active), saved):
-                t.copy_(v)
-            g = torch.cuda.CUDAGraph()
             # the graphs replay in turn, so they share one memory pool; it lives and dies with them
             # (release(), a new cache): capturing into a pool whose graphs were freed trips an assert
             # in the caching allocator (seen on an H200, torch 2.11)
             self.graph_pool = self.graph_pool or torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(g, pool=self.graph_pool):
-                window()
-            torch.cuda.synchronize()
-            self.graphs[key] = g
-            self.capture_seconds += time.time() - t0
+            step = lambda: [decode_step(self.weights, self.cache, st, p, num_slots, cache_len, column)  # noqa: E731
+                            for column in range(self.window)]
+            saved = [(t, t.clone()) for t in (st.tok, st.pos, st.ntok, st.active)]  # warm-up moves them
+            self.graphs[key], seconds = capture(step, saved, self.graph_pool)
+            self.capture_seconds += seconds
         return self.graphs[key]
 
     # ------------------------------------------------------------------------- 4. finish
 
-    def _accept(self, call: _Call, s: _Seq, toks: list[int], lps: list[float]) -> bool:
+    def _accept(self, call: Call, s: Row, toks: list[int], lps: list[float]) -> bool:
         """Append a row's sampled tokens (one window's, in order); True when the row stops decoding
         (finished, or in a tool call). The device retires a row at a stop id and at max_tokens, so
         only the last token can end it that way; a stop string can end it earlier, found at the
@@ -607,27 +355,20 @@ class Sampler:
         s.loss_mask += [1] * len(toks)
         s.logprobs += lps
         is_tool = is_stop = False
-        if call.tail:  # stop strings: decode this turn's tail at each token that may complete one
-            for j in range(start, len(s.token_ids)):
-                tok = s.token_ids[j]
-                if tok in call.tool_stops or tok in call.stops or not call.string_end[tok]:
-                    continue
-                text = self.tokenizer.decode(s.token_ids[max(s.turn_start, j + 1 - call.tail): j + 1])
-                is_tool = any(x in text for x in p.tool_stop_strings)
-                is_stop = any(x in text for x in p.stop_strings)
-                if is_tool or is_stop:
-                    del s.token_ids[j + 1:], s.loss_mask[j + 1:], s.logprobs[j + 1:]
-                    break
+        found = find_stop_string(self.tokenizer, call, s, start) if call.tail else None  # grpo/stops.py
+        if found:
+            j, is_tool, is_stop = found
+            del s.token_ids[j + 1:], s.loss_mask[j + 1:], s.logprobs[j + 1:]  # the tokens after it are dropped
         last = s.token_ids[-1]
         is_tool, is_stop = is_tool or last in call.tool_stops, is_stop or last in call.stops
         # the turn's own limit ends a turn that is not a tool call; a call that closes on it still runs
-        full = len(s.token_ids) >= (s.max_tokens if is_tool else _limit(call, s))
+        full = len(s.token_ids) >= (s.max_tokens if is_tool else turn_limit(call, s))
         if is_stop or (is_tool and call.tool is None):
-            self._finish(call, s, "stop")
+            self.finish(call, s, "stop")
         elif full:  # also a tool call with no room left for its observation
-            self._finish(call, s, "length")
+            self.finish(call, s, "length")
         elif is_tool and s.num_turns >= p.max_turns:
-            self._finish(call, s, "turns")
+            self.finish(call, s, "turns")
         elif is_tool:
             call.pending[self.pool.submit(call.tool, s.index, list(s.token_ids))] = s
             s.in_tool = True
@@ -636,63 +377,10 @@ class Sampler:
         s.epoch += 1  # a window launched before now holds nothing of this row's
         return True
 
-    def _finish(self, call: _Call, s: _Seq, reason: str, error: str | None = None):
+    def finish(self, call: Call, s: Row, reason: str, error: str | None = None):
         s.finish_reason, s.error = reason, error
         del call.live[s.slot]
         call.out[s.index] = s
         call.bar.update(1)
 
 
-def _limit(call: _Call, s: _Seq) -> int:
-    """The length at which the row stops: its max_tokens, or sooner, its turn's max_turn_tokens."""
-    per_turn = call.params.max_turn_tokens
-    return min(s.max_tokens, s.turn_start + per_turn) if per_turn else s.max_tokens
-
-
-def _public(s: _Seq) -> Completion:
-    return Completion(s.prompt_index, s.sample_index, s.token_ids, s.loss_mask, s.logprobs, s.finish_reason,
-                      s.num_turns, s.error)
-
-
-def _prefill_chunks(prompts: list[list[int]], budget: int) -> list[list[int]]:
-    """Split prompt indices into runs of at most `budget` tokens (a longer prompt goes alone)."""
-    chunks, size = [[]], 0
-    for k, x in enumerate(prompts):
-        if chunks[-1] and size + len(x) > budget:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(k)
-        size += len(x)
-    return [c for c in chunks if c]
-
-
-class _Bar:
-    """Rows finished (tqdm: rate and ETA) and, every 2 s, the tokens decoded and tokens/s: in one
-    call all rows decode together and finish near its end, so the row count alone barely moves."""
-    def __init__(self, total: int, enabled: bool):
-        self.bar = None
-        if enabled:  # tqdm imported only for a bar, and none without it: a bare GPU box (bench/gpu_check.py)
-            try:
-                from tqdm import tqdm
-                self.bar = tqdm(total=total, desc="sampling", unit="seq", leave=False)
-            except ImportError:
-                pass
-        self.t0 = self.shown = time.time()
-
-    def update(self, k: int):
-        if self.bar is not None:
-            self.bar.update(k)
-
-    def tokens(self, count: Callable[[], int]):
-        now = time.time()
-        if self.bar is not None and now - self.shown >= 2.0:
-            n, self.shown = count(), now
-            self.bar.set_postfix_str(f"{n} tok, {n / max(now - self.t0, 1e-9):.0f} tok/s")
-
-    def close(self):
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _progress(total: int, enabled: bool) -> _Bar:
-    return _Bar(total, enabled)

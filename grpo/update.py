@@ -20,6 +20,7 @@ import torch
 from grpo import dist
 from grpo.config import Config
 from grpo.loss import LossOptions, policy_loss
+from grpo.progress import bar
 from grpo.shared_prompt import prompt_rows, shared_prompt_batch
 
 # ----------------------------------------------------------------------------- micro-batches
@@ -149,13 +150,8 @@ def progress_bar(total: int):
     """Rank 0's bar over the update's micro-batches (rows done, tokens/s, ETA), gone when done; other
     ranks, and a bare GPU box without tqdm (bench/gpu_check.py needs torch and triton only), get one
     that does nothing."""
-    if dist.is_main():
-        try:
-            from tqdm import tqdm
-            return tqdm(total=total, desc="update", unit="mb", leave=False, mininterval=2.0)
-        except ImportError:
-            pass
-    return _NoBar()
+    shown = bar(total, "update", "mb", mininterval=2.0) if dist.is_main() else None
+    return _NoBar() if shown is None else shown
 
 
 class _NoBar:  # the calls the update makes on a tqdm bar, doing nothing
