@@ -18,9 +18,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRET, reason="runs in the module's TRITON_INTERPRET=1 child process")
 
 
-def rerun_under_interpreter(path: str):
-    """A test that re-runs the test module at `path` in a fresh process with TRITON_INTERPRET=1."""
-    @pytest.mark.slow  # starts a process (tests/conftest.py: the fast subset leaves it out)
+def rerun_under_interpreter(path: str, slow: bool = True):
+    """A test that re-runs the test module at `path` in a fresh process with TRITON_INTERPRET=1. `slow`
+    (it starts a process: tests/conftest.py's fast subset leaves it out); tests/test_kernels_fast.py's
+    is not, so that the fast subset runs a Triton kernel too."""
     @pytest.mark.skipif(INTERPRET, reason="already under the interpreter")
     @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
     def test_under_interpreter():
@@ -28,4 +29,4 @@ def rerun_under_interpreter(path: str):
                              env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
         print(out.stdout[-2000:])
         assert out.returncode == 0, out.stdout[-8000:] + out.stderr[-2000:]
-    return test_under_interpreter
+    return pytest.mark.slow(test_under_interpreter) if slow else test_under_interpreter
