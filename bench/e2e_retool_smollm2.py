@@ -6,7 +6,7 @@ trainer) on a model 30x smaller than the card's. Prints seconds, samples and tok
 
 What differs from the recipe, and why: SmolLM2 has no tool-call template and never writes the
 format from a tools block alone, so its folder gets a stand-in of Qwen3-2507's tool template and
-the env puts two solved tool episodes before the question (tests/test_retool.py's TwoShotReTool);
+the env puts two solved tool episodes before the question (grpo.envs.retool_small's TwoShotReTool);
 the problems are "a to the power b" rows in DAPO-Math's and AIME's columns (training prompts with
 DAPO's "Answer:" instruction), written here, so that a 135M model calls the tool and sometimes succeeds.
 """
@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "recipes"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "recipes")]
 
 import retool_qwen3_4b as recipe   # noqa: E402
-from test_retool import QWEN3_TOOLS_TEMPLATE, TwoShotReTool   # noqa: E402
 
 from grpo.config import parse_args   # noqa: E402
+from grpo.envs.retool_small import QWEN3_TOOLS_TEMPLATE, TwoShotReTool   # noqa: E402
 from grpo.envs.sandbox import run_code   # noqa: E402
 from grpo.smollm2 import local_path   # noqa: E402
 

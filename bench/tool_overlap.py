@@ -3,7 +3,7 @@ in its thread pool while the other rows keep decoding ("overlapped"), against th
 with every call run inline, the decode loop waiting for it ("in series").
 
 Workload: SmolLM2-135M (fp32, CPU), the ReTool env with a two-shot prompt in Qwen3-2507's tool
-layout (tests/test_retool.py), P questions x G samples at T 0.7, up to 160 tokens, and a tool
+layout (grpo.envs.retool_small), P questions x G samples at T 0.7, up to 160 tokens, and a tool
 call that sleeps `--tool_s` seconds on top of its real run (model-written scripts that import
 sympy take ~0.5 s; the default 0.5 s stands for that). Both modes draw the same tokens (seeded
 per request), so they do the same work and only the waiting differs.
@@ -15,21 +15,17 @@ Last line of output: json.dumps(rows).
 import argparse
 import concurrent.futures as cf
 import json
-import os
-import sys
 import time
 
 import torch
 from transformers import AutoTokenizer
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from test_retool import QWEN3_TOOLS_TEMPLATE, TwoShotReTool  # noqa: E402
-
-from grpo.envs.sandbox import run_code  # noqa: E402
-from grpo.model import Transformer  # noqa: E402
-from grpo.rollout import rollout, sampling_params  # noqa: E402
-from grpo.sampler import Sampler  # noqa: E402
-from grpo.smollm2 import local_path  # noqa: E402
+from grpo.envs.retool_small import QWEN3_TOOLS_TEMPLATE, TwoShotReTool
+from grpo.envs.sandbox import run_code
+from grpo.model import Transformer
+from grpo.rollout import rollout, sampling_params
+from grpo.sampler import Sampler
+from grpo.smollm2 import local_path
 
 
 class Inline(cf.Executor):

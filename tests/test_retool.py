@@ -8,37 +8,15 @@ import torch
 from transformers import AutoTokenizer
 
 from grpo.envs.retool import CODE_INTERPRETER, REWARD_WEIGHTS, ReToolEnv, parse_calls
+from grpo.envs.retool_small import QWEN3_TOOLS_TEMPLATE, TwoShotReTool, tool_call
 from grpo.model import Transformer
 from grpo.rollout import Trajectory, continuation_ids, render_prompt, rollout, sampling_params, assign_rewards
 from grpo.sampler import Sampler
 
-# Qwen3-2507's tool layout (its real template is not available offline)
-QWEN3_TOOLS_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-    "{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n"
-    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
-    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{%- endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'system' and loop.first %}"
-    "{%- elif m.role == 'tool' %}{{ '<|im_start|>user\n<tool_response>\n' + m.content + '\n</tool_response><|im_end|>\n' }}"
-    "{%- else %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}")
-
-
-def call(code: str) -> str:
-    import json
-    return "<tool_call>\n" + json.dumps({"name": "code_interpreter", "arguments": {"code": code}}) + "\n</tool_call>"
-
-
 def test_parse_calls_and_error_observations():
-    assert parse_calls("Let me compute. " + call("print(1)")) == [("print(1)", None)]
+    assert parse_calls("Let me compute. " + tool_call("print(1)")) == [("print(1)", None)]
     assert parse_calls("no call, the answer is \\boxed{3}") == []
-    two = parse_calls(call("print(1)") + " and " + call("print(2)"))
+    two = parse_calls(tool_call("print(1)") + " and " + tool_call("print(2)"))
     assert [c for c, _ in two] == ["print(1)", "print(2)"]
     assert parse_calls('<tool_call>{"name": "code_interpreter", "arguments": "{\\"code\\": \\"x=1\\"}"}</tool_call>') \
         == [("x=1", None)]                                      # arguments as a JSON string
@@ -50,9 +28,9 @@ def test_parse_calls_and_error_observations():
         assert code is None and message in error, error
     ran = []
     env = ReToolEnv(run_code=lambda code, timeout: ran.append(code) or f"ran {code}\n")
-    assert env.step(call("print(1)")) == "ran print(1)\n" and ran == ["print(1)"]
+    assert env.step(tool_call("print(1)")) == "ran print(1)\n" and ran == ["print(1)"]
     assert env.step("<tool_call>{oops</tool_call>").startswith("error: tool call is not valid JSON")
-    both = env.step(call("a") + call("b"))
+    both = env.step(tool_call("a") + tool_call("b"))
     assert both == "[call 1]\nran a\n\n[call 2]\nran b\n" and ran[-2:] == ["a", "b"]   # in order
     assert env.step("The answer is \\boxed{2}.") is None
 
@@ -64,7 +42,7 @@ def test_reward_is_plus_minus_one_on_the_boxed_answer():
                           sampler_logprobs=[], finish_reason=finish, num_turns=len(turns), text="".join(turns),
                           turns=list(turns), observations=list(observations))
     ex = {"question": "2^10?", "answer": "1024"}
-    right = traj([call("print(2**10)"), "So \\boxed{1024}."], ["1024\n"])
+    right = traj([tool_call("print(2**10)"), "So \\boxed{1024}."], ["1024\n"])
     wrong = traj(["<tool_call>{bad</tool_call>", "\\boxed{1000}"], ["error: tool call is not valid JSON"])
     cut = traj(["\\boxed{1024} and then"], finish="length")
     total = lambda r: sum(REWARD_WEIGHTS[k] * v for k, v in r.items())   # noqa: E731
@@ -72,20 +50,6 @@ def test_reward_is_plus_minus_one_on_the_boxed_answer():
     assert env.reward(ex, wrong)["correct"] == 0 and total(env.reward(ex, wrong)) == -1.0
     assert env.reward(ex, wrong)["tool_errors"] == 2 and env.reward(ex, right)["tool_calls"] == 1
     assert env.reward(ex, cut)["correct"] == 0        # a truncated answer is not a final answer
-
-
-SHOTS = [("What is 2 to the power 10?", "print(2**10)", "1024"), ("What is 5 to the power 3?", "print(5**3)", "125")]
-
-
-class TwoShotReTool(ReToolEnv):
-    """SmolLM2 never writes the format from the tools block alone: two solved episodes first."""
-    def prompt(self, example):
-        shots = []
-        for q, code, out in SHOTS:
-            shots += [{"role": "user", "content": q}, {"role": "assistant", "content": call(code)},
-                      {"role": "tool", "content": out}, {"role": "assistant", "content": f"\\boxed{{{out}}}"}]
-        return [{"role": "system", "content": "Use the code_interpreter tool."}] + shots + \
-            [{"role": "user", "content": example["question"]}]
 
 
 @pytest.mark.usefixtures("one_thread")
