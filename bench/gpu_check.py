@@ -38,8 +38,8 @@ its eager reference at both decode shapes and the decode attention's launch alte
 shipped one (bench/decode_kernels.py, --sweep).
 The calculator 0.5B recipe's rollout shape (8 rows in 256 slots, tool turns of random length) on random
 weights: its time and, per decode step, the rows decoding, the rows decoded (the batch bucket) and the slots.
---preflight (grpo/preflight.py) of the 0.5B step shape sized by the memory plan for this GPU: the measured
-peaks of a worst-case step's rollouts and update against the plan's (the plan should not be exceeded).
+--preflight (grpo/preflight.py) of each shape's step (bench/step.py's) sized by the memory plan for this GPU:
+the measured peaks of a worst-case step's rollouts and update against the plan's (it should not be exceeded).
 The dry run maps each part onto the CPU: the tiny model for both shapes, the torch kernels (Triton under
 TRITON_INTERPRET=1), eager decode (the sampler has no graphs on CPU), FSDP2 over gloo. Without flash-attn
 its parts are skipped with a message. --perturb breaks one side of every parity check (for the test).
@@ -533,9 +533,9 @@ def parts_of(device, backend: str, sizes: dict, perturb: bool) -> list[tuple]:
             parts.append(("update", update_parity, (name, device, sizes, perturb)))
         parts += [("sampler", greedy_parity, (name, device, sizes, perturb)),
                   ("figures", decode_figures, (name, device, sizes))]
-        if i == 0:  # the calculator 0.5B recipe's rollout, and a preflight: the first (smaller) shape
-            parts += [("figures", rollout_figures, (name, device, sizes)),
-                      ("figures", preflight_figures, (name, device, sizes))]
+        if i == 0:  # the calculator 0.5B recipe's rollout: the first (smaller) shape
+            parts.append(("figures", rollout_figures, (name, device, sizes)))
+        parts.append(("figures", preflight_figures, (name, device, sizes)))  # the plan checked, each shape
         parts.append(("figures", step_figures, (name, device, sizes)))
     return parts
 

@@ -54,6 +54,13 @@ class Checkpointer:
     def close(self):
         signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
 
+    def save_step(self, step: int, model, optimizer, scheduler, results: dict, prompts_per_step: int,
+                  seed: int) -> Path:
+        """save() of a training run's step, with what a resume checks: the evals so far, and the data
+        position, a function of (step, prompts_per_step, seed) (grpo.trainer.prompt_batch)."""
+        data = {"next_prompt": step * prompts_per_step, "prompts_per_step": prompts_per_step, "seed": seed}
+        return self.save(step, model, optimizer, scheduler, meta={"results": results, "data": data})
+
     def save(self, step: int, model, optimizer, scheduler, meta: dict | None = None) -> Path:
         """Every rank calls this. `meta`: JSON-able extras (data position, eval results)."""
         final = self.root / f"step_{step:06d}"

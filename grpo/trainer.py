@@ -1,6 +1,9 @@
 """GRPO (arXiv 2402.03300), readable top to bottom: rollout > reward > advantage > update.
 
     train(cfg, env, train_examples, eval_examples)
+`grpo_step` (first below) is one step on one rank; `_train` is the run around it (the eval before, the
+warm-start, the steps with their logs, evals and checkpoints, the eval after and the export), and
+`start_run` its setup, which gathers what the run holds into one `Run`.
 1. Sampling runs on the very weights being trained (grpo/sampler.py): no second engine, no
    weight sync. The sampler/trainer log-prob gap is logged; truncated importance sampling
    (tis_cap) corrects what remains.
@@ -41,6 +44,83 @@ from grpo.rollout import assign_rewards, rollout, sampling_params
 from grpo.sampler import Sampler
 from grpo.sft import warm_start
 from grpo.update import loss_options, policy_update
+
+# ----------------------------------------------------------------------------- the GRPO step
+
+
+@dataclasses.dataclass
+class Run:
+    """What a run holds from setup (start_run) to its summary: the settings, the data, the models and
+    their sampler, the logs, and the results so far. The step and the evals take it whole."""
+    cfg: Config
+    env: object
+    eval_env: object
+    train_examples: list
+    eval_examples: list
+    sft_examples: list
+    credit: object              # per-token credit (grpo.process.ProcessCredit) or None
+    device: torch.device
+    tokenizer: object
+    model: object
+    ref_model: object
+    optimizer: object
+    scheduler: object
+    sampler: Sampler
+    rollouts: object            # (examples, offset) -> G scored trajectories each (scored_rollouts)
+    ckpt: Checkpointer
+    logger: object              # rank 0's Logger, else None
+    budget: object              # grpo.budget's plan: the evals' sizes and, under run_budget_min, the time
+    start: int                  # the first RL step (a resumed run's checkpoint step)
+    resumed: bool               # from a checkpoint: the eval before and the warm-start were done
+    results: dict               # eval phase -> its summary
+    t_run: float                # when the run started
+    eval_seconds: dict = dataclasses.field(default_factory=dict)  # eval phase -> seconds (run_budget_min)
+
+    def log(self, metrics: dict, step: int):
+        if self.logger:
+            self.logger.log(metrics, step)
+
+
+def grpo_step(run: Run, step: int) -> tuple[list, torch.Tensor, torch.Tensor, dict]:
+    """One step on this rank: its share of the step's prompts, G scored rollouts each -> rewards ->
+    advantages (-> per-token credit) -> mu policy updates. -> (trajectories, rewards, advantages, the
+    step's metrics)."""
+    cfg, model, share = run.cfg, run.model, rank_share(run.cfg)
+    t0 = time.time()
+    # 1. rollouts on the weights being trained, gathered once for the whole step
+    examples, first = prompt_batch(run.train_examples, step, cfg.prompts_per_step, cfg.seed)
+    mine = slice(dist.rank() * share, (dist.rank() + 1) * share)
+    model.eval()
+    with dist.gathered(model):
+        trajs = run.rollouts(examples[mine], first + mine.start)
+        if cfg.drop_flat_groups:
+            trajs = refill(trajs, share, cfg.num_generations, step, cfg, run.rollouts, run.train_examples)
+        # the update's activations get the cache's and the decode weights' memory; a CPU has no graphs
+        # to keep (the next call allocates and copies in again: ~0.1 s for SmolLM2)
+        if run.device.type != "cuda" or not cfg.keep_kv_cache:
+            run.sampler.release()
+    t1 = time.time()
+    # 2. rewards -> advantages (-> per-token credit: a sequence is left out only if all its tokens get 0)
+    rewards = final_rewards(trajs, cfg).to(run.device)
+    advantages = advantages_of(rewards, cfg)
+    t_credit = time.time()
+    if run.credit is not None:
+        advantages = run.credit(trajs, advantages, step)
+    t_credit = time.time() - t_credit
+    # 3. mu policy updates
+    model.train()
+    update = policy_update(model, run.ref_model, run.optimizer, run.scheduler, trajs, advantages, cfg, run.device,
+                           loss_options(cfg))
+    if run.device.type == "cpu":
+        trim()  # the update's freed activations back to the OS (the allocator kept GBs of them)
+    metrics = step_metrics(trajs, rewards, advantages, flat_groups(rewards.tolist(), cfg.num_generations), update,
+                           t1 - t0, time.time() - t1 - t_credit, run.scheduler.get_last_lr()[0])
+    return trajs, rewards, advantages, metrics | credit_metrics(run.credit, t1 - t0, t_credit)
+
+
+def rank_share(cfg: Config) -> int:
+    """The prompts each rank samples in a step."""
+    return cfg.prompts_per_step // dist.world_size()
 
 # ----------------------------------------------------------------------------- data and rollouts
 
@@ -323,13 +403,62 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
     advantages ((N,) in, (N,) or (N, C) out), e.g. grpo.process.ProcessCredit.
     `cfg.kernels == "torch"`: every grpo.kernels call in the run takes its PyTorch reference."""
     with kernels_of(cfg):  # a failure inside Triton or a graph capture names the way around (grpo/fallback.py)
-        return _train(cfg, env, train_examples, eval_examples, reward_weights, sft_examples, eval_env, credit)
+        run = start_run(cfg, env, train_examples, eval_examples, reward_weights, sft_examples, eval_env, credit)
+        return _train(run)
 
 
-def _train(cfg: Config, env, train_examples: list, eval_examples, reward_weights, sft_examples, eval_env,
-           credit) -> dict:
-    # ---- 1. setup: checks, the run folder (never another run's), models, optimizer, sampler, logs
-    t_run, eval_seconds = time.time(), {}  # eval phase -> seconds, for run_budget_min
+def _train(run: Run) -> dict:
+    cfg, results = run.cfg, run.results
+    # ---- 1. eval before, optional warm-start (a resumed run did both: every checkpoint comes after)
+    if not run.resumed:
+        run_eval(run, "before", 0)
+        if cfg.sft_steps > 0:
+            warm_start_phase(run)
+    dist.on_rank0(note_run, cfg.output_dir, {"eval_questions": run.budget.eval_q})  # grpo.eval --run asks these
+    # ---- 2. RL: grpo_step, then logs, evals, checkpoints and stops
+    t_start, steps_done, stop = time.time(), run.start, False
+    budget_s = rl_time_budget(run, t_start)
+    bar = tqdm(range(run.start, cfg.max_steps), desc="grpo", disable=not dist.is_main(), initial=run.start,
+               total=cfg.max_steps)
+    for step in bar:
+        t0 = time.time()
+        trajs, rewards, advantages, metrics = grpo_step(run, step)
+        steps_done = step + 1
+        log_step(run, steps_done, metrics, bar, time.time() - t0, (trajs, rewards, advantages))
+        if cfg.eval_steps and steps_done % cfg.eval_steps == 0 and steps_done < cfg.max_steps:
+            run_eval(run, f"step{steps_done}", steps_done)
+        reason = stop_reason(run.ckpt.stop_requested, budget_s, t_start, steps_done - run.start, cfg.min_rl_steps)
+        stop = reason == "sigterm"  # SIGTERM: save, then leave cleanly
+        if stop or cfg.save_steps and steps_done % cfg.save_steps == 0:
+            save(run, steps_done)
+        if reason:
+            dist.print0(f"SIGTERM: checkpoint written at step {steps_done}, exiting" if stop else
+                        f"time budget ({budget_s / 60:.1f} min for RL): stopping after {steps_done} steps "
+                        f"(the next would end past it)")
+            break
+    bar.close()
+    if not stop and cfg.save_steps and steps_done > run.start and steps_done % cfg.save_steps:
+        save(run, steps_done)  # the last steps (e.g. cut by the time budget) are not lost: --resume continues
+    # ---- 3. eval after, export (not after SIGTERM: the job is being stopped, the checkpoint is what counts)
+    export_dir = os.path.join(cfg.output_dir, "export") if cfg.export and not stop else None
+    if not stop:
+        run_eval(run, "after", steps_done)
+        if export_dir:  # merged weights (transformers loads them); under LoRA also the adapters (PEFT loads them)
+            export(run.model, export_dir, adapter_dir=os.path.join(cfg.output_dir, "adapter") if cfg.use_peft else None,
+                   base_model=cfg.model_path)
+    if dist.is_main():  # before -> after with intervals, the paired gain, the export: printed and summary.json
+        write_summary(cfg.output_dir, results, steps_done, time.time() - run.t_run, export_dir)
+    run.ckpt.close()
+    if run.logger:
+        run.logger.close()
+    return results
+
+
+def start_run(cfg: Config, env, train_examples: list, eval_examples, reward_weights, sft_examples, eval_env,
+              credit) -> Run:
+    """Checks, the run folder (never another run's), the sizes from the memory plan, models, optimizer,
+    sampler, the resumed checkpoint, the logs and the evals' sizes."""
+    t_run = time.time()
     cfg.check()
     dist.init(cfg.dist_timeout_min)
     sft_examples = sft_examples or train_examples
@@ -347,135 +476,85 @@ def _train(cfg: Config, env, train_examples: list, eval_examples, reward_weights
     start, results = (found["step"], found.get("results", {})) if found else (0, {})
     logger = Logger(cfg.output_dir, start if found else None, list(results), "tensorboard" in reporters(cfg.report_to),
                     open_trackers(cfg, found is not None)) if dist.is_main() else None
-    log = logger.log if logger else (lambda m, s: None)
-    B, G, world, rank = cfg.prompts_per_step, cfg.num_generations, dist.world_size(), dist.rank()
     # the eval sizes (run_budget_min: shrunk to what fits on this machine) and the phases' estimates
     budget = make_plan(cfg, model, sampler, tokenizer, eval_env or env, eval_examples, sft_examples)
     if "warmstart" in results:  # resumed: the last eval pairs with the warm-start's questions
         budget.eval_q = results["warmstart"]["questions"]
-
-    def run_eval(phase: str, at_step: int):
-        # the untrained model's eval can be shorter: it scores ~0 and rambles to the token limit
-        limit = budget.before_q if phase == "before" else budget.eval_q
-        protocols = [(phase, False)] + ([(f"{phase}_greedy", True)] if cfg.eval_greedy and cfg.eval_temperature else [])
-        t = time.time()
-        for name, greedy in protocols:
-            if not eval_examples or name in results:
-                continue
-            model.eval()
-            r = evaluate_on_ranks(model, tokenizer, eval_env or env, list(eval_examples[:limit]), cfg, greedy, sampler)
-            records, results[name] = r.pop("records"), r  # per_question: what a paired comparison pairs
-            dist.print0(f"eval {name}: mean@{r['n']} {r['mean']:.3f} ± {r['ci95']:.3f} | pass@{r['n']} {r['pass']:.3f}")
-            log({f"eval/{name}/mean": r["mean"], f"eval/{name}/pass": r["pass"]}, at_step)
-            if logger:
-                logger.dump_jsonl(f"eval_{name}.jsonl", records)
-            eval_seconds[phase] = time.time() - t
-        if phase in ("before", "warmstart") and phase in eval_seconds:
-            budget.done(phase, eval_seconds[phase], limit)
-
-    def save(at_step: int):  # the data position is a function of (step, B, seed): saved to be checked
-        data = {"next_prompt": at_step * B, "prompts_per_step": B, "seed": cfg.seed}
-        meta = {"results": results, "data": data}
-        dist.print0(f"checkpoint: {ckpt.save(at_step, model, optimizer, scheduler, meta=meta)}")
-
-    # ---- 2. eval before, optional warm-start (a resumed run did both: every checkpoint comes after)
-    if found is None:
-        run_eval("before", 0)
-        if cfg.sft_steps > 0:
-            t = time.time()
-            warm_start(model, tokenizer, env, sft_examples, cfg, device, log)
-            if device.type == "cpu":
-                trim()
-            budget.done("warm-start", time.time() - t, cfg.sft_steps)
-            if budget.refit(time.time() - t_run):  # the evals shrink further if the phases ran slower
-                dist.print0(budget.line(time.time() - t_run))
-            run_eval("warmstart", 0)
-            if cfg.save_steps:
-                save(0)  # a crash in the RL phase does not cost the warm-start
-
-    dist.on_rank0(note_run, cfg.output_dir, {"eval_questions": budget.eval_q})  # grpo.eval --run asks these
-
-    # ---- 3. RL
-    params = sampling_params(env, tokenizer, G, cfg.temperature, cfg.max_completion_length, cfg.seed,
-                             cfg.top_p, cfg.top_k, cfg.min_p, cfg.max_turns)
+    params = sampling_params(env, tokenizer, cfg.num_generations, cfg.temperature, cfg.max_completion_length,
+                             cfg.seed, cfg.top_p, cfg.top_k, cfg.min_p, cfg.max_turns)
     rollouts = functools.partial(scored_rollouts, sampler, tokenizer, env, params,
                                  dict(enable_thinking=cfg.enable_thinking), reward_weights)
-    opts, share, t_start, steps_done, stop = loss_options(cfg), B // world, time.time(), start, False
-    # the last evals: as long as the warm-start's (the same questions), else the plan's estimate
-    last_eval = (eval_seconds.get("warmstart") or budget.estimate("after", budget.eval_q)
-                 or eval_seconds.get("before", 0.0))
-    budget_s = rl_budget(cfg, t_start - t_run, last_eval)
+    return Run(cfg, env, eval_env or env, train_examples, list(eval_examples), sft_examples, credit, device, tokenizer,
+               model, ref_model, optimizer, scheduler, sampler, rollouts, ckpt, logger, budget, start, found is not None,
+               results, t_run)
+
+
+def run_eval(run: Run, phase: str, at_step: int):
+    """The eval of `phase` (and its greedy twin with eval_greedy), unless it has results already (a
+    resumed run): every rank's share, summed up on each; logged, and its records written by rank 0."""
+    cfg, results = run.cfg, run.results
+    # the untrained model's eval can be shorter: it scores ~0 and rambles to the token limit
+    limit = run.budget.before_q if phase == "before" else run.budget.eval_q
+    protocols = [(phase, False)] + ([(f"{phase}_greedy", True)] if cfg.eval_greedy and cfg.eval_temperature else [])
+    t = time.time()
+    for name, greedy in protocols:
+        if not run.eval_examples or name in results:
+            continue
+        run.model.eval()
+        r = evaluate_on_ranks(run.model, run.tokenizer, run.eval_env, run.eval_examples[:limit], cfg, greedy,
+                              run.sampler)
+        records, results[name] = r.pop("records"), r  # per_question: what a paired comparison pairs
+        dist.print0(f"eval {name}: mean@{r['n']} {r['mean']:.3f} ± {r['ci95']:.3f} | pass@{r['n']} {r['pass']:.3f}")
+        run.log({f"eval/{name}/mean": r["mean"], f"eval/{name}/pass": r["pass"]}, at_step)
+        if run.logger:
+            run.logger.dump_jsonl(f"eval_{name}.jsonl", records)
+        run.eval_seconds[phase] = time.time() - t
+    if phase in ("before", "warmstart") and phase in run.eval_seconds:
+        run.budget.done(phase, run.eval_seconds[phase], limit)
+
+
+def warm_start_phase(run: Run):
+    """The supervised warm-start, the time plan made again from what it measured, its eval, and a
+    checkpoint at step 0 (a crash in the RL phase does not cost the warm-start)."""
+    t = time.time()
+    warm_start(run.model, run.tokenizer, run.env, run.sft_examples, run.cfg, run.device, run.log)
+    if run.device.type == "cpu":
+        trim()
+    run.budget.done("warm-start", time.time() - t, run.cfg.sft_steps)
+    if run.budget.refit(time.time() - run.t_run):  # the evals shrink further if the phases ran slower
+        dist.print0(run.budget.line(time.time() - run.t_run))
+    run_eval(run, "warmstart", 0)
+    if run.cfg.save_steps:
+        save(run, 0)
+
+
+def rl_time_budget(run: Run, t_start: float) -> float | None:
+    """Seconds left to RL under run_budget_min (None: no limit), the last evals planned as long as the
+    warm-start's (the same questions), else at the plan's estimate; said at start."""
+    seconds = run.eval_seconds
+    last_eval = seconds.get("warmstart") or run.budget.estimate("after", run.budget.eval_q) or seconds.get("before", 0.0)
+    budget_s = rl_budget(run.cfg, t_start - run.t_run, last_eval)
     if budget_s is not None:
         dist.print0(f"RL: {budget_s / 60:.1f} min of the budget left (the last evals planned at {last_eval / 60:.1f} "
-                    f"min); at least {min(cfg.min_rl_steps, cfg.max_steps - start)} steps (min_rl_steps)")
-    bar = tqdm(range(start, cfg.max_steps), desc="grpo", disable=not dist.is_main(), initial=start,
-               total=cfg.max_steps)
-    for step in bar:
-        t0 = time.time()
-        # 3a. rollouts: this rank's share of the step's prompts, G scored samples each
-        examples, first = prompt_batch(train_examples, step, B, cfg.seed)
-        model.eval()
-        with dist.gathered(model):
-            trajs = rollouts(examples[rank * share:(rank + 1) * share], first + rank * share)
-            if cfg.drop_flat_groups:
-                trajs = refill(trajs, share, G, step, cfg, rollouts, train_examples)
-            # the update's activations get the cache's and the decode weights' memory; a CPU has no graphs
-            # to keep (the next call allocates and copies in again: ~0.1 s for SmolLM2)
-            if device.type != "cuda" or not cfg.keep_kv_cache:
-                sampler.release()
-        t1 = time.time()
-        # 3b. rewards -> advantages
-        rewards = final_rewards(trajs, cfg).to(device)
-        advantages = advantages_of(rewards, cfg)
-        t_credit = time.time()
-        if credit is not None:  # per-token credit: a sequence is left out only if all its tokens get 0
-            advantages = credit(trajs, advantages, step)
-        t_credit = time.time() - t_credit
-        # 3c. mu policy updates
-        model.train()
-        update = policy_update(model, ref_model, optimizer, scheduler, trajs, advantages, cfg, device, opts)
-        if device.type == "cpu":
-            trim()  # the update's freed activations back to the OS (the allocator kept GBs of them)
-        t2, steps_done = time.time(), step + 1
-        # 3d. logging (one line per step on rank 0), eval, checkpoints, stops
-        metrics = step_metrics(trajs, rewards, advantages, flat_groups(rewards.tolist(), G), update,
-                               t1 - t0, t2 - t1 - t_credit, scheduler.get_last_lr()[0])
-        metrics |= credit_metrics(credit, t1 - t0, t_credit)
-        log(metrics, steps_done)
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", len=f"{metrics['completion/len']:.0f}")
-        dist.print0(f"step {steps_done} | reward {metrics['reward/mean']:.3f} | "
-                    f"len {metrics['completion/len']:.0f} | loss {metrics['loss']:.4f} | "
-                    f"gap {metrics['sampler_gap']:.2e} | {t2 - t0:.1f}s")
-        if cfg.log_completions_steps and steps_done % cfg.log_completions_steps == 0:  # all ranks', to rank 0
-            records = dist.all_gather_objects(rollout_records(trajs, rewards, advantages, tokenizer))
-            if logger:
-                logger.rollouts(records, steps_done)
-        if cfg.eval_steps and steps_done % cfg.eval_steps == 0 and steps_done < cfg.max_steps:
-            run_eval(f"step{steps_done}", steps_done)
-        reason = stop_reason(ckpt.stop_requested, budget_s, t_start, steps_done - start, cfg.min_rl_steps)
-        stop = reason == "sigterm"  # SIGTERM: save, then leave cleanly
-        if stop or cfg.save_steps and steps_done % cfg.save_steps == 0:
-            save(steps_done)
-        if reason:
-            dist.print0(f"SIGTERM: checkpoint written at step {steps_done}, exiting" if stop else
-                        f"time budget ({budget_s / 60:.1f} min for RL): stopping after {steps_done} steps "
-                        f"(the next would end past it)")
-            break
-    bar.close()
-    if not stop and cfg.save_steps and steps_done > start and steps_done % cfg.save_steps:
-        save(steps_done)  # the last steps (e.g. cut by the time budget) are not lost: --resume continues
+                    f"min); at least {min(run.cfg.min_rl_steps, run.cfg.max_steps - run.start)} steps (min_rl_steps)")
+    return budget_s
 
-    # ---- 4. eval after, export (not after SIGTERM: the job is being stopped, the checkpoint is what counts)
-    if not stop:
-        run_eval("after", steps_done)
-        if cfg.export:  # merged weights (transformers loads them); under LoRA also the adapters (PEFT loads them)
-            export(model, os.path.join(cfg.output_dir, "export"),
-                   adapter_dir=os.path.join(cfg.output_dir, "adapter") if cfg.use_peft else None,
-                   base_model=cfg.model_path)
-    if dist.is_main():  # before -> after with intervals, the paired gain, the export: printed and summary.json
-        write_summary(cfg.output_dir, results, steps_done, time.time() - t_run,
-                      os.path.join(cfg.output_dir, "export") if cfg.export and not stop else None)
-    ckpt.close()
-    if logger:
-        logger.close()
-    return results
+
+def log_step(run: Run, steps_done: int, metrics: dict, bar, seconds: float, batch: tuple):
+    """The step's metrics to the logs, one line on rank 0, and every log_completions_steps the step's
+    rollouts (all ranks', gathered to rank 0)."""
+    run.log(metrics, steps_done)
+    bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", len=f"{metrics['completion/len']:.0f}")
+    dist.print0(f"step {steps_done} | reward {metrics['reward/mean']:.3f} | len {metrics['completion/len']:.0f} | "
+                f"loss {metrics['loss']:.4f} | gap {metrics['sampler_gap']:.2e} | {seconds:.1f}s")
+    if run.cfg.log_completions_steps and steps_done % run.cfg.log_completions_steps == 0:
+        records = dist.all_gather_objects(rollout_records(*batch, run.tokenizer))
+        if run.logger:
+            run.logger.rollouts(records, steps_done)
+
+
+def save(run: Run, at_step: int):
+    """A checkpoint of the run at `at_step`, with what a resume checks (grpo.checkpoint.Checkpointer.save_step)."""
+    path = run.ckpt.save_step(at_step, run.model, run.optimizer, run.scheduler, run.results, run.cfg.prompts_per_step,
+                              run.cfg.seed)
+    dist.print0(f"checkpoint: {path}")
