@@ -169,7 +169,7 @@ def build(config: dict, layers: int):
 
 def step_count(config: dict, B: int, layers: int, way: str, arch: int) -> dict:
     """Kernels of one decode step over B rows at position PLEN, `way` one of "model" | "torch" | "triton"."""
-    import grpo.window as sampler_module  # where decode_step finds decode_hidden
+    import grpo.window as window  # where decode_step finds decode_hidden
     from grpo.sampler import Sampler, SamplingParams, decode_step
     from grpo.sampling import sample
     model = build(config, layers)
@@ -194,8 +194,8 @@ def step_count(config: dict, B: int, layers: int, way: str, arch: int) -> dict:
         if way != "triton":
             stack.enter_context(kernels.references())
         if way == "model":  # the model's forward gives logits, and the sampler samples them
-            stack.enter_context(mock.patch.object(sampler_module, "decode_hidden", model_decode))
-            stack.enter_context(mock.patch.object(sampler_module, "sample_hidden",
+            stack.enter_context(mock.patch.object(window, "decode_hidden", model_decode))
+            stack.enter_context(mock.patch.object(window, "sample_hidden",
                                                   lambda logits, weight, *a: sample(logits, *a)))
         stack.enter_context(mock.patch.object(kernels, "fused_sample", sample_kernel))
         with count:

@@ -127,8 +127,8 @@ def counting(model):
     """Tokens through prefill forwards (B*T, T > 1) and rows of decode forwards (T == 1): a
     pre-hook on the top module, which sees (B, T) input ids on both sides, and our sampler's
     decode steps (grpo.decode.decode_hidden over its resident weights, not the module: wrapped here)."""
-    import grpo.window as sampler_module  # where the sampler's decode_step calls it
-    count, inner = {"prefill": 0, "decode": 0}, sampler_module.decode_hidden
+    import grpo.window as window  # where the sampler's decode_step calls it
+    count, inner = {"prefill": 0, "decode": 0}, window.decode_hidden
 
     def hook(module, args, kwargs):
         B, T = (args[0] if args else kwargs["input_ids"]).shape
@@ -139,7 +139,7 @@ def counting(model):
         return inner(w, cache, tok, pos, n, span, *rest, **kw)
     handle = model.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        with mock.patch.object(sampler_module, "decode_hidden", decode):
+        with mock.patch.object(window, "decode_hidden", decode):
             yield count
     finally:
         handle.remove()

@@ -61,6 +61,15 @@ class Checkpointer:
         data = {"next_prompt": step * prompts_per_step, "prompts_per_step": prompts_per_step, "seed": seed}
         return self.save(step, model, optimizer, scheduler, meta={"results": results, "data": data})
 
+    @staticmethod
+    def check_position(found: dict, prompts_per_step: int, seed: int):
+        """A loaded checkpoint (load_latest's) against the run resuming it: save_step's data position is a
+        function of prompts_per_step and seed, so a resume must keep them."""
+        data = found.get("data", {})
+        if data and (data["prompts_per_step"], data["seed"]) != (prompts_per_step, seed):
+            raise ValueError(f"{found['path']} was written with {data}: the data position is a function of "
+                             "prompts_per_step and seed, so keep them (or use a new output_dir)")
+
     def save(self, step: int, model, optimizer, scheduler, meta: dict | None = None) -> Path:
         """Every rank calls this. `meta`: JSON-able extras (data position, eval results)."""
         final = self.root / f"step_{step:06d}"

@@ -202,7 +202,7 @@ def apply_profile(cfg: Config, name: str = "auto", given=()) -> dict:
     """Resolve the profile once, under what the recipe chose: Config defaults < profile < the recipe's own
     defaults < YAML < command line (`given`: the fields those two set). On a GPU ("auto", or a GPU's name
     in grpo.memory.GPU_MEMORY_GIB) it names the fields the memory plan sizes at start
-    (grpo.trainer.fit_to_memory): of grpo.memory.SIZED, those nobody set; a field the recipe declares is
+    (grpo.trainer.size_to_memory): of grpo.memory.SIZED, those nobody set; a field the recipe declares is
     its choice, even at Config's default. On a CPU it sets dtype float32. "none": Config's own values.
     cfg.profile_applied records it (config.json: a Config built in Python records that none was applied).
     -> the settings applied now."""
@@ -228,5 +228,14 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-# the command line of a Config (parse_args, --help, YAML): grpo/flags.py, which imports this module
-from grpo.flags import parse_args, print_help, required_fields  # noqa: E402,F401
+COMMAND_LINE = ("parse_args", "print_help", "required_fields")  # grpo/flags.py's, reachable from here too
+__all__ = ["Config", "apply_profile", "CHOICES", "LOSS_TYPES", "SCALES", "REPORTERS", *COMMAND_LINE]
+
+
+def __getattr__(name: str):
+    """grpo.config.parse_args and the rest of COMMAND_LINE: grpo/flags.py's, imported on first use (it
+    imports this module, so not at the top)."""
+    if name in COMMAND_LINE:
+        from grpo import flags
+        return getattr(flags, name)
+    raise AttributeError(f"module 'grpo.config' has no attribute {name!r}")

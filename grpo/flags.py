@@ -15,7 +15,8 @@ import sys
 import types
 import typing
 
-from grpo.config import CHOICES, Config, _cuda, apply_profile
+from grpo import config
+from grpo.config import CHOICES, Config, apply_profile
 
 # names before TRL's vocabulary (one vocabulary: no aliases, but a pointer in the error)
 RENAMED = {"lr": "learning_rate", "num_steps": "max_steps", "group_size": "num_generations",
@@ -150,15 +151,17 @@ def required_fields(cls) -> tuple:
 def print_help(cls):
     defaults, hints, (text, sections) = cls(), typing.get_type_hints(cls), field_docs(cls)
     from grpo.memory import SIZED
-    profile = {k: "sized by the memory plan" for k in SIZED} if _cuda() else {"dtype": "float32"}
+    profile = {k: "sized by the memory plan" for k in SIZED} if config._cuda() else {"dtype": "float32"}
     required = required_fields(cls)
     doc = cls.__doc__ or ""
     if doc.startswith(cls.__name__ + "("):  # dataclass's generated signature: the recipe's own text instead
         doc = (sys.modules[cls.__module__].__doc__ or "").strip().split("\n\n")[0]
     print(doc.strip() + "\n\nflags: --name=value or --name value (booleans: --name, --name true|false|1|0); "
           "--config FILE.yaml (flags win)")
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = [f.name for f in dataclasses.fields(cls)]
     groups = {g: [n for n in members if n in names] for g, members in sections.items()}
+    unread = [n for n in names if not any(n in members for members in groups.values())]  # no source to read
+    groups[next(iter(groups), "fields")] = unread + groups.get(next(iter(groups), "fields"), [])
     if required:
         groups = {"required": list(required)} | {g: [n for n in ns if n not in required] for g, ns in groups.items()}
     for group, members in groups.items():

@@ -263,9 +263,10 @@ def size(args, cfg, world: int, device: str, memory_gib: float | None, extra: li
     """Values for the `free` fields of cfg (of SIZED) with which the plan fits, chosen in two steps:
     - the sampler: the largest gen_batch (no more than a call's rows: the step's or an eval's per rank,
       rounded up to a power of two) that leaves the update room for a FAST_MICRO_BATCH with checkpointing
-      (with keep_kv_cache the cache stays through the update), else any update; its KV budget what gen_batch rows of
-      training's longest sequence hold (so no GiB is held for nothing; an eval's longer rows, where its
-      completions are longer, take fewer slots of the same budget, at least one);
+      (with keep_kv_cache the cache stays through the update), else any update; its KV budget what gen_batch
+      rows of training's longest sequence hold (an eval's longer rows take fewer slots of the same budget,
+      at least one; a GPU keeps all gen_batch slots through the update with keep_kv_cache, so a step of
+      fewer rows than an eval's holds the eval's slots);
     - the update: the largest micro-batch without gradient checkpointing, down to FAST_MICRO_BATCH tokens,
       else the largest with it; never below the longest sequence (one must fit a micro-batch).
     Where nothing fits, the smallest of each: the run's refusal then names what else would fit."""
@@ -279,6 +280,9 @@ def size(args, cfg, world: int, device: str, memory_gib: float | None, extra: li
     rows = max(cfg.prompts_per_step * cfg.num_generations // world,
                getattr(cfg, "eval_limit", 0) * max(1, getattr(cfg, "eval_n", 1)) // world, 1)
     batches = [g for g in GEN_BATCHES if g < 2 * rows] or [GEN_BATCHES[-1]]
+    if "kv_budget_gb" not in free and cfg.kv_budget_gb:  # the user's budget: no more rows than it holds
+        held = int(cfg.kv_budget_gb * GIB) // slot
+        batches = [g for g in batches if g <= held] or [max(1, min(held, GEN_BATCHES[-1]))]
     micro = [m for m in MICRO_BATCHES if m >= longest] or [-(-longest // 1024) * 1024]
     updates = [(False, m) for m in micro if m >= FAST_MICRO_BATCH] + [(True, m) for m in micro]  # (checkpointing, tokens)
     if "gen_batch" not in free:

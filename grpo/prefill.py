@@ -8,7 +8,7 @@ Both then sample each row's next token (Sampler.sample_into) and arm it for deco
 import torch
 
 from grpo.kv_cache import to_device
-from grpo.rows import Call, Row, prefill_chunks
+from grpo.rows import Call, Row
 
 
 def admit(sampler, call: Call):
@@ -54,6 +54,7 @@ def admit(sampler, call: Call):
             del call.prompt_logits[i]
     sampler.sample_into(call, new, logits)
 
+
 def prefill(sampler, call: Call, heads: list[Row], starting: set[int]):
     """One packed forward over the prompts of `heads`, each the longest new prompt of a fresh
     document (positions restart at 0 per prompt, so the model's document mask keeps them
@@ -76,6 +77,7 @@ def prefill(sampler, call: Call, heads: list[Row], starting: set[int]):
     sampler.tokens_prefilled += ids.shape[1]
     for i, row in zip(wanted, logits):
         call.prompt_logits[i] = row
+
 
 def resume(sampler, call: Call):
     """Rows whose tool call returned: append the observation (mask 0) to the row and to its
@@ -119,3 +121,15 @@ def resume(sampler, call: Call):
     positions = start[:, None] + torch.arange(T, device=dev)
     logits = sampler.model(ids, positions, cache=sampler.cache, output_index=last)[:, 0]  # (B, V)
     sampler.sample_into(call, [s for s, _, _ in rows], logits)
+
+
+def prefill_chunks(prompts: list[list[int]], budget: int) -> list[list[int]]:
+    """Split prompt indices into runs of at most `budget` tokens (a longer prompt goes alone)."""
+    chunks, size = [[]], 0
+    for k, x in enumerate(prompts):
+        if chunks[-1] and size + len(x) > budget:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(k)
+        size += len(x)
+    return [c for c in chunks if c]

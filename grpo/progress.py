@@ -1,5 +1,5 @@
 """Progress bars for long work (a sampler call, an update): tqdm's, or none where tqdm is not installed
-(a bare GPU box: bench/gpu_check.py needs torch and triton only) or on ranks other than the first."""
+(a bare GPU box: bench/gpu_check.py needs torch and triton only). The callers show one on rank 0 only."""
 import time
 from typing import Callable
 

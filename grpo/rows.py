@@ -82,15 +82,3 @@ def turn_limit(call: Call, s: Row) -> int:
 def public(s: Row) -> Completion:
     return Completion(s.prompt_index, s.sample_index, s.token_ids, s.loss_mask, s.logprobs, s.finish_reason,
                       s.num_turns, s.error)
-
-
-def prefill_chunks(prompts: list[list[int]], budget: int) -> list[list[int]]:
-    """Split prompt indices into runs of at most `budget` tokens (a longer prompt goes alone)."""
-    chunks, size = [[]], 0
-    for k, x in enumerate(prompts):
-        if chunks[-1] and size + len(x) > budget:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(k)
-        size += len(x)
-    return [c for c in chunks if c]

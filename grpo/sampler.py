@@ -56,7 +56,8 @@ class Sampler:
     launch the next decode window before taking the last one's tokens, so the device does not wait
     while Python accepts them (on a CPU it only reorders the same work: the tests run it there).
     Counters since construction, for costs and benches: tokens_prefilled, capture_seconds,
-    decode_steps, rows_decoded (rows x steps computed) and rows_live (of those, the ones that drew a token)."""
+    decode_steps, rows_decoded (rows x steps computed) and rows_live (of those, the ones that drew a token).
+    free_slots, sample_into and finish are the loop's own, public for grpo/prefill.py's moves."""
     def __init__(self, model, tokenizer=None, gen_batch: int = 64, max_seq_len: int | None = None,
                  kv_budget_bytes: int | None = None, prefill_tokens: int | None = None,
                  sync_every: int | None = None, cuda_graphs: bool = True, tool_workers: int = 8,

@@ -1,7 +1,7 @@
 """GRPO (arXiv 2402.03300), readable top to bottom: rollout > reward > advantage > update.
 
     train(cfg, env, train_examples, eval_examples)
-`grpo_step` (first below) is one step on one rank; `_train` is the run around it (the eval before, the
+`grpo_step` (below `Run`, what a run holds) is one step on one rank; `_train` is the run around it (the eval before, the
 warm-start, the steps with their logs, evals and checkpoints, the eval after and the export), and
 `start_run` its setup, which gathers what the run holds into one `Run`.
 1. Sampling runs on the very weights being trained (grpo/sampler.py): no second engine, no
@@ -67,6 +67,7 @@ class Run:
     scheduler: object
     sampler: Sampler
     rollouts: object            # (examples, offset) -> G scored trajectories each (scored_rollouts)
+    loss: object                # grpo.loss.LossOptions, once per run (grpo.update.loss_options)
     ckpt: Checkpointer
     logger: object              # rank 0's Logger, else None
     budget: object              # grpo.budget's plan: the evals' sizes and, under run_budget_min, the time
@@ -81,10 +82,10 @@ class Run:
             self.logger.log(metrics, step)
 
 
-def grpo_step(run: Run, step: int) -> tuple[list, torch.Tensor, torch.Tensor, dict]:
+def grpo_step(run: Run, step: int) -> tuple[list, torch.Tensor, torch.Tensor, dict, float]:
     """One step on this rank: its share of the step's prompts, G scored rollouts each -> rewards ->
     advantages (-> per-token credit) -> mu policy updates. -> (trajectories, rewards, advantages, the
-    step's metrics)."""
+    step's metrics, its seconds)."""
     cfg, model, share = run.cfg, run.model, rank_share(run.cfg)
     t0 = time.time()
     # 1. rollouts on the weights being trained, gathered once for the whole step
@@ -110,12 +111,14 @@ def grpo_step(run: Run, step: int) -> tuple[list, torch.Tensor, torch.Tensor, di
     # 3. mu policy updates
     model.train()
     update = policy_update(model, run.ref_model, run.optimizer, run.scheduler, trajs, advantages, cfg, run.device,
-                           loss_options(cfg))
+                           run.loss)
     if run.device.type == "cpu":
         trim()  # the update's freed activations back to the OS (the allocator kept GBs of them)
+    t2 = time.time()
     metrics = step_metrics(trajs, rewards, advantages, flat_groups(rewards.tolist(), cfg.num_generations), update,
-                           t1 - t0, time.time() - t1 - t_credit, run.scheduler.get_last_lr()[0])
-    return trajs, rewards, advantages, metrics | credit_metrics(run.credit, t1 - t0, t_credit)
+                           t1 - t0, t2 - t1 - t_credit, run.scheduler.get_last_lr()[0])
+    metrics |= credit_metrics(run.credit, t1 - t0, t_credit)
+    return trajs, rewards, advantages, metrics, t2 - t0
 
 
 def rank_share(cfg: Config) -> int:
@@ -321,7 +324,11 @@ def size_to_memory(cfg: Config, device, extra: list = ()) -> dict:
     every rank. -> the values set."""
     profile = getattr(cfg, "profile_applied", {})
     free = profile.get("sized_by_plan", [])
-    if not free or device.type != "cuda":
+    if free and device.type != "cuda":  # a GPU's profile named on a CPU run: nothing is sized here
+        profile["sized_by_plan"] = []
+        cfg.check()  # the checks the sizing would have answered (a micro-batch that holds a sequence) apply
+        return {}
+    if not free:
         return {}
     with open(os.path.join(model_folder(cfg.model_path), "config.json")) as f:
         args = ModelArgs.from_hf(json.load(f))
@@ -357,10 +364,7 @@ def resume(ckpt: Checkpointer, model, optimizer, scheduler, cfg: Config) -> dict
     if found is None:
         dist.print0(f"resume: no checkpoint in {ckpt.root}, starting from step 0")
         return None
-    data = found.get("data", {})
-    if data and (data["prompts_per_step"], data["seed"]) != (cfg.prompts_per_step, cfg.seed):
-        raise ValueError(f"{found['path']} was written with {data}: the data position is a function of "
-                         "prompts_per_step and seed, so keep them (or use a new output_dir)")
+    Checkpointer.check_position(found, cfg.prompts_per_step, cfg.seed)
     dist.print0(f"resumed from {found['path']} at step {found['step']} "
                 f"(next prompt {found['step'] * cfg.prompts_per_step})")
     return found
@@ -408,6 +412,8 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
 
 
 def _train(run: Run) -> dict:
+    """The run as a story: the eval before and the warm-start, the GRPO steps with their logs, evals,
+    checkpoints and stops (a time budget, SIGTERM), the eval after, the export and the summary."""
     cfg, results = run.cfg, run.results
     # ---- 1. eval before, optional warm-start (a resumed run did both: every checkpoint comes after)
     if not run.resumed:
@@ -421,10 +427,9 @@ def _train(run: Run) -> dict:
     bar = tqdm(range(run.start, cfg.max_steps), desc="grpo", disable=not dist.is_main(), initial=run.start,
                total=cfg.max_steps)
     for step in bar:
-        t0 = time.time()
-        trajs, rewards, advantages, metrics = grpo_step(run, step)
+        trajs, rewards, advantages, metrics, seconds = grpo_step(run, step)
         steps_done = step + 1
-        log_step(run, steps_done, metrics, bar, time.time() - t0, (trajs, rewards, advantages))
+        log_step(run, steps_done, metrics, seconds, bar, (trajs, rewards, advantages))
         if cfg.eval_steps and steps_done % cfg.eval_steps == 0 and steps_done < cfg.max_steps:
             run_eval(run, f"step{steps_done}", steps_done)
         reason = stop_reason(run.ckpt.stop_requested, budget_s, t_start, steps_done - run.start, cfg.min_rl_steps)
@@ -484,9 +489,11 @@ def start_run(cfg: Config, env, train_examples: list, eval_examples, reward_weig
                              cfg.seed, cfg.top_p, cfg.top_k, cfg.min_p, cfg.max_turns)
     rollouts = functools.partial(scored_rollouts, sampler, tokenizer, env, params,
                                  dict(enable_thinking=cfg.enable_thinking), reward_weights)
-    return Run(cfg, env, eval_env or env, train_examples, list(eval_examples), sft_examples, credit, device, tokenizer,
-               model, ref_model, optimizer, scheduler, sampler, rollouts, ckpt, logger, budget, start, found is not None,
-               results, t_run)
+    return Run(cfg=cfg, env=env, eval_env=eval_env or env, train_examples=train_examples,
+               eval_examples=list(eval_examples or []), sft_examples=sft_examples, credit=credit, device=device,
+               tokenizer=tokenizer, model=model, ref_model=ref_model, optimizer=optimizer, scheduler=scheduler,
+               sampler=sampler, rollouts=rollouts, loss=loss_options(cfg), ckpt=ckpt, logger=logger, budget=budget,
+               start=start, resumed=found is not None, results=results, t_run=t_run)
 
 
 def run_eval(run: Run, phase: str, at_step: int):
@@ -540,7 +547,7 @@ def rl_time_budget(run: Run, t_start: float) -> float | None:
     return budget_s
 
 
-def log_step(run: Run, steps_done: int, metrics: dict, bar, seconds: float, batch: tuple):
+def log_step(run: Run, steps_done: int, metrics: dict, seconds: float, bar, batch: tuple):
     """The step's metrics to the logs, one line on rank 0, and every log_completions_steps the step's
     rollouts (all ranks', gathered to rank 0)."""
     run.log(metrics, steps_done)

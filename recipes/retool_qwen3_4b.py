@@ -25,8 +25,8 @@ system prompt.
 Sizing (bf16 KV cache, planned, not measured: no GPU has run it). Qwen3-4B keeps
 2 (K, V) x 36 layers x 8 KV heads x 128 dims x 2 bytes = 144 KiB per token, so a slot of
 512 prompt + 8,192 completion tokens is 1.2 GiB. On 8 GPUs the memory plan sizes 32 slots (38 GiB
-of KV) on H100 / A100-80 and 64 (77 GiB) on H200 / B200, with checkpointing and micro-batches of
-32k / 64k tokens (`python -m grpo.plan recipes/retool_qwen3_4b.py --gpus 8 --gpu H100`). A step is
+of KV) on H100 / A100-80 and 64 (77 GiB) on H200 / B200, with checkpointing where the recipe's 16k-token
+micro-batches need it (`python -m grpo.plan recipes/retool_qwen3_4b.py --gpus 8 --gpu H100`). A step is
 1,024 rows: 128 per GPU on 8 GPUs, in about 4 waves of continuous batching on H100 (2 on H200);
 rows that finish early free their slot at once. The update (fp32 master weights sharded over 8, bf16 compute,
 gradient checkpointing) is small next to the sampling of ~3M tokens a step.
@@ -101,6 +101,7 @@ class ReToolQwen3(Config):
     beta: float = 0.0
     loss_type: str = "grpo"
     epsilon_high: float = 0.28        # slime's ReTool example (eps-clip-high): the card gives none
+    micro_batch_tokens: int = 16384   # holds one 512 + 8,192-token sequence on any device (the plan sizes the rest)
     weight_decay: float = 0.1         # slime's, as above
     adam_beta2: float = 0.98          # slime's, as above
     max_prompt_length: int = 512

@@ -159,9 +159,9 @@ def test_seeded_sampling_independent_of_batch(tiny_dir):
 
 def _decoded_rows(monkeypatch) -> list[int]:
     """The batch of every decode step from here on (grpo.window.decode_hidden wrapped)."""
-    import grpo.window as sampler_module
-    rows, inner = [], sampler_module.decode_hidden
-    monkeypatch.setattr(sampler_module, "decode_hidden", lambda w, cache, tok, pos, n, span: rows.append(n)
+    import grpo.window as window
+    rows, inner = [], window.decode_hidden
+    monkeypatch.setattr(window, "decode_hidden", lambda w, cache, tok, pos, n, span: rows.append(n)
                         or inner(w, cache, tok, pos, n, span))
     return rows
 

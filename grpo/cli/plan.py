@@ -64,11 +64,11 @@ def plan_for(recipe: str, gpus: int = 1, gpu: str | None = None, memory_gb: floa
     device = "cpu" if cpu else "cuda"
     memory = memory_gb if memory_gb is not None else None if cpu else GPU_MEMORY_GIB.get(gpu, 80.0)
     total = int(memory * GIB) if memory else memory_plan(args, cfg, gpus, device).memory
-    terms = lambda c: module.memory_terms(c, args, gpus, device, total) if hasattr(module, "memory_terms") else []  # noqa: E731
+    # a recipe's own models, as its run holds them: computed before the sizing, as the run does
+    extra = module.memory_terms(cfg, args, gpus, device, total) if hasattr(module, "memory_terms") else []
     free = cfg.profile_applied["sized_by_plan"]
     if free and not cpu:  # as a run on that GPU sizes itself at start (grpo.trainer.size_to_memory)
-        cfg = dataclasses.replace(cfg, **size(args, cfg, gpus, device, memory, terms(cfg), free))
-    extra = terms(cfg)
+        cfg = dataclasses.replace(cfg, **size(args, cfg, gpus, device, memory, extra, free))
     return memory_plan(args, cfg, gpus, device, memory, extra), args, cfg, extra
 
 
