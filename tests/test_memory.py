@@ -108,7 +108,7 @@ def test_every_recipe_planned_on_every_gpu(recipe):
                 assert terms(plan, "update")["AdamW's two states, fp32"] < terms(one, "update")["AdamW's two states, fp32"]
 
 
-@pytest.mark.parametrize("recipe", ["calculator_qwen25_05b.py", "calculator_qwen25_3b.py", "retool_qwen3_4b.py"])
+@pytest.mark.parametrize("recipe", ["calculator_qwen25_05b.py", "calculator_qwen25_3b.py", "gsm8k_qwen3_06b.py"])
 def test_sizes_from_the_plan_fit_and_are_the_largest_that_do(recipe):
     """On each GPU, 1 and 8 of them: where the sized run fits, a larger micro-batch in the same mode (or no
     checkpointing at all) would not, and a larger gen_batch would not leave the update its floor; where it
