@@ -161,7 +161,8 @@ def print_help(cls):
     names = [f.name for f in dataclasses.fields(cls)]
     groups = {g: [n for n in members if n in names] for g, members in sections.items()}
     unread = [n for n in names if not any(n in members for members in groups.values())]  # no source to read
-    groups[next(iter(groups), "fields")] = unread + groups.get(next(iter(groups), "fields"), [])
+    first = next(iter(groups), "fields")
+    groups[first] = unread + groups.get(first, [])
     if required:
         groups = {"required": list(required)} | {g: [n for n in ns if n not in required] for g, ns in groups.items()}
     for group, members in groups.items():

@@ -130,7 +130,7 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
     extra = list(extra)
     gpu = device == "cuda"
     n, W = counts(args), world
-    c = 2 if gpu or cfg.dtype == "bfloat16" else 4               # the compute dtype's bytes
+    c = compute_bytes(cfg, device)
     H, V, L = args.dim, args.vocab_size, args.n_layers
     # CPU autocast_bf16 ("auto" counted as on: the bound either way, a bf16 decode copy plus autocast's casts
     # weigh what an fp32 copy does): the decode copy's matmul weights in bf16, and autocast's bf16 casts of the
@@ -213,6 +213,11 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
     return Plan(phases, memory, W, device, notes)
 
 
+def compute_bytes(cfg, device: str) -> int:
+    """The compute dtype's bytes: bf16 on a GPU (and where asked for), fp32 on a CPU."""
+    return 2 if device == "cuda" or cfg.dtype == "bfloat16" else 4
+
+
 def slot_bytes(args, length: int, c: int) -> tuple[int, int]:
     """(positions, bytes) of one sampler row of `length` tokens: rounded up to 64 positions as the sampler
     sizes it (Sampler._start), k and v of every layer at c bytes (KVCache.slot_bytes)."""
@@ -275,7 +280,7 @@ def size(args, cfg, world: int, device: str, memory_gib: float | None, extra: li
         return {}
     longest = cfg.max_prompt_length + cfg.max_completion_length
     eval_len = cfg.max_prompt_length + (getattr(cfg, "eval_max_completion_length", 0) or cfg.max_completion_length)
-    c = 2 if device == "cuda" or cfg.dtype == "bfloat16" else 4
+    c = compute_bytes(cfg, device)
     slot, eval_slot = slot_bytes(args, longest, c)[1], slot_bytes(args, eval_len, c)[1]
     rows = max(cfg.prompts_per_step * cfg.num_generations // world,
                getattr(cfg, "eval_limit", 0) * max(1, getattr(cfg, "eval_n", 1)) // world, 1)

@@ -15,7 +15,6 @@ warm-start, the steps with their logs, evals and checkpoints, the eval after and
 """
 import dataclasses
 import functools
-import json
 import math
 import os
 import random
@@ -35,7 +34,7 @@ from grpo.kv_cache import KVCache
 from grpo.lora import (BaseModel, adapter_settings, add_lora, cast_base, load_adapter, read_adapter, settings_of,
                        trainable)
 from grpo.loss import group_advantages, overlong_penalty
-from grpo.memory import GIB, GPU_MEMORY_GIB, Plan, memory_of_cpu, memory_plan, size, what_fits
+from grpo.memory import GIB, GPU_MEMORY_GIB, Plan, memory_of_cpu, memory_plan, model_config, size, what_fits
 from grpo.metrics import Logger, credit_metrics, rollout_records, step_metrics
 from grpo.model import ModelArgs, Transformer, _local_or_hub
 from grpo.preflight import preflight
@@ -330,8 +329,7 @@ def size_to_memory(cfg: Config, device, extra: list = ()) -> dict:
         return {}
     if not free:
         return {}
-    with open(os.path.join(model_folder(cfg.model_path), "config.json")) as f:
-        args = ModelArgs.from_hf(json.load(f))
+    args = ModelArgs.from_hf(model_config(model_folder(cfg.model_path)))
     props = torch.cuda.get_device_properties(device)
     name = profile["name"] if profile["name"] in GPU_MEMORY_GIB else props.name
     memory = GPU_MEMORY_GIB.get(profile["name"], props.total_memory / GIB)
@@ -345,8 +343,7 @@ def size_to_memory(cfg: Config, device, extra: list = ()) -> dict:
 def check_memory(cfg: Config, path, device, extra: list = ()):
     """The memory plan's one line, and a refusal, with the plan's table and what would fit, where its peak
     exceeds the device. cfg.plan_memory false: the line only."""
-    with open(os.path.join(path, "config.json")) as f:
-        args = ModelArgs.from_hf(json.load(f))
+    args = ModelArgs.from_hf(model_config(path))
     plan = plan_run(cfg, args, device, extra)
     dist.print0(plan.summary())
     if not plan.fits and cfg.plan_memory:
