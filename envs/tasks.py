@@ -1,4 +1,4 @@
-"""The tasks `python -m grpo.eval --task NAME` knows: each name gives its env and its examples.
+"""The tasks `python -m grpo.cli.eval --task NAME` knows: each name gives its env and its examples.
 
 Default data are Hugging Face dataset ids, read through the optional `datasets` library (one
 download into its cache); offline, pass a local JSONL, CSV or Parquet file as `data` (`--data`).

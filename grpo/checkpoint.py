@@ -221,7 +221,7 @@ def one_process_quiet():
 
 def note_run(out_dir: str, meta: dict) -> None:
     """Rank 0: add what the run decided at start (e.g. the precision `auto` chose) to config.json's
-    "_meta", so that `python -m grpo.eval --run` evaluates as the run did."""
+    "_meta", so that `python -m grpo.cli.eval --run` evaluates as the run did."""
     record = Path(out_dir) / "config.json"
     config = read_json(record)
     config["_meta"] = {**config.get("_meta", {}), **meta}

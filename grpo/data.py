@@ -1,4 +1,4 @@
-"""Examples from anywhere: the one loader behind every recipe, env and `python -m grpo.eval`.
+"""Examples from anywhere: the one loader behind every recipe, env and `python -m grpo.cli.eval`.
 
 A source is a local file (JSONL, a JSON list, CSV or Parquet) or a Hugging Face dataset id with
 an optional config and split, `name[:config[:split]]`:

@@ -1,8 +1,8 @@
 """Accuracy of a model on an env's questions: mean@k and pass@k with 95% intervals.
 
     evaluate(model, tokenizer, env, examples, n=4, temperature=1.0) -> {mean, ci95, pass, records, ...}
-The library behind the trainer's evals and `python -m grpo.eval` (its command line is
-grpo/cli/eval.py: tasks, data and a run's recipe live there, so that this module needs no env).
+The library behind the trainer's evals and `python -m grpo.cli.eval`, its command line (tasks, data
+and a run's recipe live there, so that this module needs no env and never imports its command line).
 """
 import math
 import sys
@@ -96,6 +96,6 @@ def run_eval_settings(cfg, greedy: bool = False) -> dict:
                 gen_batch=cfg.gen_batch, kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
 
 
-if __name__ == "__main__":  # `python -m grpo.eval`: the command line, kept apart from this library
-    from grpo.cli.eval import main
-    main(sys.argv[1:])
+if __name__ == "__main__":  # the command line is grpo/cli/eval.py: say so, rather than run nothing
+    print("python -m grpo.eval is a library: the command is python -m grpo.cli.eval", file=sys.stderr)
+    sys.exit(2)

@@ -241,7 +241,7 @@ def record_run(cfg: Config):
     parse_args applied it (grpo.config.apply_profile), or none for a Config built in Python."""
     profile = getattr(cfg, "profile_applied", {"name": cfg.profile, "resolved": None, "settings": {},
                                               "note": "Config built in Python: no profile applied"})
-    meta = run_meta(profile) | {"config_class": type(cfg).__name__}   # grpo.eval --run rebuilds it
+    meta = run_meta(profile) | {"config_class": type(cfg).__name__}   # grpo.cli.eval --run rebuilds it
     open_run_dir(cfg.output_dir, dataclasses.asdict(cfg), cfg.resume, meta)
 
 
@@ -417,7 +417,7 @@ def _train(run: Run) -> dict:
         run_eval(run, "before", 0)
         if cfg.sft_steps > 0:
             warm_start_phase(run)
-    dist.on_rank0(note_run, cfg.output_dir, {"eval_questions": run.budget.eval_q})  # grpo.eval --run asks these
+    dist.on_rank0(note_run, cfg.output_dir, {"eval_questions": run.budget.eval_q})  # grpo.cli.eval --run asks these
     # ---- 2. RL: grpo_step, then logs, evals, checkpoints and stops
     t_start, steps_done, stop = time.time(), run.start, False
     budget_s = rl_time_budget(run, t_start)

@@ -124,7 +124,7 @@ def load(cfg: CalculatorQwen, source: str, count: int, seed: int, split: str) ->
 
 
 def eval_setup(cfg: CalculatorQwen) -> tuple:
-    """The eval env and questions (also `python -m grpo.eval --run`): the reference's protocol
+    """The eval env and questions (also `python -m grpo.cli.eval --run`): the reference's protocol
     (REFERENCE_EVAL, by the fields above), on --eval_data or on generated questions (said at start).
     No judge: an eval scores verification only, so a judge's requests there would be spent for nothing."""
     if not cfg.eval_data:

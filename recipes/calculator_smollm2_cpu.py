@@ -120,7 +120,7 @@ class CalculatorCPU(Config):
 
 
 def eval_setup(cfg: CalculatorCPU) -> tuple:
-    """The env and the held-out questions of every eval (also `python -m grpo.eval --run`)."""
+    """The env and the held-out questions of every eval (also `python -m grpo.cli.eval --run`)."""
     # 51-token system prompt, not 246: every forward is cheaper; the eval scores `correct` only
     env = CalculatorEnv(system_prompt=SHORT_SYSTEM_PROMPT, structure=cfg.structure_weight > 0)
     return env, generate_questions(cfg.eval_limit, seed=cfg.seed + 1, split="eval", phrasing="heldout",
@@ -201,7 +201,7 @@ def main():
         for row in breakdown(eval_qs, results, "ops") + breakdown(eval_qs, results, "family"):
             print(row)
     print(f"export: {cfg.output_dir}/export | TensorBoard: tensorboard --logdir {cfg.output_dir} | "
-          f"eval again: python -m grpo.eval --run {cfg.output_dir}")
+          f"eval again: python -m grpo.cli.eval --run {cfg.output_dir}")
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def load(cfg: CustomTask, source: str) -> list[dict]:
 
 
 def eval_setup(cfg: CustomTask) -> tuple:
-    """The env and the eval examples (also `python -m grpo.eval --run`)."""
+    """The env and the eval examples (also `python -m grpo.cli.eval --run`)."""
     env = RewardFunctionsEnv(import_functions(cfg.reward_funcs), cfg.system_prompt)
     return env, load(cfg, cfg.eval_data) if cfg.eval_data else []
 
@@ -82,7 +82,7 @@ def main(cls=CustomTask):
         if os.path.isfile(getattr(cfg, field)):
             setattr(cfg, field, os.path.abspath(getattr(cfg, field)))
     env, eval_examples = eval_setup(cfg)
-    cfg.reward_funcs = portable_names(cfg.reward_funcs)  # config.json: found again by grpo.eval --run
+    cfg.reward_funcs = portable_names(cfg.reward_funcs)  # config.json: found again by grpo.cli.eval --run
     names = list(env.funcs)
     try:
         weights = [float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights else [1.0] * len(names)

@@ -2,7 +2,7 @@
 (model card: cmpatino/qwen-grpo-r5).
 
     torchrun --nproc_per_node=1 recipes/gsm8k_qwen3_06b.py --model_path=/models/Qwen3-0.6B
-    python -m grpo.eval --model_path runs/gsm8k_qwen3_06b/export --task gsm8k --shots 10 --enable_thinking 0 \
+    python -m grpo.cli.eval --model_path runs/gsm8k_qwen3_06b/export --task gsm8k --shots 10 --enable_thinking 0 \
         --max_completion_length 768
 
 Data: the Hugging Face openai/gsm8k (train and test splits of config main), fetched once by the
@@ -81,7 +81,7 @@ def load(cfg: GSM8KQwen3, source: str) -> list[dict]:
 
 def eval_setup(cfg: GSM8KQwen3, train_set: list[dict] | None = None) -> tuple:
     """The eval env (the harness's k-shot system prompt, shots from the train data) and the test
-    set (also `python -m grpo.eval --run`)."""
+    set (also `python -m grpo.cli.eval --run`)."""
     train_set = train_set if train_set is not None else load(cfg, cfg.train_data) if cfg.eval_shots else []
     shots = gsm8k.fewshot_examples(train_set, cfg.eval_shots) if cfg.eval_shots else []
     return gsm8k.GSM8KEnv(fewshot=shots), load(cfg, cfg.eval_data)

@@ -11,7 +11,7 @@ zaydsyed/TactLM-Math-ProcessGRPO-Qwen2.5-0.5B).
     python -m grpo.envs.processgrpo --model_path runs/processgrpo_qwen25_05b/export \\
         --base Qwen/Qwen2.5-0.5B-Instruct
     # the card's other columns (its prompt, exact numbers, greedy, 3,072 tokens); GSM8K through the line above
-    python -m grpo.eval --model_path runs/processgrpo_qwen25_05b/export --task svamp --max_completion_length 3072
+    python -m grpo.cli.eval --model_path runs/processgrpo_qwen25_05b/export --task svamp --max_completion_length 3072
     #   ... --task gsm_symbolic, --task math500_numeric;  python -m grpo.envs.processgrpo ... --data openai/gsm8k:main:test
 
 Reference (one A100, one seed): mean validation accuracy over training 0.498 (process) vs 0.455
@@ -94,7 +94,7 @@ Where this differs from the card, all of it:
   its per-step credit; here such a solution keeps one step a line. A solution that mixes both is
   split at its blank lines only.
 - Eval: GSM8K through `python -m grpo.envs.processgrpo --data openai/gsm8k:main:test` (the
-  card's prompt); `grpo.eval --task gsm8k` is another protocol (the inspect_evals prompt).
+  card's prompt); `grpo.cli.eval --task gsm8k` is another protocol (the inspect_evals prompt).
   SVAMP is ChilleD/SVAMP's 300-problem test split (the card does not name its split); IFEval
   and MMLU-Redux are not run here. The confidence intervals are grpo.eval.paired_bootstrap's.
 - Not yet run on a GPU with the real weights: no figure of this recipe's is a reproduction.
@@ -223,7 +223,7 @@ def load(sources: str, flag: str, *fields) -> list[dict]:
 
 def eval_setup(cfg: ProcessGRPOQwen) -> tuple:
     """The one-shot boxed env and the validation problems, shuffled so that any eval_limit takes
-    every source (also `python -m grpo.eval --run`)."""
+    every source (also `python -m grpo.cli.eval --run`)."""
     examples = load(cfg.eval_data, "--eval_data") if cfg.eval_data else []
     random.Random(0).shuffle(examples)
     return OneShotMathEnv(), examples

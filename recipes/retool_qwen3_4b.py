@@ -3,7 +3,7 @@ interpreter, in its own native tool-call format (ReTool, arXiv 2504.11536; the r
 model card: BillyWang1/qwen3-4b-instruct-2507-retool-grpo).
 
     torchrun --nproc_per_node=8 recipes/retool_qwen3_4b.py --model_path=/models/Qwen3-4B-Instruct-2507 --resume
-    python -m grpo.eval --model_path runs/retool_qwen3_4b/export --task aime25 --tool code_interpreter \\
+    python -m grpo.cli.eval --model_path runs/retool_qwen3_4b/export --task aime25 --tool code_interpreter \\
         --eval_n 16 --eval_temperature 1.0 --max_completion_length 16384 --enable_thinking 0  # and aime24, math500
 
 Reference (slime: Megatron training on 2 B200 + SGLang rollouts on 6): AIME 2024 0.581, AIME
@@ -56,7 +56,7 @@ Where this differs from the card, all of it:
   unnamed one; at most 16 assistant turns (tool calls and the answer) a problem, in training and
   eval (the card gives no limit); a call's output as the sandbox returns it (stdout, or the error).
 - Eval: AIME 2024 during training (30 problems x 16 samples every 50 steps, 16,384 tokens, ours);
-  the card's table through `python -m grpo.eval` as above, MATH-500 scored by math-verify
+  the card's table through `python -m grpo.cli.eval` as above, MATH-500 scored by math-verify
   equivalence (grpo.envs.math; the card does not name its scorer).
 - Prompt length: 512 tokens sizes the KV cache (the card gives none).
 - Not yet run on a GPU with the real weights: the sizing above is an estimate.
@@ -121,7 +121,7 @@ def load(source: str, **fields) -> list[dict]:
 
 
 def eval_setup(cfg: ReToolQwen3) -> tuple:
-    """The env and the eval problems (also `python -m grpo.eval --run`)."""
+    """The env and the eval problems (also `python -m grpo.cli.eval --run`)."""
     env = ReToolEnv(timeout=cfg.tool_timeout, max_turns=cfg.max_turns)
     return env, load(cfg.eval_data, question_field=cfg.eval_question_field, prepare=aime_example)
 

@@ -36,8 +36,8 @@ def test_cpu_recipe_smoke_end_to_end(tmp_path, smollm2_path):
     assert "GRPO gain over warm-start" in r.stdout and "| ops 1 |" in r.stdout and "| family " in r.stdout
     steps = [x for x in map(json.loads, open(run / "metrics.jsonl")) if "reward/mean" in x]
     assert [x["step"] for x in steps] == [1, 2]
-    # `python -m grpo.eval --run` reproduces the final eval exactly: the same records, the same figure
-    rerun = subprocess.run([sys.executable, "-m", "grpo.eval", "--run", str(run)], cwd=ROOT, capture_output=True,
+    # `python -m grpo.cli.eval --run` reproduces the final eval exactly: the same records, the same figure
+    rerun = subprocess.run([sys.executable, "-m", "grpo.cli.eval", "--run", str(run)], cwd=ROOT, capture_output=True,
                            text=True, timeout=1200)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     after = [json.loads(line) for line in open(run / "eval_after.jsonl")]

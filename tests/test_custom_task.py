@@ -40,7 +40,7 @@ def test_custom_task_trains_two_steps(tmp_path):
     assert len(records) == 4 and all(r["correct"] == r["rewards"]["target_words"] for r in records)
     assert (out / "export" / "config.json").exists()
     # the run evaluated again from its folder alone: the same records, the same figure
-    r = subprocess.run([sys.executable, "-m", "grpo.eval", "--run", str(out)], cwd=ROOT, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "grpo.cli.eval", "--run", str(out)], cwd=ROOT, capture_output=True,
                        text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     again = [json.loads(line) for line in open(out / "eval_rerun.jsonl")]

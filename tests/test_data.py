@@ -153,7 +153,7 @@ def test_eval_cli_without_data_says_how_to_pass_a_file(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(SystemExit) as e:
         main(["--model_path", "/nonexistent", "--task", "math500"])
-    assert str(e.value).startswith("python -m grpo.eval: HuggingFaceH4/MATH-500::test: not a local file")
+    assert str(e.value).startswith("python -m grpo.cli.eval: HuggingFaceH4/MATH-500::test: not a local file")
     assert "local JSONL, CSV or Parquet file" in str(e.value)
 
 

@@ -1,4 +1,4 @@
-"""`python -m grpo.eval` end to end: the real SmolLM2 on a few GSM8K test questions,
+"""`python -m grpo.cli.eval` end to end: the real SmolLM2 on a few GSM8K test questions,
 and the `--data` path with JSONL and CSV files (on a tiny random model: only the plumbing counts).
 The loader's own cases are in test_data.py."""
 import csv
@@ -113,6 +113,17 @@ def test_paired_bootstrap():
     assert abs((hi - lo) / 2 - ci) < 0.15 * ci, (lo, hi, ci)   # bootstrap vs normal half-width
     assert paired_bootstrap(before, after) == (gain, lo, hi)
     assert paired_bootstrap([1.0, 0.0], [1.0, 0.0]) == (0.0, 0.0, 0.0)
+
+
+def test_the_library_names_the_command():
+    """`python -m grpo.eval` (the library, which never imports grpo.cli) says the command is
+    `python -m grpo.cli.eval` and exits 2; the command itself answers --help."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "grpo.eval", "--run", "x"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "the command is python -m grpo.cli.eval" in r.stderr, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-m", "grpo.cli.eval", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage: python -m grpo.cli.eval"), r.stderr[-2000:]
 
 
 def test_kernels_and_cuda_graphs_flags_reach_the_eval(tmp_path, smollm2_path, monkeypatch):

@@ -191,7 +191,7 @@ def test_card_task_errors_are_one_line(tmp_path):
 
 @pytest.mark.usefixtures("one_thread")
 def test_card_task_through_the_eval_command(tmp_path, smollm2_path):
-    """`python -m grpo.eval --task svamp --data FILE`: the task is a choice of the command, its
+    """`python -m grpo.cli.eval --task svamp --data FILE`: the task is a choice of the command, its
     records carry SVAMP's joined question and its numeric answer (a tiny random model: plumbing)."""
     from grpo.cli.eval import main
     from test_recipes import make_tiny_chat_model

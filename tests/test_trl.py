@@ -227,7 +227,7 @@ def readme_task() -> tuple[dict, str]:
     return files, commands
 
 
-@pytest.mark.slow  # the recipe and grpo.eval, as processes of their own
+@pytest.mark.slow  # the recipe and grpo.cli.eval, as processes of their own
 def test_the_readme_task_works_as_written_from_a_fresh_folder(toy, tmp_path):
     """The README's files in an empty folder and its three commands, run by bash as written; only
     the model (the toy for SmolLM2, whose 135M parameters would take minutes here) and the sizes

@@ -1,8 +1,8 @@
 """Accuracy of a model on an env's questions: mean@k and pass@k with 95% intervals.
 
-    python -m grpo.eval --model_path PATH --task gsm8k [--data SOURCE] [--eval_n K] [--eval_limit N]
-    python -m grpo.eval --run runs/NAME      # a run's export, evaluated exactly as the run evaluated it
-    python -m grpo.eval --model_path PATH --task calculator --protocol reference --data basic_calculations_eval.csv
+    python -m grpo.cli.eval --model_path PATH --task gsm8k [--data SOURCE] [--eval_n K] [--eval_limit N]
+    python -m grpo.cli.eval --run runs/NAME      # a run's export, evaluated exactly as the run evaluated it
+    python -m grpo.cli.eval --model_path PATH --task calculator --protocol reference --data basic_calculations_eval.csv
 
 Tasks and their default data (Hugging Face dataset ids) are in grpo.envs.tasks; `--data` takes a
 local JSONL, CSV or Parquet file or another dataset id (grpo.data.load_examples), with a
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
     from grpo.data import DataError
     from grpo.envs.tasks import SOURCES, TASKS, load_task
     defaults = ", ".join(f"{task}: {source}" for task, source in SOURCES.items())
-    p = argparse.ArgumentParser(prog="python -m grpo.eval", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m grpo.cli.eval", description=__doc__.split("\n")[0])
     p.add_argument("--model_path", help="HF checkpoint folder (with --task)")
     p.add_argument("--task", choices=TASKS)
     p.add_argument("--run", help="a run's output_dir: its export, with the run's own eval settings")
@@ -77,16 +77,16 @@ def main(argv: list[str] | None = None) -> dict:
     if not (args.model_path and args.task):
         p.error("pass --model_path and --task, or --run")
     if args.data is not None and not args.data.strip():  # not the default data set, silently
-        raise SystemExit("python -m grpo.eval: --data is empty: pass a file or a dataset id, or leave it out")
+        raise SystemExit("python -m grpo.cli.eval: --data is empty: pass a file or a dataset id, or leave it out")
     try:  # the data first: a missing file or an offline hub should not wait for the model to load
         env, examples = load_task(args.task, args.data, args.shots, args.question_field, args.answer_field,
                                   args.fewshot_data)
     except DataError as e:
-        raise SystemExit(f"python -m grpo.eval: {e}") from None
+        raise SystemExit(f"python -m grpo.cli.eval: {e}") from None
     turn_tokens = 0  # a turn's own limit: the reference protocol's only
     if args.protocol == "reference":
         if args.task != "calculator":
-            raise SystemExit(f"python -m grpo.eval: --protocol reference is the calculator's, not {args.task}'s")
+            raise SystemExit(f"python -m grpo.cli.eval: --protocol reference is the calculator's, not {args.task}'s")
         from grpo.envs.calculator import REFERENCE_EVAL, CalculatorEnv
         ref = REFERENCE_EVAL
         env = CalculatorEnv(rel_tol=ref["rel_tol"], abs_tol=ref["abs_tol"])
@@ -98,10 +98,10 @@ def main(argv: list[str] | None = None) -> dict:
               + (args.data if args.data else "200 generated questions (no --data: not the reference's 158)"))
     examples = examples[:args.eval_limit] if args.eval_limit else examples
     if not examples:  # an accuracy over 0 questions would print as 0.0000
-        raise SystemExit(f"python -m grpo.eval: no questions to evaluate (--eval_limit {args.eval_limit})")
+        raise SystemExit(f"python -m grpo.cli.eval: no questions to evaluate (--eval_limit {args.eval_limit})")
     if args.tool == "code_interpreter":
         if args.task not in ("math500", "aime24", "aime25"):
-            raise SystemExit(f"python -m grpo.eval: --tool code_interpreter is for math tasks, "
+            raise SystemExit(f"python -m grpo.cli.eval: --tool code_interpreter is for math tasks, "
                              f"not {args.task}")
         from grpo.envs.retool import ReToolEnv
         env = ReToolEnv()   # the same boxed-answer score, with the interpreter (and ReTool's system prompt)
@@ -136,11 +136,11 @@ def run_config(run_dir: str):
     try:
         fields = json.load(open(path))
     except (OSError, ValueError) as e:
-        raise SystemExit(f"python -m grpo.eval: {path}: {e}") from None
+        raise SystemExit(f"python -m grpo.cli.eval: {path}: {e}") from None
     meta = fields.pop("_meta", {})
     recipe, name = meta.get("recipe"), meta.get("config_class")
     if not recipe or not os.path.exists(recipe) or not name:
-        raise SystemExit(f"python -m grpo.eval: {path} names no recipe file that exists ({recipe}): "
+        raise SystemExit(f"python -m grpo.cli.eval: {path} names no recipe file that exists ({recipe}): "
                          "use --model_path and --task")
     sys.path.insert(0, os.path.dirname(recipe))     # recipes import their siblings
     spec = importlib.util.spec_from_file_location("grpo_run_recipe", recipe)
@@ -162,15 +162,15 @@ def evaluate_run(run_dir: str, out: str | None = None, kernels: str | None = Non
     cfg.kernels = kernels or getattr(cfg, "kernels", "auto")
     cfg.cuda_graphs = getattr(cfg, "cuda_graphs", True) if cuda_graphs is None else cuda_graphs
     if not hasattr(module, "eval_setup"):
-        raise SystemExit(f"python -m grpo.eval: {module.__file__} defines no eval_setup(cfg): use --task")
+        raise SystemExit(f"python -m grpo.cli.eval: {module.__file__} defines no eval_setup(cfg): use --task")
     env, examples = module.eval_setup(cfg)
     meta = json.load(open(os.path.join(run_dir, "config.json"))).get("_meta", {})
     examples = list(examples[:meta.get("eval_questions", cfg.eval_limit)])  # as many as the run's budget asked
     if not examples:  # an accuracy over 0 questions would print as 0.0000
-        raise SystemExit(f"python -m grpo.eval: the run has no eval questions (eval_limit={cfg.eval_limit})")
+        raise SystemExit(f"python -m grpo.cli.eval: the run has no eval questions (eval_limit={cfg.eval_limit})")
     export = os.path.join(run_dir, "export")
     if not os.path.exists(os.path.join(export, "config.json")):   # export=False, or stopped by SIGTERM
-        raise SystemExit(f"python -m grpo.eval: {export} not found: make one from a checkpoint with "
+        raise SystemExit(f"python -m grpo.cli.eval: {export} not found: make one from a checkpoint with "
                          f"python -m grpo.export {run_dir}/checkpoints/step_NNNNNN {export}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -195,3 +195,7 @@ def write_records(path: str, records: list[dict]) -> str:
     with open(path, "w") as f:
         f.writelines(json.dumps(rec) + "\n" for rec in records)
     return path
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

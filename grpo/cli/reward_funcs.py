@@ -1,6 +1,6 @@
 """`--reward_funcs` names -> callables: `module:fn` (the current folder importable), `file.py:fn`
 and paths, with one-line errors; and the names as a run records them (absolute paths), so that
-`python -m grpo.eval --run` finds them from any folder. A command-line concern: it imports the
+`python -m grpo.cli.eval --run` finds them from any folder. A command-line concern: it imports the
 user's files, which the library (grpo/rewards.py) never does.
 """
 import importlib
@@ -35,7 +35,7 @@ def import_functions(names: str, flag: str = "--reward_funcs") -> dict:
 
 def portable_names(names: str) -> str:
     """--reward_funcs as a run records it: file paths made absolute, and modules found in the current
-    folder named by their file, so that `python -m grpo.eval --run` finds them from anywhere."""
+    folder named by their file, so that `python -m grpo.cli.eval --run` finds them from anywhere."""
     out = []
     for name in filter(None, (n.strip() for n in names.split(","))):
         where, _, attr = name.rpartition(":")
