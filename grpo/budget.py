@@ -1,14 +1,19 @@
 """The run's time budget: every phase estimated from this machine's measured speed, the evals
 shrunk when the whole run cannot fit, and the stop rule the RL loop asks after each step.
 
+A run has a budget only when it is given one: `train(..., budget=RunBudget(...))` (the CPU
+recipe's), or the Config fields of the same names (a command line's `--run_budget_min`,
+`--time_budget_min`: `RunBudget.of`). Without one the trainer runs none of this: the evals take
+their configured sizes, nothing is probed and RL has no time limit.
+
 `run_budget_min` covers the whole process: the eval before training, the warm-start, its evals,
 RL and the last evals. A probe at start (a few seconds) times the sampler's decode and one
 training forward + backward; each phase is estimated from those rates and its token counts, and
-the phases run so far correct the rest (one factor, measured / estimated). When the plan does not
-fit, the evals shrink, never below `min_eval_questions` (MIN_EVAL by default), and the evals after the warm-start and
-after RL keep the same first questions, so that their comparison stays paired. RL always runs
-at least `min_rl_steps` steps; the plan line says when that takes the run past its budget.
-`time_budget_min` is a limit on RL alone.
+the phases run so far correct the rest (one factor, measured / estimated): the run's `TimePlan`.
+When the plan does not fit, the evals shrink, never below `min_eval_questions` (MIN_EVAL by default),
+and the evals after the warm-start and after RL keep the same first questions, so that their
+comparison stays paired. RL always runs at least `min_rl_steps` steps; the plan line says when that
+takes the run past its budget. `time_budget_min` is a limit on RL alone (no plan, no probe).
 """
 import math
 import time
@@ -19,6 +24,27 @@ import torch
 from grpo import dist
 
 MIN_EVAL = 20  # questions: below this a 95% interval spans most of [0, 1]
+
+
+@dataclass(frozen=True)
+class RunBudget:
+    """A run's time limits, in minutes (0: none), the one object the trainer's budget code reads."""
+    run_budget_min: float = 0.0       # the whole run, its last eval included: a TimePlan fits the evals in
+    time_budget_min: float = 0.0      # RL alone
+    min_eval_questions: int = MIN_EVAL  # the plan never shrinks an eval below this many questions
+    min_rl_steps: int = 1             # RL steps run even when the budget is spent before RL
+
+    def __post_init__(self):
+        if min(self.run_budget_min, self.time_budget_min, self.min_eval_questions, self.min_rl_steps) < 0:
+            raise ValueError(f"{self}: the time budgets, min_eval_questions and min_rl_steps must not be negative")
+
+    @classmethod
+    def of(cls, cfg) -> "RunBudget | None":
+        """The budget a Config's fields ask for (a command line's --run_budget_min, --time_budget_min,
+        --min_eval_questions, --min_rl_steps); None when it sets neither time limit."""
+        if not (cfg.run_budget_min or cfg.time_budget_min):
+            return None
+        return cls(cfg.run_budget_min, cfg.time_budget_min, cfg.min_eval_questions, cfg.min_rl_steps)
 
 
 @dataclass
@@ -92,29 +118,28 @@ def fit(left_s: float, per_q: float, per_before_q: float, eval_q: int, before_q:
             max(math.floor(scale * before_q), min(4, before_q)))
 
 
-class Budget:
+class TimePlan:
     """One run's plan under run_budget_min: the eval sizes it chose, its estimates, and the
     phases measured so far (`done(phase, seconds, units)`), whose measured / estimated ratio
     corrects every later estimate."""
 
-    def __init__(self, cfg, unit: dict, eval_q: int, before_q: int):
-        self.cfg, self.unit, self.eval_q, self.before_q = cfg, unit, eval_q, before_q
+    def __init__(self, cfg, budget: RunBudget, unit: dict, eval_q: int, before_q: int):
+        self.cfg, self.budget, self.unit, self.eval_q, self.before_q = cfg, budget, unit, eval_q, before_q
         self.configured_q = eval_q
-        self.budget_s = 60 * cfg.run_budget_min if unit else 0.0
+        self.budget_s = 60 * budget.run_budget_min
         self.measured = self.estimated = 0.0
         self.shrunk = ""
 
     @classmethod
-    def plan(cls, cfg, unit: dict, eval_q: int, before_q: int) -> "Budget":
+    def plan(cls, cfg, budget: RunBudget, unit: dict, eval_q: int, before_q: int) -> "TimePlan":
         """Fits the evals into the budget left after the warm-start and min_rl_steps of RL."""
-        self = cls(cfg, unit, eval_q, before_q)
-        if self.budget_s:
-            left = self.budget_s - cfg.sft_steps * unit["warm-start"] - cfg.min_rl_steps * unit["rl_step"]
-            self.eval_q, self.before_q = fit(left, self.per_eval_q(), unit["before"], eval_q, before_q,
-                                             cfg.min_eval_questions)
-            if not cfg.eval_before_limit:  # before and after on the same questions: a paired comparison
-                self.before_q = self.eval_q
-            self.note(eval_q, before_q)
+        self = cls(cfg, budget, unit, eval_q, before_q)
+        left = self.budget_s - cfg.sft_steps * unit["warm-start"] - budget.min_rl_steps * unit["rl_step"]
+        self.eval_q, self.before_q = fit(left, self.per_eval_q(), unit["before"], eval_q, before_q,
+                                         budget.min_eval_questions)
+        if not cfg.eval_before_limit:  # before and after on the same questions: a paired comparison
+            self.before_q = self.eval_q
+        self.note(eval_q, before_q)
         return self
 
     def per_eval_q(self) -> float:
@@ -125,23 +150,20 @@ class Budget:
         return self.measured / self.estimated if self.estimated > 0 else 1.0
 
     def done(self, phase: str, seconds: float, units: float):
-        if self.unit:  # without a plan there is nothing to correct
-            self.measured, self.estimated = self.measured + seconds, self.estimated + self.unit[phase] * units
+        self.measured, self.estimated = self.measured + seconds, self.estimated + self.unit[phase] * units
 
     def estimate(self, phase: str, units: float) -> float:
-        """Seconds for `units` of a phase, corrected by the phases measured so far (0 without a plan)."""
+        """Seconds for `units` of a phase, corrected by the phases measured so far."""
         return self.factor() * self.unit.get(phase, 0.0) * units
 
     def refit(self, spent_s: float) -> bool:
         """Before the evals after the warm-start: their size again, from the configured one, what
         is left and the phases measured so far (which correct a probe that ran slow or fast: the
         start's size was provisional). True if it changed."""
-        if not self.budget_s:
-            return False
         was = self.eval_q
-        left = self.budget_s - spent_s - self.estimate("rl_step", self.cfg.min_rl_steps)
+        left = self.budget_s - spent_s - self.estimate("rl_step", self.budget.min_rl_steps)
         self.eval_q = fit(left, self.factor() * self.per_eval_q(), 0.0, self.configured_q, 0,
-                          self.cfg.min_eval_questions)[0]
+                          self.budget.min_eval_questions)[0]
         if self.eval_q != was:
             self.shrunk = (f"after the warm-start: evals of {self.eval_q} questions (planned {was}, "
                            f"configured {self.configured_q})")
@@ -155,7 +177,7 @@ class Budget:
     def line(self, spent_s: float = 0.0) -> str:
         """The plan line: each phase's estimate, what shrank, and whether the run fits. With
         `spent_s` (after the warm-start), the phases still to run after those seconds."""
-        f, u, cfg = self.factor(), self.unit, self.cfg
+        f, u, cfg, min_rl = self.factor(), self.unit, self.cfg, self.budget.min_rl_steps
         phases = [] if spent_s else [("eval before", u["before"] * self.before_q)]
         if cfg.sft_steps:
             phases += [] if spent_s else [("warm-start", u["warm-start"] * cfg.sft_steps)]
@@ -163,31 +185,29 @@ class Budget:
         phases += [("last evals", u["after"] * self.eval_q)]
         fixed = spent_s + f * sum(s for _, s in phases)
         rl_s = self.budget_s - fixed
-        steps = max(cfg.min_rl_steps, int(rl_s // (f * u["rl_step"]))) if self.budget_s else cfg.max_steps
-        steps = min(steps, cfg.max_steps)
+        steps = min(max(min_rl, int(rl_s // (f * u["rl_step"]))), cfg.max_steps)
         head = f"{spent_s / 60:.1f} min spent; " if spent_s else ""
         text = ("plan, estimated from this machine's speed: " + head
                 + ", ".join(f"{name} {f * s / 60:.1f} min" for name, s in phases)
                 + f", RL {f * u['rl_step']:.0f} s a step: ~{steps} steps")
-        if self.budget_s:
-            text += f" | run budget {self.budget_s / 60:.1f} min"
-            over = fixed + min(cfg.min_rl_steps, cfg.max_steps) * f * u["rl_step"]
-            if over > self.budget_s:
-                text += (f" | does not fit on this machine: with {self.eval_q} eval questions and "
-                         f"{min(cfg.min_rl_steps, cfg.max_steps)} RL steps (min_rl_steps) the run takes about "
-                         f"{over / 60:.0f} min")
+        text += f" | run budget {self.budget_s / 60:.1f} min"
+        over = fixed + min(min_rl, cfg.max_steps) * f * u["rl_step"]
+        if over > self.budget_s:
+            text += (f" | does not fit on this machine: with {self.eval_q} eval questions and "
+                     f"{min(min_rl, cfg.max_steps)} RL steps (min_rl_steps) the run takes about "
+                     f"{over / 60:.0f} min")
         return text + (f" | {self.shrunk}" if self.shrunk else "")
 
 
-def make_plan(cfg, model, sampler, tokenizer, env, eval_examples: list, sft_examples: list) -> Budget:
-    """The run's Budget: with run_budget_min, from the probe and this run's token counts (eval
-    prompts, gold answers), its line printed; without, the configured eval sizes."""
+def make_plan(budget: RunBudget, cfg, model, sampler, tokenizer, env, eval_examples: list, sft_examples: list,
+              eval_q: int, before_q: int) -> TimePlan | None:
+    """The run's TimePlan under run_budget_min, from the probe and this run's token counts (eval
+    prompts, gold answers), fitting the configured eval sizes (`eval_q`, `before_q`) into it; its
+    line printed. None without run_budget_min (time_budget_min alone plans nothing)."""
+    if not budget.run_budget_min:
+        return None
     from grpo.rollout import render_prompt
     from grpo.sft import gold_trajectory
-    eval_q = min(cfg.eval_limit, len(eval_examples))
-    before_q = min(cfg.eval_before_limit or cfg.eval_limit, len(eval_examples))
-    if not cfg.run_budget_min:
-        return Budget(cfg, {}, eval_q, before_q)
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     kw = {**getattr(env, "chat_kwargs", {}), "enable_thinking": cfg.enable_thinking}
     prompts = [render_prompt(tokenizer, env.prompt(ex), **kw) for ex in (list(eval_examples) or sft_examples)[:16]]
@@ -196,20 +216,20 @@ def make_plan(cfg, model, sampler, tokenizer, env, eval_examples: list, sft_exam
     sft_tokens = mean([len(t.prompt_ids) + len(t.completion_ids) for t in gold]) * cfg.sft_batch / dist.world_size()
     rates = probe(model, sampler, prompts[0], rows=min(cfg.gen_batch, 64))
     unit = estimate(cfg, rates, mean([len(p) for p in prompts]), sft_tokens, dist.world_size())
-    budget = Budget.plan(cfg, unit, eval_q, before_q)
+    plan = TimePlan.plan(cfg, budget, unit, eval_q, before_q)
     dist.print0(f"speed probe: decode {1 / rates.decode:.0f} tokens/s (64 rows), forward + backward "
                 f"{1 / rates.train:.0f} tokens/s a rank")
-    dist.print0(budget.line())
-    return budget
+    dist.print0(plan.line())
+    return plan
 
 
-def rl_budget(cfg, run_seconds: float, last_eval_seconds: float) -> float | None:
+def rl_budget(budget: RunBudget, run_seconds: float, last_eval_seconds: float) -> float | None:
     """Seconds RL may take, the same on every rank (the smallest): time_budget_min, and what
     run_budget_min leaves after the `run_seconds` already spent and a last eval of
     `last_eval_seconds` (as long as the previous eval, or the plan's estimate). None: no limit."""
-    limits = [60 * cfg.time_budget_min] if cfg.time_budget_min else []
-    if cfg.run_budget_min:
-        limits.append(60 * cfg.run_budget_min - run_seconds - last_eval_seconds)
+    limits = [60 * budget.time_budget_min] if budget.time_budget_min else []
+    if budget.run_budget_min:
+        limits.append(60 * budget.run_budget_min - run_seconds - last_eval_seconds)
     return -dist.all_max_floats([-min(limits)])[0] if limits else None
 
 

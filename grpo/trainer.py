@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from grpo import dist
-from grpo.budget import make_plan, rl_budget, stop_reason
+from grpo.budget import RunBudget, TimePlan, make_plan, rl_budget, stop_reason
 from grpo.checkpoint import Checkpointer, export, note_run, open_run_dir, refuse_used_dir, run_meta
 from grpo.config import Config
 from grpo.cpu import measure, set_autocast, set_threads, trim
@@ -69,12 +69,15 @@ class Run:
     loss: object                # grpo.loss.LossOptions, once per run (grpo.update.loss_options)
     ckpt: Checkpointer
     logger: object              # rank 0's Logger, else None
-    budget: object              # grpo.budget's plan: the evals' sizes and, under run_budget_min, the time
+    budget: RunBudget | None    # the run's time limits (grpo.budget); None: none, and no budget code runs
+    plan: TimePlan | None       # under budget.run_budget_min: the phases' estimates, which size the evals
+    eval_q: int                 # questions of the evals after the warm-start and after RL (the plan's, or configured)
+    before_q: int               # questions of the eval before training
     start: int                  # the first RL step (a resumed run's checkpoint step)
     resumed: bool               # from a checkpoint: the eval before and the warm-start were done
     results: dict               # eval phase -> its summary
     t_run: float                # when the run started
-    eval_seconds: dict = dataclasses.field(default_factory=dict)  # eval phase -> seconds (run_budget_min)
+    eval_seconds: dict = dataclasses.field(default_factory=dict)  # eval phase -> seconds (the budget's)
 
     def log(self, metrics: dict, step: int):
         if self.logger:
@@ -397,14 +400,19 @@ def evaluate_on_ranks(model, tokenizer, env, examples: list, cfg: Config, greedy
 @dist.fail_together  # an exception on one rank ends every rank with its message, not a hang
 def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
           reward_weights: dict | None = None, sft_examples: list | None = None, eval_env=None,
-          credit=None) -> dict:
+          credit=None, budget: RunBudget | None = None) -> dict:
     """The whole run; returns the eval results ({phase: mean, ci95, pass, per_question scores}).
     `eval_env`: a different prompt for eval (e.g. GSM8K's 10-shot protocol); default `env`.
     `credit(trajs, advantages, step) -> advantages`: per-token credit on top of the outcome
     advantages ((N,) in, (N,) or (N, C) out), e.g. grpo.process.ProcessCredit.
+    `budget`: the run's time limits (grpo.budget.RunBudget, as the CPU recipe passes). None: the ones a
+    command line set in the config (--run_budget_min, --time_budget_min: RunBudget.of), else none at all:
+    the evals at their configured sizes, no probe, no time limit.
     `cfg.kernels == "torch"`: every grpo.kernels call in the run takes its PyTorch reference."""
+    budget = budget if budget is not None else RunBudget.of(cfg)
     with kernels_of(cfg):  # a failure inside Triton or a graph capture names the way around (grpo/fallback.py)
-        run = start_run(cfg, env, train_examples, eval_examples, reward_weights, sft_examples, eval_env, credit)
+        run = start_run(cfg, env, train_examples, eval_examples, reward_weights, sft_examples, eval_env, credit,
+                        budget)
         return _train(run)
 
 
@@ -417,10 +425,11 @@ def _train(run: Run) -> dict:
         run_eval(run, "before", 0)
         if cfg.sft_steps > 0:
             warm_start_phase(run)
-    dist.on_rank0(note_run, cfg.output_dir, {"eval_questions": run.budget.eval_q})  # grpo.cli.eval --run asks these
+    dist.on_rank0(note_run, cfg.output_dir, {"eval_questions": run.eval_q})  # grpo.cli.eval --run asks these
     # ---- 2. RL: grpo_step, then logs, evals, checkpoints and stops
     t_start, steps_done, stop = time.time(), run.start, False
-    budget_s = rl_time_budget(run, t_start)
+    budget_s = rl_time_budget(run, t_start) if run.budget else None
+    min_steps = run.budget.min_rl_steps if run.budget else 0
     bar = tqdm(range(run.start, cfg.max_steps), desc="grpo", disable=not dist.is_main(), initial=run.start,
                total=cfg.max_steps)
     for step in bar:
@@ -429,7 +438,7 @@ def _train(run: Run) -> dict:
         log_step(run, steps_done, metrics, seconds, bar, (trajs, rewards, advantages))
         if cfg.eval_steps and steps_done % cfg.eval_steps == 0 and steps_done < cfg.max_steps:
             run_eval(run, f"step{steps_done}", steps_done)
-        reason = stop_reason(run.ckpt.stop_requested, budget_s, t_start, steps_done - run.start, cfg.min_rl_steps)
+        reason = stop_reason(run.ckpt.stop_requested, budget_s, t_start, steps_done - run.start, min_steps)
         stop = reason == "sigterm"  # SIGTERM: save, then leave cleanly
         if stop or cfg.save_steps and steps_done % cfg.save_steps == 0:
             save(run, steps_done)
@@ -457,9 +466,9 @@ def _train(run: Run) -> dict:
 
 
 def start_run(cfg: Config, env, train_examples: list, eval_examples, reward_weights, sft_examples, eval_env,
-              credit) -> Run:
+              credit, budget: RunBudget | None = None) -> Run:
     """Checks, the run folder (never another run's), the sizes from the memory plan, models, optimizer,
-    sampler, the resumed checkpoint, the logs and the evals' sizes."""
+    sampler, the resumed checkpoint, the logs and the evals' sizes (under a budget, its time plan)."""
     t_run = time.time()
     cfg.check()
     dist.init(cfg.dist_timeout_min)
@@ -478,19 +487,28 @@ def start_run(cfg: Config, env, train_examples: list, eval_examples, reward_weig
     start, results = (found["step"], found.get("results", {})) if found else (0, {})
     logger = Logger(cfg.output_dir, start if found else None, list(results), "tensorboard" in reporters(cfg.report_to),
                     open_trackers(cfg, found is not None)) if dist.is_main() else None
-    # the eval sizes (run_budget_min: shrunk to what fits on this machine) and the phases' estimates
-    budget = make_plan(cfg, model, sampler, tokenizer, eval_env or env, eval_examples, sft_examples)
+    # the eval sizes: as configured, or under run_budget_min shrunk to what fits on this machine (the plan)
+    eval_examples = list(eval_examples or [])
+    eval_q = min(cfg.eval_limit, len(eval_examples))
+    before_q = min(cfg.eval_before_limit or cfg.eval_limit, len(eval_examples))
+    plan = make_plan(budget, cfg, model, sampler, tokenizer, eval_env or env, eval_examples, sft_examples, eval_q,
+                     before_q) if budget else None
+    if plan:
+        eval_q, before_q = plan.eval_q, plan.before_q
     if "warmstart" in results:  # resumed: the last eval pairs with the warm-start's questions
-        budget.eval_q = results["warmstart"]["questions"]
+        eval_q = results["warmstart"]["questions"]
+        if plan:
+            plan.eval_q = eval_q
     params = sampling_params(env, tokenizer, cfg.num_generations, cfg.temperature, cfg.max_completion_length,
                              cfg.seed, cfg.top_p, cfg.top_k, cfg.min_p, cfg.max_turns)
     rollouts = functools.partial(scored_rollouts, sampler, tokenizer, env, params,
                                  dict(enable_thinking=cfg.enable_thinking), reward_weights)
     return Run(cfg=cfg, env=env, eval_env=eval_env or env, train_examples=train_examples,
-               eval_examples=list(eval_examples or []), sft_examples=sft_examples, credit=credit, device=device,
+               eval_examples=eval_examples, sft_examples=sft_examples, credit=credit, device=device,
                tokenizer=tokenizer, model=model, ref_model=ref_model, optimizer=optimizer, scheduler=scheduler,
                sampler=sampler, rollouts=rollouts, loss=loss_options(cfg), ckpt=ckpt, logger=logger, budget=budget,
-               start=start, resumed=found is not None, results=results, t_run=t_run)
+               plan=plan, eval_q=eval_q, before_q=before_q, start=start, resumed=found is not None, results=results,
+               t_run=t_run)
 
 
 def run_eval(run: Run, phase: str, at_step: int):
@@ -498,7 +516,7 @@ def run_eval(run: Run, phase: str, at_step: int):
     resumed run): every rank's share, summed up on each; logged, and its records written by rank 0."""
     cfg, results = run.cfg, run.results
     # the untrained model's eval can be shorter: it scores ~0 and rambles to the token limit
-    limit = run.budget.before_q if phase == "before" else run.budget.eval_q
+    limit = run.before_q if phase == "before" else run.eval_q
     protocols = [(phase, False)] + ([(f"{phase}_greedy", True)] if cfg.eval_greedy and cfg.eval_temperature else [])
     t = time.time()
     for name, greedy in protocols:
@@ -513,34 +531,37 @@ def run_eval(run: Run, phase: str, at_step: int):
         if run.logger:
             run.logger.dump_jsonl(f"eval_{name}.jsonl", records)
         run.eval_seconds[phase] = time.time() - t
-    if phase in ("before", "warmstart") and phase in run.eval_seconds:
-        run.budget.done(phase, run.eval_seconds[phase], limit)
+    if run.plan and phase in ("before", "warmstart") and phase in run.eval_seconds:
+        run.plan.done(phase, run.eval_seconds[phase], limit)
 
 
 def warm_start_phase(run: Run):
-    """The supervised warm-start, the time plan made again from what it measured, its eval, and a
-    checkpoint at step 0 (a crash in the RL phase does not cost the warm-start)."""
+    """The supervised warm-start, the time plan (if any) made again from what it measured, its eval, and
+    a checkpoint at step 0 (a crash in the RL phase does not cost the warm-start)."""
     t = time.time()
     warm_start(run.model, run.tokenizer, run.env, run.sft_examples, run.cfg, run.device, run.log)
     if run.device.type == "cpu":
         trim()
-    run.budget.done("warm-start", time.time() - t, run.cfg.sft_steps)
-    if run.budget.refit(time.time() - run.t_run):  # the evals shrink further if the phases ran slower
-        dist.print0(run.budget.line(time.time() - run.t_run))
+    if run.plan:
+        run.plan.done("warm-start", time.time() - t, run.cfg.sft_steps)
+        if run.plan.refit(time.time() - run.t_run):  # the evals shrink further if the phases ran slower
+            run.eval_q = run.plan.eval_q
+            dist.print0(run.plan.line(time.time() - run.t_run))
     run_eval(run, "warmstart", 0)
     if run.cfg.save_steps:
         save(run, 0)
 
 
 def rl_time_budget(run: Run, t_start: float) -> float | None:
-    """Seconds left to RL under run_budget_min (None: no limit), the last evals planned as long as the
+    """Seconds left to RL under the run's budget (None: no limit), the last evals planned as long as the
     warm-start's (the same questions), else at the plan's estimate; said at start."""
-    seconds = run.eval_seconds
-    last_eval = seconds.get("warmstart") or run.budget.estimate("after", run.budget.eval_q) or seconds.get("before", 0.0)
-    budget_s = rl_budget(run.cfg, t_start - run.t_run, last_eval)
+    seconds, plan = run.eval_seconds, run.plan
+    planned = plan.estimate("after", run.eval_q) if plan else 0.0
+    last_eval = seconds.get("warmstart") or planned or seconds.get("before", 0.0)
+    budget_s = rl_budget(run.budget, t_start - run.t_run, last_eval)
     if budget_s is not None:
         dist.print0(f"RL: {budget_s / 60:.1f} min of the budget left (the last evals planned at {last_eval / 60:.1f} "
-                    f"min); at least {min(run.cfg.min_rl_steps, run.cfg.max_steps - run.start)} steps (min_rl_steps)")
+                    f"min); at least {min(run.budget.min_rl_steps, run.cfg.max_steps - run.start)} steps (min_rl_steps)")
     return budget_s
 
 

@@ -38,6 +38,7 @@ import random
 import time
 from dataclasses import dataclass
 
+from grpo.budget import RunBudget
 from grpo.config import Config, parse_args
 from grpo.envs.calculator import MISTAKES, SHORT_SYSTEM_PROMPT, CalculatorEnv, generate_questions
 from grpo.eval import paired_gain
@@ -173,7 +174,9 @@ def main():
           f"output {cfg.output_dir}")
     t0 = time.time()
     weights = {**REWARD_WEIGHTS, "structure": cfg.structure_weight}
-    results = train(cfg, env, train_qs, eval_qs, reward_weights=weights, sft_examples=sft_qs)
+    # the run's time budget, from the fields above (--run_budget_min 0 --time_budget_min 0: none)
+    results = train(cfg, env, train_qs, eval_qs, reward_weights=weights, sft_examples=sft_qs,
+                    budget=RunBudget.of(cfg))
     minutes = (time.time() - t0) / 60
     # the evals after the warm-start and after GRPO ran on the first questions the run budget left
     asked = results.get("after", results.get("warmstart", {})).get("questions", len(eval_qs))

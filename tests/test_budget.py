@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo import budget, cpu, trainer
-from grpo.budget import Budget, Rates, estimate, fit, rl_budget, stop_reason
+from grpo.budget import Rates, RunBudget, TimePlan, estimate, fit, rl_budget, stop_reason
 from grpo.config import Config, parse_args
 from grpo.trainer import train
 
@@ -40,11 +40,23 @@ def test_min_steps_run_past_a_spent_budget(monkeypatch):
 def test_run_budget_leaves_time_for_the_last_eval():
     """RL gets what the run budget leaves after the time spent and one more eval of the length
     of the last; with time_budget_min too, the smaller of the two."""
-    assert rl_budget(Config(), 500.0, 100.0) is None
-    assert rl_budget(Config(time_budget_min=6), 500.0, 100.0) == 360.0
-    assert rl_budget(Config(run_budget_min=20), 500.0, 240.0) == 1200 - 500 - 240
-    assert rl_budget(Config(run_budget_min=20, time_budget_min=6), 500.0, 240.0) == 360.0
-    assert rl_budget(Config(run_budget_min=20, time_budget_min=6), 800.0, 240.0) == 160.0
+    assert rl_budget(RunBudget(), 500.0, 100.0) is None
+    assert rl_budget(RunBudget(time_budget_min=6), 500.0, 100.0) == 360.0
+    assert rl_budget(RunBudget(run_budget_min=20), 500.0, 240.0) == 1200 - 500 - 240
+    assert rl_budget(RunBudget(run_budget_min=20, time_budget_min=6), 500.0, 240.0) == 360.0
+    assert rl_budget(RunBudget(run_budget_min=20, time_budget_min=6), 800.0, 240.0) == 160.0
+
+
+def test_the_config_fields_make_the_budget_object():
+    """A command line's --run_budget_min / --time_budget_min (Config fields) make the RunBudget that
+    train() takes when it is given none; without either there is none (the default)."""
+    assert RunBudget.of(Config()) is None
+    assert RunBudget.of(Config(min_eval_questions=100, min_rl_steps=8)) is None  # floors without a limit
+    assert RunBudget.of(parse_args(Config, ["--run_budget_min", "18.5", "--min_eval_questions", "100",
+                                            "--min_rl_steps", "8"])) == RunBudget(18.5, 0.0, 100, 8)
+    assert RunBudget.of(Config(time_budget_min=6)) == RunBudget(time_budget_min=6)
+    with pytest.raises(ValueError, match="must not be negative"):
+        RunBudget(run_budget_min=-1)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -77,17 +89,22 @@ def unit(before=1.0, per_q=1.0, sft=1.0, rl=10.0):
     return {"before": before, "warmstart": per_q, "after": per_q, "warm-start": sft, "rl_step": rl}
 
 
+def plan(cfg: Config, unit: dict, eval_q: int, before_q: int) -> TimePlan:
+    """The TimePlan of the budget `cfg`'s fields ask for."""
+    return TimePlan.plan(cfg, RunBudget.of(cfg), unit, eval_q, before_q)
+
+
 def test_plan_keeps_a_fitting_run_and_shrinks_one_that_does_not():
     cfg = Config(run_budget_min=10, sft_steps=100, min_rl_steps=3, eval_limit=200, eval_before_limit=10)
     # 100 s warm-start + 30 s RL + 10 before + 2 x 200 evals = 540 s < 600 s: as configured
-    fits = Budget.plan(cfg, unit(), 200, 10)
+    fits = plan(cfg, unit(), 200, 10)
     assert (fits.eval_q, fits.before_q, fits.shrunk) == (200, 10, "")
     # evals at 3 s a question: 1,230 s > 600; 470 s left for 10 x 1 + 200 x 6 -> both at 0.389
-    slow = Budget.plan(cfg, unit(per_q=3.0), 200, 10)
+    slow = plan(cfg, unit(per_q=3.0), 200, 10)
     assert (slow.eval_q, slow.before_q) == (77, 4) and "shrunk to fit" in slow.shrunk
     assert "does not fit" not in slow.line()
     # nothing fits: the floors, and the line says how long the run will take
-    hopeless = Budget.plan(cfg, unit(rl=1000.0), 200, 10)
+    hopeless = plan(cfg, unit(rl=1000.0), 200, 10)
     assert (hopeless.eval_q, hopeless.before_q) == (budget.MIN_EVAL, 4)
     assert "does not fit on this machine" in hopeless.line()
 
@@ -95,13 +112,13 @@ def test_plan_keeps_a_fitting_run_and_shrinks_one_that_does_not():
 def test_plan_pairs_before_with_after_when_no_warm_start():
     """Without a warm-start and a separate before-eval size, before and after share questions."""
     cfg = Config(run_budget_min=1, sft_steps=0, min_rl_steps=1, eval_limit=100, eval_before_limit=0)
-    b = Budget.plan(cfg, unit(before=2.0, per_q=2.0, rl=5.0), 100, 100)
+    b = plan(cfg, unit(before=2.0, per_q=2.0, rl=5.0), 100, 100)
     assert b.eval_q == b.before_q < 100
 
 
 def test_measured_phases_correct_later_estimates():
     cfg = Config(run_budget_min=10, sft_steps=10, min_rl_steps=1, eval_limit=200, eval_before_limit=10)
-    b = Budget.plan(cfg, unit(), 200, 10)
+    b = plan(cfg, unit(), 200, 10)
     b.done("before", 20.0, 10)          # twice the estimate
     b.done("warm-start", 20.0, 10)
     assert b.factor() == pytest.approx(2.0)
@@ -113,23 +130,48 @@ def test_measured_phases_correct_later_estimates():
     assert b.refit(40.0) and b.eval_q == 200
 
 
-def test_no_budget_means_no_plan():
-    b = budget.make_plan(Config(eval_limit=7, eval_before_limit=3), None, None, None, None, list(range(9)), [])
-    assert (b.eval_q, b.before_q, b.budget_s) == (7, 3, 0.0)
-    assert not b.refit(1e6) and b.estimate("after", 7) == 0.0
+def test_time_budget_min_alone_plans_nothing(monkeypatch):
+    """A limit on RL alone needs no plan: nothing is probed and the evals keep their sizes."""
+    monkeypatch.setattr(budget, "probe", lambda *a, **k: pytest.fail("probed without run_budget_min"))
+    assert budget.make_plan(RunBudget(time_budget_min=5), Config(), None, None, None, None, [], [], 7, 3) is None
 
 
-def test_a_slow_machine_shrinks_the_evals_and_still_runs_rl(tmp_path, monkeypatch, capsys, one_thread):
+def test_without_a_budget_no_budget_code_runs(tmp_path, monkeypatch, capsys, one_thread):
+    """train(..., budget=None) with no time limit in the config: no plan, no probe, no refit, no RL
+    limit; the evals take their configured sizes (3 before, 7 after the warm-start and after RL)."""
+    def never(*a, **k):
+        raise AssertionError("budget code ran without a budget")
+    for name in ("make_plan", "rl_budget", "rl_time_budget"):
+        monkeypatch.setattr(trainer, name, never)
+    monkeypatch.setattr(budget, "probe", never)
+    monkeypatch.setattr(TimePlan, "refit", never)
+    monkeypatch.setattr(TimePlan, "done", never)
+    env = ToyEnv()
+    env.gold_messages = lambda example: [{"role": "assistant", "content": "w0 w1 w2 w3"}]  # the warm-start's
+    cfg = Config(model_path=make_toy_dir(tmp_path / "toy"), output_dir=str(tmp_path / "run"), max_steps=1,
+                 prompts_per_step=2, num_generations=2, max_completion_length=8, max_prompt_length=32,
+                 micro_batch_tokens=64, gen_batch=8, eval_limit=7, eval_before_limit=3, sft_steps=1, sft_batch=2,
+                 save_steps=0, export=False, log_completions_steps=0, min_rl_steps=5, min_eval_questions=100)
+    results = train(cfg, env, EXAMPLES, EXAMPLES, budget=None)
+    assert [results[p]["questions"] for p in ("before", "warmstart", "after")] == [3, 7, 7]
+    out = capsys.readouterr().out
+    assert "plan, estimated" not in out and "of the budget left" not in out
+
+
+@pytest.mark.parametrize("given", ["object", "flags"])
+def test_a_slow_machine_shrinks_the_evals_and_still_runs_rl(given, tmp_path, monkeypatch, capsys, one_thread):
     """A whole toy run whose probe reports a very slow machine, in a 0.06 s budget that loading
     the model alone spends: the plan shrinks both evals alike (before and after on the same
-    questions), says so, and RL still runs min_rl_steps steps."""
+    questions), says so, and RL still runs min_rl_steps steps. The budget given as the object
+    (as the CPU recipe does) or as a command line's Config fields, which train() makes it from."""
     slow = Rates(decode=0.01, train=0.001)  # ~10x this toy model's real speed on any CPU
     monkeypatch.setattr(budget, "probe", lambda *a, **k: slow)
+    limits = dict(run_budget_min=0.001, min_rl_steps=2)
     cfg = Config(model_path=make_toy_dir(tmp_path / "toy"), output_dir=str(tmp_path / "run"),
                  max_steps=50, prompts_per_step=2, num_generations=2, max_completion_length=16,
                  max_prompt_length=32, micro_batch_tokens=64, gen_batch=8, eval_limit=40, eval_before_limit=0,
-                 save_steps=0, export=False, log_completions_steps=0, run_budget_min=0.001, min_rl_steps=2)
-    results = train(cfg, ToyEnv(), EXAMPLES, EXAMPLES)
+                 save_steps=0, export=False, log_completions_steps=0, **(limits if given == "flags" else {}))
+    results = train(cfg, ToyEnv(), EXAMPLES, EXAMPLES, budget=RunBudget(**limits) if given == "object" else None)
     out = capsys.readouterr().out
     assert "plan, estimated from this machine's speed" in out and "shrunk to fit" in out
     assert results["before"]["questions"] == results["after"]["questions"] == budget.MIN_EVAL
@@ -214,17 +256,10 @@ def test_probe_times_the_sampler_and_one_backward_without_changing_the_model(tmp
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_without_a_plan_measured_phases_change_nothing():
-    b = budget.make_plan(Config(eval_limit=7), None, None, None, None, list(range(9)), [])
-    b.done("before", 30.0, 7)
-    b.done("warm-start", 30.0, 1)
-    assert b.factor() == 1.0 and b.eval_q == 7
-
-
 def test_the_line_after_the_warm_start_counts_each_phase_once():
     """After the warm-start the line adds what is left to the time spent, not the phases run."""
     cfg = Config(run_budget_min=10, sft_steps=10, min_rl_steps=1, eval_limit=100, eval_before_limit=10)
-    b = Budget.plan(cfg, unit(before=1.0, per_q=1.0, sft=30.0, rl=10.0), 100, 10)
+    b = plan(cfg, unit(before=1.0, per_q=1.0, sft=30.0, rl=10.0), 100, 10)
     assert "does not fit" not in b.line(spent_s=310.0)   # 310 + 2 x 100 + 10 = 520 s < 600 s
     assert "310" not in b.line() and "5.2 min spent" in b.line(spent_s=310.0)
     assert "does not fit" in b.line(spent_s=500.0)       # 500 + 200 + 10 > 600
