@@ -9,7 +9,7 @@
 
 On a bare GPU box with torch and triton only, offline: `pip install --no-deps -e .` in the clone, then
 the first command. Nothing on its path imports transformers, tokenizers, safetensors or the rest at
-module level (tests/test_gpu_check.py imports it with them blocked).
+module level (tests/test_gpu_check.py runs it with them blocked).
 
 Random weights of the Qwen2.5-0.5B and 3B shapes, initialized as transformers does (std 0.02), no download.
 Parity, each against a reference defined here (any failure, or any part that raises, exits 1):
@@ -19,7 +19,8 @@ Parity, each against a reference defined here (any failure, or any part that rai
   sampler  greedy tokens of the FSDP2 model under dist.gathered() (as the trainer samples) with CUDA
            graphs, with flash-attn, and with both; reference: eager decode with SDPA, same model. Random
            logits have near-ties that rounding may flip, so a row may part from the reference only
-           where both tokens are within TIE_REL of the top logit of a full forward of the common prefix.
+           where both tokens are within TIE_REL (grpo/parity.py) of the top logit of a full forward of the
+           common prefix.
            Checked in fp32 compute, where only summation order differs; bf16 (the trainer's dtype) is
            reported beside it with the gaps at which its rows parted.
   update   two GRPO steps (grpo.update.policy_update, micro-batched) under FSDP2 with bf16 compute on fp32
@@ -80,6 +81,7 @@ from grpo.model import Transformer  # noqa: E402
 from grpo.rollout import Trajectory  # noqa: E402
 from grpo.sampler import Sampler, SamplingParams  # noqa: E402
 from grpo.memory import GIB, memory_plan  # noqa: E402
+from grpo.parity import greedy_rows  # noqa: E402  (the near-tie rule, TIE_REL)
 from grpo.preflight import preflight  # noqa: E402
 from grpo.update import batch_logprobs, loss_options, policy_update, update_batches  # noqa: E402
 
@@ -115,9 +117,6 @@ KERNEL_TOL = dict(lp=2e-3, entropy=2e-3, adv=1e-4, loss=1e-3, grad_hidden=2e-2, 
 # bf16 at the 0.5B shape: 0.010 and 0.018 nats, 0.0008, 0.029 (the GRPO gradient sums +-A terms that
 # mostly cancel, so bf16 rounding shows more in it than in one sequence's gradient)
 UPDATE_TOL = dict(lp=0.05, grad_norm=0.01, weight_change=0.08)
-# a tie: both tokens within 1/64 of the top logit (2-4 bf16 steps); bf16 against fp32 decode of the
-# 0.5B shape (CPU) parted rows at gaps of 0.001-0.006 of the top logit, never more
-TIE_REL = 1 / 64
 LR = 0.5  # SGD, grad norm clipped to 1: each step moves the weights by ~1e-3 of their norm
 
 
@@ -210,26 +209,6 @@ def kernel_parity(device, backend: str, sizes: dict, perturb: bool) -> list[dict
                            max(err[k] / KERNEL_TOL[k] for k in err), 1.0,
                            " ".join(f"{k} {v:.1e}" for k, v in err.items()), errors=err))
     return rows
-
-
-@torch.no_grad()
-def greedy_rows(model, prompts, ref: list, out: list, gaps: list | None = None) -> tuple[int, int, int]:
-    """(rows equal, rows parted at a near-tie, rows parted elsewhere): see TIE_REL. `gaps` collects,
-    per parted row, the top logit minus the lower of the two tokens' logits, over |top logit|."""
-    equal = ties = bad = 0
-    device = next(model.parameters()).device
-    for p, a, b in zip(prompts, ref, out):
-        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        if k is None:
-            equal, bad = equal + (len(a) == len(b)), bad + (len(a) != len(b))
-            continue
-        z = model(torch.tensor([p + a[:k]], device=device))[0, -1].float()  # (V,) where the rows part
-        gap = ((z.max() - torch.minimum(z[a[k]], z[b[k]])) / z.max().abs()).item()
-        tie = gap <= TIE_REL
-        ties, bad = ties + tie, bad + (not tie)
-        if gaps is not None:
-            gaps.append(gap)
-    return equal, ties, bad
 
 
 def greedy_parity(name: str, device, sizes: dict, perturb: bool) -> list[dict]:

@@ -30,7 +30,6 @@ from the prefill). Natural mode (--checkpoint) runs both with real stopping (EOS
 </calculator> stop string), 3 seeds summed; the sides then sample different lengths.
 """
 import argparse
-import random
 import sys
 import time
 from contextlib import contextmanager
@@ -43,59 +42,17 @@ import transformers
 
 import grpo.sampler
 import grpo.window
+from grpo.baseline import TOOL_CALL, force_eos, plan_turns, run_hf  # the baseline and the oracle's rule
 from grpo.envs.calculator import SHORT_SYSTEM_PROMPT, CalculatorEnv, generate_questions
 from grpo.model import Transformer
 from grpo.rollout import continuation_ids, render_prompt, rollout, sampling_params
 from grpo.sampler import Sampler, SamplingParams
 from grpo.sampling import request_key
-sys.path.insert(0, str(Path(__file__).parent))  # bench/table.py, also when loaded from a file path (the test)
+sys.path.insert(0, str(Path(__file__).parent))  # bench/table.py
 from table import print_table  # noqa: E402
 
-# the oracle's tool call: the real calculator answers it with <output>176.3571429</output>,
-# 27 tokens as SmolLM2's user turn plus the next assistant header
-TOOL_CALL = "<calculator>\noperation: divide\noperands:\n  - 1234.5\n  - 7\n</calculator>"
-BANDS = [(0.75, 30, 90), (0.2, 90, 200)]  # (share of rows, sampled tokens) at 224; the rest fill the budget
 
-
-# ----------------------------------------------------------------------------- the oracle
-
-def plan_turns(R: int, turns: int, max_tokens: int, obs_len: int, seed: int) -> list[list[int]]:
-    """Per row, the sampled tokens of each assistant turn, each turn ending in its forced EOS.
-    Bands scale with max_tokens / 224 (so --quick keeps the mix); a row's sampled tokens plus its
-    (turns - 1) observations fit in max_tokens, and the 'max' rows fill it exactly."""
-    rng, scale = random.Random(f"rollout-plan-{seed}"), max_tokens / 224
-    cap = max_tokens - (turns - 1) * obs_len  # sampled tokens that fit beside the observations
-    assert cap >= 4 * turns, f"{max_tokens=} leaves {cap} sampled tokens for {turns} turns"
-    counts = [round(share * R) for share, _, _ in BANDS]
-    kinds = [k for k, c in enumerate(counts) for _ in range(c)][: R - 1]
-    kinds += [None] * (R - len(kinds))  # None: fills the budget (at least one row)
-    rng.shuffle(kinds)
-    plans = []
-    for k in kinds:
-        n = cap if k is None else rng.randint(round(BANDS[k][1] * scale), round(BANDS[k][2] * scale))
-        n = min(max(n, 4 * turns), cap)
-        plans.append([n // turns] * (turns - 1) + [n - (turns - 1) * (n // turns)])
-    return plans
-
-
-def force_eos(logits: torch.Tensor, end: torch.Tensor, eos: int) -> torch.Tensor:
-    """(B, V) logits, (B,) bool -> the same logits, in place: EOS is impossible unless the row is
-    at its planned end, and there it is the only choice. Both sides sample through this."""
-    logits[:, eos] = float("-inf")
-    logits.masked_fill_(end[:, None], float("-inf"))
-    logits[end, eos] = 0.0
-    return logits
-
-
-class PlannedEOS(transformers.LogitsProcessor):
-    """The baseline's half of the oracle, for one generate() call: row b ends at lengths[b]."""
-    def __init__(self, lengths: list[int], prompt_len: int, eos: int):
-        self.last, self.prompt_len, self.eos = torch.tensor(lengths) - 1, prompt_len, eos
-
-    def __call__(self, input_ids, scores):
-        step = input_ids.shape[1] - self.prompt_len  # tokens generated this turn, the same in every row
-        return force_eos(scores, self.last == step, self.eos)
-
+# ----------------------------------------------------------------------------- the oracle: ours' half
 
 @contextmanager
 def planned_sample(plans: list[list[int]], keys: list[int], obs_len: int, eos: int):
@@ -172,59 +129,6 @@ def run_ours(sampler, tok, env, examples, G, max_tokens, seed, plans=None) -> li
         out = sampler.generate([render_prompt(tok, m) for m in messages], params, tool if turns > 1 else None)
     assert all(c.finish_reason != "error" for c in out), [c.error for c in out if c.error]
     return [(sum(c.loss_mask), c.num_turns) for c in out]
-
-
-@torch.no_grad()
-def run_hf(ref, tok, env, examples, G, max_tokens, seed, plans=None) -> list[tuple[int, int]]:
-    """TRL without vLLM: generate() on the left-padded batch, then per tool turn the whole
-    conversation re-rendered and re-prefilled for the rows that go on. (sampled, turns) per row."""
-    torch.manual_seed(seed)
-    eos, stop = tok.eos_token_id, env.stop_strings[0]
-    messages = [env.prompt(ex) for ex in examples]
-    R = len(messages) * G
-    convs, sampled, turns = [list(messages[r // G]) for r in range(R)], [0] * R, [0] * R
-    first = [render_prompt(tok, m) for m in messages]
-    rows, turn = list(range(R)), 0
-    while rows:
-        # turn 0: each prompt once, G copies made by num_return_sequences; then the conversations
-        prompts = first if turn == 0 else [render_prompt(tok, convs[r]) for r in rows]
-        if plans:  # each row's planned length for this turn, forced
-            cap = [plans[r][turn] for r in rows]
-        else:  # the budget left: the completion so far is what the template adds after the first prompt
-            cap = [max_tokens - (len(prompts[b]) - len(first[r // G]) if turn else 0) for b, r in enumerate(rows)]
-            # a row whose observation used up the budget ends there, its turn counted, as in grpo.sampler
-            # ("length"); turn 0 has one prompt per question for G rows and a full budget
-            if turn:
-                for r, c in zip(rows, cap):
-                    turns[r] += c <= 0
-                kept = [(r, p, c) for r, p, c in zip(rows, prompts, cap) if c > 0]
-                if not kept:
-                    break
-                rows, prompts, cap = map(list, zip(*kept))
-        L = max(map(len, prompts))  # left padding, as generate wants for batches
-        ids = torch.tensor([[eos] * (L - len(p)) + p for p in prompts])  # (B, L)
-        attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
-        kw = (dict(logits_processor=transformers.LogitsProcessorList([PlannedEOS(cap, L, eos)])) if plans
-              else dict(stop_strings=env.stop_strings, tokenizer=tok))
-        out = ref.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                           max_new_tokens=max(cap), num_return_sequences=G if turn == 0 else 1,
-                           eos_token_id=eos, pad_token_id=eos, **kw)  # (B * copies, L + new)
-        go_on = []
-        for b, r in enumerate(rows):
-            gen = out[b, L:].tolist()
-            n = min(gen.index(eos) + 1 if eos in gen else len(gen), cap[b])
-            text = tok.decode(gen[:n - (gen[n - 1] == eos)])
-            if not plans and stop in text and gen[n - 1] == eos:
-                n -= 1  # the stop string ended the row: that EOS is padding
-            sampled[r], turns[r] = sampled[r] + n, turn + 1
-            more = turn + 1 < len(plans[r]) if plans else (
-                stop in text and turn + 1 < env.max_turns and n < cap[b])
-            if more:
-                obs = env.step(TOOL_CALL if plans else text)
-                convs[r] += [{"role": "assistant", "content": text}, {"role": env.observation_role, "content": obs}]
-                go_on.append(r)
-        rows, turn = go_on, turn + 1
-    return list(zip(sampled, turns))
 
 
 def observation_ids(tok, env) -> list[int]:

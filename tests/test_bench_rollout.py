@@ -1,8 +1,8 @@
 """bench/rollout.py: its --quick run (our sampler and the transformers baseline on SmolLM2, one tool
 call per row) prints the table and a JSON line in which both sides sampled exactly the planned
-tokens per row and turns (the length oracle held), and the plan itself has the promised shape; natural
-mode's baseline ends a row whose tool observation spent its budget, with a stand-in model."""
-import importlib.util
+tokens per row and turns (the length oracle held), run as a process; and, from the package (grpo.baseline),
+the plan has the promised shape and natural mode's baseline ends a row whose tool observation spent its
+budget, with a stand-in model."""
 import json
 import subprocess
 import sys
@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from grpo import baseline
+from grpo.rollout import render_prompt
+
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast subset leaves it out)
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "rollout.py"
@@ -18,17 +21,9 @@ COLS = ["case", "mode", "ours_tokens", "hf_tokens", "ours_s", "hf_s", "ours_tps"
         "hf_prefill", "ours_decode", "hf_decode", "ours_live", "hf_live", "x"]
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_rollout", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_plan_fits_the_budget_and_fills_it_once():
-    bench = load_bench()
     for R, turns, max_tokens in ((32, 1, 224), (48, 3, 224), (8, 2, 48), (5, 1, 64)):
-        plans = bench.plan_turns(R, turns, max_tokens, obs_len=27, seed=R)
+        plans = baseline.plan_turns(R, turns, max_tokens, obs_len=27, seed=R)
         assert len(plans) == R and all(len(p) == turns and min(p) >= 4 for p in plans), plans
         totals = [sum(p) + (turns - 1) * 27 for p in plans]  # completion tokens: sampled + observations
         assert max(totals) == max_tokens, totals  # at least one row runs to the budget
@@ -36,10 +31,9 @@ def test_plan_fits_the_budget_and_fills_it_once():
 
 
 def test_force_eos_bans_eos_before_the_end_and_forces_it_there():
-    bench = load_bench()
     logits = torch.randn(3, 11)
     logits[:, 4] = 50.0  # EOS would win everywhere
-    out = bench.force_eos(logits.clone(), torch.tensor([False, True, False]), eos=4)
+    out = baseline.force_eos(logits.clone(), torch.tensor([False, True, False]), eos=4)
     assert out.argmax(-1)[1] == 4 and (out[1] == float("-inf")).sum() == 10
     assert out[[0, 2], 4].eq(float("-inf")).all() and out[[0, 2]].argmax(-1).ne(4).all()
 
@@ -74,20 +68,18 @@ def test_natural_baseline_ends_a_row_whose_observation_spends_the_budget(smollm2
     # go on; it used to ask generate for max_new_tokens < 0 (or count such a row's tokens wrong)
     import transformers
     from grpo.envs.calculator import SHORT_SYSTEM_PROMPT, CalculatorEnv, generate_questions
-    bench = load_bench()
     tok = transformers.AutoTokenizer.from_pretrained(smollm2_path)
     env = CalculatorEnv(system_prompt=SHORT_SYSTEM_PROMPT)
     eos = tok.eos_token_id
-    call = tok.encode(bench.TOOL_CALL, add_special_tokens=False)
+    call = tok.encode(baseline.TOOL_CALL, add_special_tokens=False)
     filler = tok.encode("Let me work this out with the calculator, one step at a time, carefully. ",
                         add_special_tokens=False)[:20]
     answer = tok.encode("Answer: 176.36", add_special_tokens=False)
     # the budget the first turn of a bare call spends (the call, its observation, the next header), + 10
     messages = env.prompt(generate_questions(1, seed=0)[0])
-    spent = len(bench.render_prompt(tok, messages + [{"role": "assistant", "content": bench.TOOL_CALL},
-                                                     {"role": env.observation_role,
-                                                      "content": env.step(bench.TOOL_CALL)}]))
-    max_tokens = spent - len(bench.render_prompt(tok, messages)) + 10
+    spent = len(render_prompt(tok, messages + [{"role": "assistant", "content": baseline.TOOL_CALL},
+                                               {"role": env.observation_role, "content": env.step(baseline.TOOL_CALL)}]))
+    max_tokens = spent - len(render_prompt(tok, messages)) + 10
 
     class Ref:  # stands for the transformers model: turn 1, even rows a bare call and odd rows 20 tokens
         def __init__(self):  # before it (their observation then spends the budget); turn 2, an answer
@@ -102,6 +94,6 @@ def test_natural_baseline_ends_a_row_whose_observation_spends_the_budget(smollm2
             return torch.cat([rows, torch.tensor(new)], 1)
 
     ref = Ref()
-    out = bench.run_hf(ref, tok, env, generate_questions(1, seed=0), G=4, max_tokens=max_tokens, seed=0)
+    out = baseline.run_hf(ref, tok, env, generate_questions(1, seed=0), G=4, max_tokens=max_tokens, seed=0)
     assert ref.asked == [max_tokens, 10], ref.asked  # the second turn only for the rows with budget left
     assert out == [(len(call) + len(answer), 2), (len(filler) + len(call), 2)] * 2, out

@@ -1,10 +1,9 @@
 """The Triton kernels compiled for each GPU the recipes are planned for, on this CPU
 (grpo.kernels.compile_for: Triton's pipeline down to a cubin, nothing launched), and the
-kernels one decode step launches, counted from the code path (bench/compile_kernels.py)."""
+kernels one decode step launches, counted from the code path (grpo.kernels.cases and
+grpo.kernel_count, which bench/compile_kernels.py prints)."""
 import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +12,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compile_for compiles; the interpreter runs"),
 ]
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
 
 KERNELS = {"_sample_partial_kernel", "_sample_combine_kernel", "_add_rmsnorm_kernel", "_silu_mul_kernel",
            "_qkv_rope_write_kernel", "_decode_attention_kernel", "_decode_attention_combine_kernel",
@@ -25,8 +22,8 @@ TINY = dict(model_type="qwen2", vocab_size=300, hidden_size=64, intermediate_siz
 
 @pytest.mark.parametrize("arch", [pytest.param(a, marks=() if a == 90 else pytest.mark.slow) for a in (80, 89, 90, 100)])
 def test_every_kernel_compiles_for_the_gpu(arch):
-    import compile_kernels
-    rows = compile_kernels.compile_rows([arch])
+    from grpo.kernels.cases import compile_rows
+    rows = compile_rows([arch])
     assert {r["kernel"] for r in rows} == KERNELS
     for r in rows:  # registers from the cubin itself; no kernel spills, each fits the GPU's shared memory
         assert 0 < r["regs"] <= 255 and r["status"] == "ok", r
@@ -58,9 +55,9 @@ def test_decode_step_kernels_counted(family):
     """Through the Triton kernels a layer is 6 launches and 4 GEMMs, for each family (Qwen3's q/k
     norms inside the q/k/v kernel), the step has no host sync seen (a CUDA graph holds it), and the
     count is linear in the layers (what the bench extrapolates)."""
-    import compile_kernels
+    from grpo.kernel_count import step_count
     config = dict(TINY, model_type=family, qkv_bias=family == "qwen2", head_dim=32 if family == "qwen3" else None)
-    counts = {(L, way): compile_kernels.step_count(config, 4, L, way, 90) for L in (1, 2, 3)
+    counts = {(L, way): step_count(config, 4, L, way, 90) for L in (1, 2, 3)
               for way in ("triton", "torch", "model")}
     total = lambda c: c["launches"] + sum(c["ops"].values())  # noqa: E731
     for way in ("triton", "torch", "model"):
@@ -76,22 +73,21 @@ def test_decode_step_kernels_counted(family):
 
 
 def test_the_attention_sweep_compiles_each_launch(monkeypatch):
-    """bench/decode_kernels.py --sweep (a GPU's) on this CPU, compiled only: each alternative
-    launch builds, the shipped one is among them, and the wrapper's own launch is restored."""
-    import decode_kernels
-
-    from grpo.kernels import compile_for, layers
+    """The attention sweep (grpo.kernels.cases.sweep: bench/decode_kernels.py --sweep, a GPU's) on this
+    CPU, compiled only: each alternative launch builds, the shipped one is among them, and the
+    wrapper's own launch is restored."""
+    from grpo.kernels import cases, compile_for, layers
     shipped = layers._attention_launch
-    monkeypatch.setattr(decode_kernels, "time_ms", lambda fn, iters, reps: (fn(), 1.0)[1])
+    monkeypatch.setattr(cases, "time_ms", lambda fn, iters, reps: (fn(), 1.0)[1])
     with compile_for(90) as launches:
-        rows = decode_kernels.sweep(torch.bfloat16, 1, 1, dev="cpu")
+        rows = cases.sweep(torch.bfloat16, 1, 1, dev="cpu")
     assert layers._attention_launch is shipped
-    assert len(rows) == 2 * len(decode_kernels.SWEEP) and sum(r["shipped"] for r in rows) == 2
+    assert len(rows) == 2 * len(cases.SWEEP) and sum(r["shipped"] for r in rows) == 2
     attention = [k for name, k in launches if name == "_decode_attention_kernel"]
-    assert {(k.metadata.num_warps, k.metadata.num_stages) for k in attention} == {(w, s) for _, w, s in decode_kernels.SWEEP}
+    assert {(k.metadata.num_warps, k.metadata.num_stages) for k in attention} == {(w, s) for _, w, s in cases.SWEEP}
     # each launch a kernel of its own (keys a block is a constexpr) per shape; the shipped launch, timed
     # first as the base, is one of them
-    assert len({k.hash for k in attention}) == 2 * len(set(decode_kernels.SWEEP)), len(attention)
+    assert len({k.hash for k in attention}) == 2 * len(set(cases.SWEEP)), len(attention)
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -101,9 +97,8 @@ def test_decode_attention_on_tensor_cores_for_16_bit_caches(G, D):
     padded only to a power of two (Qwen3-0.6B's 2, Qwen3-4B's 4, Qwen2.5-0.5B's 7 -> 8; the MMA pads
     to its own tile); fp32 caches: "ieee" dots on the FMA units (no mma, no tf32). No spill, at
     Qwen2.5's head dim (64 for 0.5B) and Qwen3's (128)."""
-    import compile_kernels
-
     from grpo.kernels import compile_for, decode_attention
+    from grpo.kernels.cases import resources
     B, nkv, S = 4, 2, 256
     g = torch.Generator().manual_seed(0)
     for dtype, mma in ((torch.bfloat16, True), (torch.float32, False)):
@@ -115,5 +110,5 @@ def test_decode_attention_on_tensor_cores_for_16_bit_caches(G, D):
         ptx = k.asm["ptx"]
         assert ("mma" in ptx) == mma, (dtype, G, D)
         assert "tf32" not in ptx
-        assert compile_kernels.resources(k.asm["cubin"])["spill_bytes"] == 0, (dtype, G, D)
+        assert resources(k.asm["cubin"])["spill_bytes"] == 0, (dtype, G, D)
         assert k.src.constants[(k.src.fn.arg_names.index("BLOCK_G"),)] == 1 << (G - 1).bit_length()

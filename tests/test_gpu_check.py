@@ -26,10 +26,14 @@ PARITY_PARTS = {"kernels", "update", "sampler"}
 
 
 BARE_BOX = ("tqdm", "transformers", "tokenizers", "flash_attn")  # what a box with torch and triton only lacks
-BLOCKER = f"""import importlib.machinery, sys
+
+
+def blocker(names: tuple) -> str:
+    """A sitecustomize.py under which `names` cannot be imported, in the process and any child it starts."""
+    return f"""import importlib.machinery, sys
 class _BareBox:  # tests/test_gpu_check.py: these packages are absent here, as on a bare GPU box
     def find_spec(self, name, path=None, target=None):  # a spec with no file (torch._dynamo probes with
-        if name.split(".")[0] in {BARE_BOX!r}:          # importlib.util.find_spec), whose import fails
+        if name.split(".")[0] in {names!r}:          # importlib.util.find_spec), whose import fails
             return importlib.machinery.ModuleSpec(name, self)
     def create_module(self, spec):
         raise ModuleNotFoundError(f"No module named {{spec.name!r}} (blocked: a bare GPU box)", name=spec.name)
@@ -37,6 +41,9 @@ class _BareBox:  # tests/test_gpu_check.py: these packages are absent here, as o
         pass
 sys.meta_path.insert(0, _BareBox())
 """
+
+
+BLOCKER = blocker(BARE_BOX)
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +122,9 @@ def test_perturbed_parity_fails(runs):
 
 
 def test_greedy_ties():
-    """A row may part from the reference only where both tokens are within TIE_REL of the top logit."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    import gpu_check
+    """A row may part from the reference only where both tokens are within TIE_REL of the top logit
+    (grpo.parity, the sampler check's rule)."""
+    from grpo.parity import TIE_REL, greedy_rows
 
     class FixedLogits(torch.nn.Module):  # the same logits at every position
         def __init__(self):
@@ -132,8 +139,8 @@ def test_greedy_ties():
            [0, 1, 3],   # parts at a near-tie (10 vs 9.9), whatever follows
            [2, 0, 0],   # parts where the reference's top logit is far above the tested token's
            [0, 0]]      # shorter
-    assert gpu_check.TIE_REL * 10 > 0.1
-    assert gpu_check.greedy_rows(FixedLogits(), [[1]] * 4, ref, out) == (1, 1, 2)
+    assert TIE_REL * 10 > 0.1
+    assert greedy_rows(FixedLogits(), [[1]] * 4, ref, out) == (1, 1, 2)
 
 
 def test_decode_profile_dry_run():
@@ -148,16 +155,14 @@ def test_decode_profile_dry_run():
     assert "profiled call (sync_every 8, temperature 1): wall" in r.stdout
 
 
-def test_it_imports_on_a_box_with_torch_and_triton_only():
-    """A bare GPU box has torch and triton: the script must import with every other dependency
-    blocked (bench/sampler.py and bench/step.py imported transformers at the top)."""
-    blocked = ["transformers", "tokenizers", "safetensors", "tqdm", "numpy", "yaml", "tensorboard", "math_verify"]
-    code = ("import sys, importlib.util\n"
-            f"for m in {blocked!r}: sys.modules[m] = None\n"
-            f"spec = importlib.util.spec_from_file_location('gpu_check', {str(SCRIPT)!r})\n"
-            "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n")
-    r = subprocess.run([sys.executable, "-c", code], cwd=SCRIPT.parent, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
+def test_it_starts_on_a_box_with_torch_and_triton_only(tmp_path):
+    """A bare GPU box has torch and triton: the script must start (its imports, then --help) with
+    every other dependency blocked (bench/sampler.py and bench/step.py imported transformers at the top)."""
+    blocked = ("transformers", "tokenizers", "safetensors", "tqdm", "numpy", "yaml", "tensorboard", "math_verify")
+    (tmp_path / "sitecustomize.py").write_text(blocker(blocked))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.startswith("usage: gpu_check.py"), r.stderr[-2000:]
 
 
 def test_only_runs_the_named_parts(tmp_path):

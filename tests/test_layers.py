@@ -9,7 +9,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = sorted(p for p in (ROOT / "grpo").glob("*.py"))
-STDLIB = {"math", "os", "functools", "typing", "dataclasses", "contextlib", "struct"}
+STDLIB = {"math", "os", "functools", "typing", "dataclasses", "contextlib", "struct", "subprocess", "tempfile", "time",
+          "pathlib", "unittest"}
 RUNS_A_FILE = {"spec_from_file_location", "exec_module", "run_path", "run_module", "exec", "execfile"}
 
 
