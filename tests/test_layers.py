@@ -1,7 +1,10 @@
 """The layers, read from the source (AST, imports inside functions included): the core (grpo/,
 but its command lines in grpo/cli/) never imports the envs or a command line and never runs a
 recipe file; the kernels are a leaf that imports torch and triton only. A module's
-`if __name__ == "__main__":` block is its own command line and may reach up to grpo.cli."""
+`if __name__ == "__main__":` block is its own command line and may reach up to grpo.cli (but
+grpo/eval.py's does not: the eval's command line is grpo/cli/eval.py alone). The tests and the
+benches share code only through the package: no test imports or loads a bench script, and no
+bench imports a test module (a test may run a bench script as a process)."""
 import ast
 from pathlib import Path
 
@@ -58,3 +61,111 @@ def test_the_check_sees_function_level_imports_and_skips_main_blocks(tmp_path):
                  "if __name__ == '__main__':\n    from grpo.cli.eval import main\n")
     modules, calls = imports_and_calls(f)
     assert "grpo.envs" in modules and "grpo.cli.eval" not in modules and "spec_from_file_location" in calls
+
+
+def test_the_eval_library_never_imports_its_command_line():
+    """grpo/eval.py is the library; `python -m grpo.eval` only says the command is grpo.cli.eval."""
+    tree = ast.parse((ROOT / "grpo" / "eval.py").read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not [m for m in imported if m.startswith("grpo.cli")], imported
+
+
+# ----------------------------------------------------------------------------- tests <-> bench
+
+BENCH, TESTS = ROOT / "bench", ROOT / "tests"
+LOADS = {"spec_from_file_location", "SourceFileLoader", "run_path", "run_module", "import_module", "__import__"}
+
+
+def reaches(path: Path, folder: Path) -> list[str]:
+    """How the file at `path` imports or loads code from `folder` (bench/ or tests/): an import of one
+    of its modules, as `bench.x` or by a script's own name (`import gpu_check` works once the folder
+    is on sys.path; names the file's own folder also has are its own), a sys.path entry into the
+    folder, or a file or module loaded from it by importlib or runpy. A load's path is read from the
+    strings in its arguments, followed through the file's assignments (SCRIPT = ROOT / "bench" / "x.py").
+    Running a script as a process is none of these."""
+    tree = ast.parse(path.read_text())
+    foreign = {p.stem for p in folder.glob("*.py")} - {p.stem for p in path.parent.glob("*.py")} | {folder.name}
+    assigned = {}  # name -> the expressions assigned to it, anywhere in the file
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Name):
+                    assigned.setdefault(target.id, []).append(node.value)
+
+    def strings(expr, seen=()) -> set[str]:
+        out = set()
+        for n in ast.walk(expr):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str):
+                out.add(n.value)
+            elif isinstance(n, ast.Name) and n.id in assigned and n.id not in seen:
+                for value in assigned[n.id]:
+                    out |= strings(value, (*seen, n.id))
+        return out
+
+    def into(text: str, by_name: bool) -> bool:  # a path into the folder, or (by_name) one of its modules
+        return folder.name in text.replace("\\", "/").split("/") or by_name and text.split(".")[0] in foreign
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [f"line {node.lineno}: import {a.name}" for a in node.names if a.name.split(".")[0] in foreign]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            if node.module.split(".")[0] in foreign:
+                found.append(f"line {node.lineno}: from {node.module} import ...")
+        elif isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            on_path = isinstance(f, ast.Attribute) and ast.unparse(f.value) == "sys.path"
+            by_name = name in ("import_module", "__import__", "run_module")
+            if (name in LOADS or on_path) and any(into(t, by_name) for a in [*node.args, *node.keywords]
+                                                  for t in strings(a)):
+                found.append(f"line {node.lineno}: {ast.unparse(f)}(...) into {folder.name}/")
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(ast.unparse(t).startswith("sys.path") for t in targets) and any(into(t, False)
+                                                                                   for t in strings(node.value)):
+                found.append(f"line {node.lineno}: sys.path set into {folder.name}/")
+    return found
+
+
+@pytest.mark.parametrize("path", sorted(TESTS.glob("*.py")), ids=lambda p: p.name)
+def test_no_test_imports_or_loads_a_bench_script(path):
+    assert not reaches(path, BENCH), f"tests/{path.name} reaches into bench/: {reaches(path, BENCH)}"
+
+
+@pytest.mark.parametrize("path", sorted(BENCH.glob("*.py")), ids=lambda p: p.name)
+def test_no_bench_imports_a_test_module(path):
+    assert not reaches(path, TESTS), f"bench/{path.name} reaches into tests/: {reaches(path, TESTS)}"
+
+
+def test_the_tests_bench_check_catches_each_way_in(tmp_path):
+    """The check itself, on files written here: each way a test could reach a bench script (and a bench a
+    test module) is caught; running a script as a process, or loading a recipe, is not."""
+    def check(text: str, folder: Path) -> list[str]:
+        f = tmp_path / "probe.py"
+        f.write_text(text)
+        return reaches(f, folder)
+
+    head = "import importlib.util, runpy, subprocess, sys\nfrom pathlib import Path\nROOT = Path(__file__).parents[1]\n"
+    bad = {  # what test_gpu_check.py, test_compile.py and test_bench_rollout.py did before the helpers moved
+        "sys.path + script name": 'sys.path.insert(0, str(ROOT / "bench"))\nimport gpu_check\n',
+        "sys.path alone": 'sys.path.append(str(Path(__file__).parents[1] / "bench"))\n',
+        "sys.path slice": 'sys.path[:0] = [str(ROOT / "bench")]\n',
+        "spec through a name": 'SCRIPT = ROOT / "bench" / "rollout.py"\nOTHER = SCRIPT.with_name("step.py")\n'
+                                'def load():\n    spec = importlib.util.spec_from_file_location("b", OTHER)\n',
+        "runpy": 'runpy.run_path("bench/gpu_check.py")\n',
+        "package import": "from bench.table import print_table\n",
+        "script name in a function": "def f():\n    import compile_kernels\n",
+        "import_module": 'importlib.import_module("decode_kernels")\n',
+    }
+    for what, text in bad.items():
+        assert check(head + text, BENCH), what
+    good = ('SCRIPT = ROOT / "bench" / "gpu_check.py"\n'
+            'subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=SCRIPT.parent)\n'
+            'spec = importlib.util.spec_from_file_location("sandbox", ROOT / "envs" / "sandbox.py")\n'
+            'from grpo import baseline\nfrom grpo.kernels.cases import sweep\nimport torch\n')
+    assert check(head + good, BENCH) == []
+    # a bench reaching into tests/: a test module by name, or the folder on sys.path
+    assert check("from toy import ToyEnv\n", TESTS) and check(head + 'sys.path.insert(0, str(ROOT / "tests"))\n', TESTS)
+    assert check(head + 'sys.path.insert(0, str(ROOT / "recipes"))\nimport table\n', TESTS) == []
