@@ -218,6 +218,7 @@ def parse_args(cls=Config, argv: list[str] | None = None):
     apply_profile(cfg, given.get("profile", from_file.get("profile", cfg.profile)), {*from_file, *given})
     for key, value in {**from_file, **given}.items():
         setattr(cfg, key, value)
+    cfg.set_by_user = frozenset({*from_file, *given})  # what a recipe's own adjustments must leave alone
     text = field_docs(cls)[0]
     for name in required_fields(cls):
         if not str(getattr(cfg, name)).strip():

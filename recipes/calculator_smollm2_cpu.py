@@ -38,8 +38,11 @@ import random
 import time
 from dataclasses import dataclass
 
+import torch
+
 from grpo.budget import RunBudget
 from grpo.config import Config, parse_args
+from grpo.cpu import choose, measure, normalize, set_threads
 from grpo.envs.calculator import MISTAKES, SHORT_SYSTEM_PROMPT, CalculatorEnv, generate_questions
 from grpo.eval import paired_gain
 from grpo.smollm2 import local_path
@@ -56,6 +59,15 @@ from grpo.trainer import train
 # the last call computes, by value) does not pay a flat call that parses; its weight is the
 # config's structure_weight.
 REWARD_WEIGHTS = {"correct": 1.0, "tool_use": 0.0, "format": 0.0}
+
+# A slow CPU's run (one fp32 core of an AMD EPYC, the stand-in for a 2-core AVX2 laptop, ~90 GFLOP/s):
+# the defaults' matmuls alone take 20-23 minutes there (docs/runs.md), so half the prompts a GRPO step
+# (4 x G=6: 8 steps ~63 s each, not ~150), greedy evals only (no sampled twin: half an eval's rows) and
+# completions of 192 tokens (the longest gold answer to an eval question is 188). Measured there: 21.7
+# minutes, evals of 100 questions, 8 GRPO steps, greedy 0.000 -> 0.220 (+0.220 +- 0.082).
+LIGHT = {"prompts_per_step": 4, "eval_temperature": 0.0, "max_completion_length": 192}
+LIGHT_BELOW = 150.0  # GFLOP/s of the model's up projection in the dtype the run will use: fp32 on an
+                     # AVX2 laptop ~100, one fp32 core ~90; AVX512 at two fp32 threads ~190, bf16 ~760
 
 
 @dataclass
@@ -90,6 +102,8 @@ class CalculatorCPU(Config):
                                       # minutes once, its last eval the longer by 1.1 min; 5-8 steps, by the machine
     prompts_per_step: int = 8
     num_generations: int = 6
+    light: str = "auto"               # auto: on a slow CPU (its matmuls under LIGHT_BELOW GFLOP/s, as on a 2-core
+                                      # AVX2 laptop) the LIGHT settings below; true / false: always / never
     temperature: float = 1.0          # a longer warm-start's model was sharp (~0.03 nats/token): 0.9 left 5 groups in 8 flat
     learning_rate: float = 2e-5                  # with warmup: a first Adam step of 5e-5 (a sign step) broke the model
     warmup_steps: int = 2
@@ -137,17 +151,55 @@ def with_mistakes(questions: list[dict], fraction: float, seed: int, key: str = 
             for q in questions]
 
 
-def breakdown(examples: list[dict], results: dict, key: str) -> list[str]:
-    """Table rows of warm-start -> after accuracy by an example field (ops, family)."""
+def by_protocol(results: dict, cfg: CalculatorCPU) -> dict:
+    """{"greedy": {phase: result}, "sampled": {phase: result}} from train()'s results: the greedy
+    protocol is each eval's `_greedy` twin, or the eval itself at eval_temperature 0 (then there
+    is no sampled one)."""
+    greedy_only = cfg.eval_temperature == 0
+    evals = {"greedy": {}, "sampled": {}}
+    for phase in ("before", "warmstart", "after"):
+        if phase in results:
+            if greedy_only or f"{phase}_greedy" in results:
+                evals["greedy"][phase] = results[phase if greedy_only else f"{phase}_greedy"]
+            if not greedy_only:
+                evals["sampled"][phase] = results[phase]
+    return evals
+
+
+def breakdown(examples: list[dict], evals: dict, key: str) -> list[str]:
+    """Table rows of warm-start -> after accuracy (greedy, then sampled; "-" where not run) by an
+    example field (ops, family)."""
     rows = []
     for value in sorted({ex[key] for ex in examples}):
         idx = [i for i, ex in enumerate(examples) if ex[key] == value]
-        cells = []
-        for name in ("warmstart_greedy", "after_greedy", "warmstart", "after"):
-            if name in results:
-                cells.append(f"{sum(results[name]['per_question'][i] for i in idx) / len(idx):.2f}")
+        cells = [f"{sum(r[phase]['per_question'][i] for i in idx) / len(idx):.2f}" if phase in r else "-"
+                 for r in evals.values() for phase in ("warmstart", "after")]
         rows.append(f"| {key} {value} | {len(idx)} | " + " | ".join(cells) + " |")
     return rows
+
+
+def fit_to_machine(cfg: CalculatorCPU, rates=None) -> str:
+    """Apply LIGHT (but what the command line or YAML set) where `light` says so: "auto" measures this
+    machine's matmuls with the run's threads, in the dtype autocast_bf16 will choose. -> the line to print.
+    `rates`: {"float32": r, "bfloat16": r} GFLOP/s (tests pass them; default: measured here)."""
+    setting = normalize(cfg.light)
+    if setting not in ("auto", "true", "false"):
+        raise SystemExit(f"error: --light={cfg.light!r}, expected auto, true or false")
+    why = f"light={setting}"
+    if setting == "auto":
+        set_threads(cfg.num_threads)
+        rates = rates or measure(576, 1536)  # SmolLM2-135M's up projection
+        bf16, _ = choose(cfg.autocast_bf16, lambda: rates)
+        rate = rates["bfloat16" if bf16 else "float32"]
+        why = f"light=auto: matmuls at {rate:.0f} GFLOP/s ({'bf16' if bf16 else 'fp32'}, {torch.get_num_threads()} threads)"
+        setting = "true" if rate < LIGHT_BELOW else "false"
+        why += f" {'<' if setting == 'true' else '>='} {LIGHT_BELOW:.0f}"
+    if setting == "false":
+        return f"{why}: the full settings"
+    applied = {k: v for k, v in LIGHT.items() if k not in getattr(cfg, "set_by_user", ())}
+    for key, value in applied.items():
+        setattr(cfg, key, value)
+    return f"{why}: a slow CPU's settings {applied or '(all set by hand)'}"
 
 
 def main():
@@ -158,6 +210,8 @@ def main():
         cfg.eval_before_limit = 4
         if cfg.output_dir == CalculatorCPU.output_dir:  # the default folder only: a given --output_dir is kept
             cfg.output_dir = cfg.output_dir.rstrip("/") + "_smoke"
+    else:
+        print(fit_to_machine(cfg))
     if cfg.grpo_phrasing not in ("train", "rl"):
         raise SystemExit(f"error: --grpo_phrasing={cfg.grpo_phrasing!r}, expected train or rl")
     cfg.model_path = cfg.model_path or local_path()
@@ -170,7 +224,8 @@ def main():
     print(f"plan: warm-start {cfg.sft_steps} steps x {cfg.sft_batch} | GRPO up to {cfg.max_steps} steps "
           f"x {cfg.prompts_per_step} prompts x G={cfg.num_generations}, RL budget {cfg.time_budget_min or '-'} min, "
           f"run budget {cfg.run_budget_min or '-'} min | "
-          f"eval {len(eval_qs)} held-out questions in unseen phrasings, greedy and {cfg.eval_n} samples | "
+          f"eval {len(eval_qs)} held-out questions in unseen phrasings, greedy"
+          f"{f' and {cfg.eval_n} samples' if cfg.eval_temperature else ' only'} | "
           f"output {cfg.output_dir}")
     t0 = time.time()
     weights = {**REWARD_WEIGHTS, "structure": cfg.structure_weight}
@@ -183,25 +238,27 @@ def main():
     eval_qs = eval_qs[:asked]
     print(f"\n{len(eval_qs)} held-out questions, phrased unlike any training question; "
           f"{minutes:.1f} min in all")
-    print(f"| phase | greedy | 95% CI | mean of {cfg.eval_n} samples at T {cfg.eval_temperature} | 95% CI |")
+    evals = by_protocol(results, cfg)
+    sampled = f"mean of {cfg.eval_n} samples at T {cfg.eval_temperature}" if evals["sampled"] else "sampled"
+    print(f"| phase | greedy | 95% CI | {sampled} | 95% CI |")
     print("| --- | --- | --- | --- | --- |")
     for name in ("before", "warmstart", "after"):
         if name in results:
-            g = results.get(f"{name}_greedy", {"mean": float("nan"), "ci95": float("nan")})
             note = f" ({results[name]['questions']} questions)" if results[name]["questions"] != len(eval_qs) else ""
-            print(f"| {name}{note} | {g['mean']:.3f} | ± {g['ci95']:.3f} | {results[name]['mean']:.3f} | "
-                  f"± {results[name]['ci95']:.3f} |")
+            cells = [f"{r[name]['mean']:.3f} | ± {r[name]['ci95']:.3f}" if name in r else "- | -" for r in evals.values()]
+            print(f"| {name}{note} | " + " | ".join(cells) + " |")
     if "warmstart" in results and "after" in results:
         cells = []
-        for name in ("_greedy", ""):
-            if f"warmstart{name}" in results:
-                gain, ci = paired_gain(results[f"warmstart{name}"]["per_question"],
-                                       results[f"after{name}"]["per_question"])
+        for r in evals.values():
+            if "warmstart" in r:
+                gain, ci = paired_gain(r["warmstart"]["per_question"], r["after"]["per_question"])
                 cells.append(f"**{gain:+.3f}** | ± {ci:.3f}")
-        print(f"| GRPO gain over warm-start (paired) | " + " | ".join(cells) + " |")
-        print(f"\n| by | questions | greedy warm-start | greedy after | sampled warm-start | sampled after |")
+            else:
+                cells.append("- | -")
+        print("| GRPO gain over warm-start (paired) | " + " | ".join(cells) + " |")
+        print("\n| by | questions | greedy warm-start | greedy after | sampled warm-start | sampled after |")
         print("| --- | --- | --- | --- | --- | --- |")
-        for row in breakdown(eval_qs, results, "ops") + breakdown(eval_qs, results, "family"):
+        for row in breakdown(eval_qs, evals, "ops") + breakdown(eval_qs, evals, "family"):
             print(row)
     print(f"export: {cfg.output_dir}/export | TensorBoard: tensorboard --logdir {cfg.output_dir} | "
           f"eval again: python -m grpo.cli.eval --run {cfg.output_dir}")

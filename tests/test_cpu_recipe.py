@@ -69,3 +69,51 @@ def test_the_table_reads_the_questions_the_budget_left(tmp_path, monkeypatch, ca
     assert "\n5 held-out questions" in out
     ops_rows = [line for line in out.splitlines() if line.startswith("| ops ")]
     assert ops_rows and sum(int(line.split("|")[2]) for line in ops_rows) == 5
+
+
+def load_recipe():
+    sys.path.insert(0, str(ROOT / "recipes"))
+    import calculator_smollm2_cpu as recipe
+    return recipe
+
+
+def test_a_slow_cpu_gets_the_light_settings_and_keeps_what_the_user_set(monkeypatch):
+    recipe = load_recipe()
+    from grpo.config import parse_args
+    slow, fast = {"float32": 90.0, "bfloat16": 40.0}, {"float32": 190.0, "bfloat16": 760.0}
+    cfg = parse_args(recipe.CalculatorCPU, [])
+    line = recipe.fit_to_machine(cfg, slow)  # auto: fp32 chosen (bf16 slower), 90 < 150 GFLOP/s
+    assert "fp32" in line and all(getattr(cfg, k) == v for k, v in recipe.LIGHT.items())
+    cfg = parse_args(recipe.CalculatorCPU, ["--prompts_per_step", "6"])  # the user's value stays
+    recipe.fit_to_machine(cfg, slow)
+    assert cfg.prompts_per_step == 6 and cfg.eval_temperature == 0.0 and cfg.max_completion_length == 192
+    for argv, rates in (([], fast), (["--autocast_bf16", "false", "--light", "false"], slow)):
+        cfg, full = parse_args(recipe.CalculatorCPU, argv), recipe.CalculatorCPU()
+        assert "the full settings" in recipe.fit_to_machine(cfg, rates)  # bf16 at 760; or forced off
+        assert all(getattr(cfg, k) == getattr(full, k) for k in recipe.LIGHT)
+    # forced on: nothing measured. A fast machine with autocast forced off measures fp32: 190 >= 150
+    monkeypatch.setattr(recipe, "measure", lambda *a: pytest.fail("measured with --light true"))
+    cfg = parse_args(recipe.CalculatorCPU, ["--light", "true"])
+    recipe.fit_to_machine(cfg)
+    assert cfg.prompts_per_step == recipe.LIGHT["prompts_per_step"]
+    cfg = parse_args(recipe.CalculatorCPU, ["--autocast_bf16", "false"])
+    assert "190 GFLOP/s" in recipe.fit_to_machine(cfg, fast) and cfg.prompts_per_step == 8
+    with pytest.raises(SystemExit, match="--light='maybe'"):
+        recipe.fit_to_machine(parse_args(recipe.CalculatorCPU, ["--light", "maybe"]), fast)
+
+
+def test_greedy_only_evals_fill_the_greedy_column(tmp_path, monkeypatch, capsys, smollm2_path):
+    """At eval_temperature 0 (the light settings) each eval is the greedy one and has no sampled
+    twin: the table shows it as greedy, with the paired gain, and '-' where nothing was sampled."""
+    recipe = load_recipe()
+    ws = {"questions": 4, "mean": 0.25, "ci95": 0.5, "per_question": [1.0, 0.0, 0.0, 0.0]}
+    after = {"questions": 4, "mean": 0.75, "ci95": 0.5, "per_question": [1.0, 1.0, 1.0, 0.0]}
+    monkeypatch.setattr(recipe, "train", lambda *a, **k: {"warmstart": ws, "after": after})
+    monkeypatch.setattr(sys, "argv", ["calculator_smollm2_cpu.py", "--smoke", "--eval_temperature", "0",
+                                      f"--output_dir={tmp_path / 'run'}"])
+    recipe.main()
+    out = capsys.readouterr().out
+    assert "| warmstart | 0.250 | ± 0.500 | - | - |" in out, out
+    assert "| GRPO gain over warm-start (paired) | **+0.500** |" in out and "| - | - |" in out
+    ops_rows = [line for line in out.splitlines() if line.startswith("| ops ")]
+    assert ops_rows and all(line.endswith("| - | - |") for line in ops_rows)
