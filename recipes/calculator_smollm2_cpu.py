@@ -197,8 +197,8 @@ def fit_to_machine(cfg: CalculatorCPU, rates=None) -> str:
     forces LIGHT there). -> the line to print. `rates`: {"float32": r, "bfloat16": r} GFLOP/s (tests
     pass them; default: measured here)."""
     setting = light_setting(cfg)
-    mine = set(getattr(cfg, "set_by_user", ())) | ({"eval_temperature"} if "eval_n" in getattr(
-        cfg, "set_by_user", ()) else set())  # asked for samples: keep their temperature
+    given = set(getattr(cfg, "set_by_user", ()))
+    mine = given | ({"eval_temperature"} if "eval_n" in given else set())  # samples asked for: their temperature
     record = Path(cfg.output_dir) / "config.json"
     if cfg.resume and record.exists():
         recorded = json.loads(record.read_text())
