@@ -259,6 +259,10 @@ def _watch_failures():
         _done.set()
         thread.join(timeout=10)
         _store = None  # the store client goes while the interpreter is whole, from the main thread
+        # and so does the process group: left to the interpreter's teardown, its C++ threads were once
+        # destroyed still running (the same abort, rank 1 of a 2-rank CPU run after its last line)
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
     atexit.register(stop)
 
 
