@@ -45,7 +45,7 @@ import torch
 
 from grpo.budget import RunBudget
 from grpo.config import Config, parse_args
-from grpo.cpu import choose, measure, normalize, set_threads
+from grpo.cpu import SETTINGS, choose, measure, normalize, set_threads
 from grpo.envs.calculator import MISTAKES, SHORT_SYSTEM_PROMPT, CalculatorEnv, generate_questions
 from grpo.eval import paired_gain
 from grpo.smollm2 import local_path
@@ -182,10 +182,10 @@ def breakdown(examples: list[dict], evals: dict, key: str) -> list[str]:
     return rows
 
 
-def light_setting(cfg: CalculatorCPU) -> str:
+def light_setting(cfg: CalculatorCPU) -> str:  # the words autocast_bf16 takes (grpo.cpu.SETTINGS)
     setting = normalize(cfg.light)
-    if setting not in ("auto", "true", "false"):
-        raise SystemExit(f"error: --light={cfg.light!r}, expected auto, true or false")
+    if setting not in SETTINGS:
+        raise SystemExit(f"error: --light={cfg.light!r}, expected {', '.join(SETTINGS)}")
     return setting
 
 
