@@ -46,12 +46,12 @@ def read_bandwidth(mib: int = 512) -> float:  # bytes/s of summing a buffer far 
 def matmul_step(sampler: Sampler, rows: int, reps: int) -> float:
     """Seconds of one decode step's weight matmuls alone, at `rows` rows, in the decode copy's dtypes."""
     w = sampler.weights
-    x = {n: torch.randn(rows, n).to(w.mm_dtype) for n in {w.wqkv.shape[2], w.wo.shape[2], w.w2.shape[2]}}
+    x = {W.shape[1]: torch.randn(rows, W.shape[1]).to(w.mm_dtype) for W in w.matrices(0)}
     head = torch.randn(rows, w.lm_head.shape[1]).to(w.lm_head.dtype)
 
     def step():
         for i in range(w.args.n_layers):
-            for W in (w.wqkv[i], w.wo[i], w.w13[i], w.w2[i]):
+            for W in w.matrices(i):
                 F.linear(x[W.shape[1]], W)
         F.linear(head, w.lm_head)
     step()
@@ -88,8 +88,8 @@ def main():
     ours = rows * (args.new - 1) / (t_new - t_one)  # the 1-token call: prefill and the first token
 
     t_mm = matmul_step(sampler, rows, 3)
-    params = sum(t.numel() for t in (sampler.weights.wqkv, sampler.weights.wo, sampler.weights.w13,
-                                     sampler.weights.w2, sampler.weights.lm_head))
+    w = sampler.weights
+    params = sum(W.numel() for i in range(w.args.n_layers) for W in w.matrices(i)) + w.lm_head.numel()
     gemm = matmul_gflops(1024, 1024, 1024, torch.float32, seconds=1.0) * 1e9  # FLOP/s
     bw = read_bandwidth()
     t_floor = max(2 * params * rows / gemm, params * 4 / bw)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo import dist
+from grpo.cpu import trim
 
 MIN_EVAL = 20  # questions: below this a 95% interval spans most of [0, 1]
 
@@ -74,6 +75,8 @@ def probe(model, sampler, prompt: list[int], rows: int, k: int = 8, train_tokens
     step()  # warm-up, untimed
     train_s = timed(step) / train_tokens
     model.zero_grad(set_to_none=True)
+    if dist.device().type == "cpu":
+        trim()  # the probe's activations and gradients back to the OS before the run's first phase
     decode_s, train_s = dist.all_max_floats([decode_s, train_s])  # the slowest rank sets the pace
     return Rates(decode=decode_s, train=train_s)
 

@@ -37,12 +37,23 @@ except ImportError:
 class DecodeWeights:
     """The weights decode reads, stacked per layer: wqkv (L, qd + 2kd, H) [q | k | v rows], bqkv
     (L, qd + 2kd) (Qwen2), wo (L, H, qd), w13 (L, 2F, H) [gate | up], w2 (L, H, F), norms (L, H) and
-    (L, D) (Qwen3's q/k norms), embed (V, H), lm_head (V, H) (the same tensor when tied)."""
+    (L, D) (Qwen3's q/k norms), embed (V, H), lm_head (V, H) (the same tensor when tied).
 
-    def __init__(self, model):
+    Resident (`self.resident`): on a CPU, where the matmuls take the weights' own dtype (no autocast)
+    and no LoRA adapter is merged, there is no copy at all: refresh() takes the model's own tensors, per
+    layer (wo, w2, the norms: lists), and q, k, v and gate, up are separate GEMMs (qkv(), gate_up()).
+    A copy of SmolLM2-135M in fp32 is 0.5 GiB beside the trainer's weights and AdamW states; the
+    separate GEMMs cost no measurable time there (48-100 rows, one thread: within the +-10% noise of
+    the fused ones). A GPU keeps the copy: its CUDA graphs replay fixed addresses."""
+
+    def __init__(self, model, resident: bool | None = None):
         a = self.args = model.args
         # the residual stream's dtype (fp32 on CPU, the FSDP compute dtype on GPU) and the matmuls'
         self.act_dtype, self.mm_dtype, self.device = _layout(model)
+        self.resident = _resident(model) if resident is None else resident  # False: a GPU's layout (kernel counts)
+        self.inv_freq = model.inv_freq.detach().clone().float()  # (D/2,), fixed by the config
+        if self.resident:
+            return  # refresh() takes the model's tensors
         L, H, D, F_, V = a.n_layers, a.dim, a.head_dim, a.ffn_dim, a.vocab_size
         qkv = (a.n_heads + 2 * a.n_kv_heads) * D
         mm = lambda *shape: torch.empty(*shape, dtype=self.mm_dtype, device=self.device)
@@ -53,11 +64,25 @@ class DecodeWeights:
         self.q_norm, self.k_norm = (act(L, D), act(L, D)) if a.qk_norm else (None, None)
         self.embed = act(V, H)
         self.lm_head = self.embed if a.tie_embeddings else act(V, H)
-        self.inv_freq = model.inv_freq.detach().clone().float()  # (D/2,), fixed by the config
 
     def matches(self, model) -> bool:
         """Whether this copy's dtypes and device still fit the model (autocast may be switched)."""
-        return _layout(model) == (self.act_dtype, self.mm_dtype, self.device)
+        return _layout(model) == (self.act_dtype, self.mm_dtype, self.device) and _resident(model) == self.resident
+
+    def qkv(self, i: int, y: Tensor) -> Tensor:  # (n, H) -> (n, qd + 2kd) [q | k | v]
+        if self.resident:
+            return torch.cat([F.linear(y, p.weight, p.bias) for p in self.proj[i]], dim=-1)
+        return _linear(y, self.wqkv[i], None if self.bqkv is None else self.bqkv[i])
+
+    def gate_up(self, i: int, y: Tensor) -> Tensor:  # (n, H) -> (n, 2F) [gate | up]
+        if self.resident:
+            return torch.cat([F.linear(y, p.weight) for p in self.mlp_in[i]], dim=-1)
+        return _linear(y, self.w13[i])
+
+    def matrices(self, i: int) -> list:  # layer i's matmul weights, as decode multiplies by them (benches)
+        if self.resident:
+            return [p.weight for p in (*self.proj[i], *self.mlp_in[i])] + [self.wo[i], self.w2[i]]
+        return [self.wqkv[i], self.wo[i], self.w13[i], self.w2[i]]
 
     @torch.no_grad()
     def refresh(self, model):
@@ -66,7 +91,10 @@ class DecodeWeights:
         writes through .data, and under FSDP2 the gathered tensors are new in every call (a 0.5B
         model in bf16 is 1 GB: ~0.3 ms on an H200; SmolLM2-135M on 2 CPU cores ~0.1 s a call). Under
         LoRA (grpo/lora.py) each adapted weight is merged on the way in, W + s B A: the sampler samples
-        from the adapted model with no other step."""
+        from the adapted model with no other step. Resident: the model's tensors as they are now (the
+        optimizer writes them in place; under FSDP2 the gathered ones of this call)."""
+        if self.resident:
+            return self._take(model)
         a = self.args
         qd, kd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
         for i, b in enumerate(model.layers):
@@ -88,6 +116,26 @@ class DecodeWeights:
         self.embed.copy_(model.embed_tokens.weight)
         if self.lm_head is not self.embed:
             self.lm_head.copy_(model.lm_head.weight)
+
+    def _take(self, model):
+        layers = model.layers
+        self.proj = [(b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj) for b in layers]
+        self.mlp_in = [(b.mlp.gate_proj, b.mlp.up_proj) for b in layers]
+        self.wo = [b.self_attn.o_proj.weight for b in layers]
+        self.w2 = [b.mlp.down_proj.weight for b in layers]
+        self.ln1 = [b.input_layernorm.weight for b in layers]
+        self.ln2 = [b.post_attention_layernorm.weight for b in layers]
+        qk = self.args.qk_norm
+        self.q_norm = [b.self_attn.q_norm.weight for b in layers] if qk else None
+        self.k_norm = [b.self_attn.k_norm.weight for b in layers] if qk else None
+        self.norm, self.embed, self.lm_head = model.norm.weight, model.embed_tokens.weight, model.lm_head.weight
+
+
+def _resident(model) -> bool:
+    """Does decode read the model's own tensors (no copy)? On a CPU with the matmuls in the weights'
+    dtype and no LoRA adapters (a merged W + s B A needs a buffer)."""
+    act, mm, device = _layout(model)
+    return device.type == "cpu" and act == mm and getattr(model, "lora", None) is None
 
 
 def _layout(model) -> tuple:  # (activation dtype, matmul dtype, device) of a decode copy of `model`
@@ -123,14 +171,14 @@ def decode_hidden(w: DecodeWeights, cache, tok: Tensor, pos: Tensor, n: int, spa
     x, res = w.embed[tok], None  # (n, H); res: the residual stream
     for i in range(a.n_layers):
         y, res = add_rmsnorm(x, res, w.ln1[i], a.norm_eps, backend=kb)
-        qkv = _linear(y, w.wqkv[i], None if w.bqkv is None else w.bqkv[i])  # (n, qd + 2kd)
+        qkv = w.qkv(i, y.to(w.mm_dtype))  # (n, qd + 2kd)
         q = qkv_rope_write(qkv, cos, sin, cache.k[i], cache.v[i], slot, pos, a.n_heads, a.n_kv_heads, a.head_dim,
                            None if w.q_norm is None else w.q_norm[i], None if w.k_norm is None else w.k_norm[i],
                            a.norm_eps, backend=kb)  # (n, nh, D), rotary applied; k, v now cached at pos
         o = _attend(q, cache.k[i], cache.v[i], slot, length, span, bias, kernel)  # (n, nh, D)
         x = _linear(o.reshape(n, -1), w.wo[i]).to(res.dtype)
         y, res = add_rmsnorm(x, res, w.ln2[i], a.norm_eps, backend=kb)
-        x = _linear(silu_mul(_linear(y, w.w13[i]), backend=kb), w.w2[i]).to(res.dtype)
+        x = _linear(silu_mul(w.gate_up(i, y.to(w.mm_dtype)), backend=kb), w.w2[i]).to(res.dtype)
     y, _ = add_rmsnorm(x, res, w.norm, a.norm_eps, backend=kb)
     return y
 

@@ -50,10 +50,12 @@ def build(config: dict, layers: int):
 def step_count(config: dict, B: int, layers: int, way: str, arch: int) -> dict:
     """Kernels of one decode step over B rows at position PLEN, `way` one of "model" | "torch" | "triton"."""
     import grpo.window as window  # where decode_step finds decode_hidden
+    from grpo.decode import DecodeWeights
     from grpo.sampler import Sampler, SamplingParams, decode_step
     from grpo.sampling import sample
     model = build(config, layers)
     sampler = Sampler(model, gen_batch=B, max_seq_len=PLEN + NEW, cuda_graphs=False)
+    sampler.weights = DecodeWeights(model, resident=False)  # the GPU's stacked copy, not a CPU's resident weights
     st = sampler.state
     st.tok[:B], st.pos[:B], st.active[:B], st.max_tokens[:B] = 1, PLEN, True, NEW
     count, real = OpCount(), kernels.fused_sample

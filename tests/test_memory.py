@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from grpo.config import Config
+from grpo.decode import DecodeWeights
 from grpo.lora import LoraSettings, add_lora, trainable
 from grpo.memory import FAST_MICRO_BATCH, GEN_BATCHES, GIB, GPU_MEMORY_GIB, KNOWN, MICRO_BATCHES, counts, memory_plan, size
 from grpo.model import ModelArgs, Transformer
@@ -57,9 +58,15 @@ def test_counted_terms_are_the_bytes_the_code_allocates(family, tiny_dir):
     sampler.generate(prompts, SamplingParams(n=2, max_tokens=M, stop_token_ids=[], seed=0))
     assert rollouts["KV cache"] == nbytes([sampler.cache.k, sampler.cache.v])
     w = sampler.weights
-    copy = [w.wqkv, w.wo, w.w13, w.w2, w.ln1, w.ln2, w.norm, w.embed, w.lm_head,
-            *[t for t in (w.bqkv, w.q_norm, w.k_norm) if t is not None]]
-    assert rollouts["decode copy of the weights"] == nbytes(copy)
+    assert w.resident  # a CPU in fp32 without LoRA: decode reads the model's own tensors, no copy
+    assert rollouts["decode copy of the weights"] == 0
+    model.autocast_bf16 = True  # where there is a copy (autocast's bf16 matmuls, LoRA, a GPU): what it holds
+    copied = DecodeWeights(model)
+    model.autocast_bf16 = False
+    copy = [copied.wqkv, copied.wo, copied.w13, copied.w2, copied.ln1, copied.ln2, copied.norm, copied.embed,
+            copied.lm_head, *[t for t in (copied.bqkv, copied.q_norm, copied.k_norm) if t is not None]]
+    cast = memory_plan(model.args, Config(**{**vars(cfg), "autocast_bf16": "true"}), 1, "cpu", 64)
+    assert terms(cast, "rollouts")["decode copy of the weights"] == nbytes(copy)
     # LoRA: the adapters of all seven linear layers, fp32, and their AdamW states
     add_lora(model, LoraSettings(r=4))
     lora = memory_plan(model.args, Config(**{**vars(cfg), "use_peft": True, "lora_r": 4}), 1, "cpu", 64)
