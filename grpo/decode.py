@@ -35,25 +35,29 @@ except ImportError:
 
 
 class DecodeWeights:
-    """The weights decode reads, stacked per layer: wqkv (L, qd + 2kd, H) [q | k | v rows], bqkv
-    (L, qd + 2kd) (Qwen2), wo (L, H, qd), w13 (L, 2F, H) [gate | up], w2 (L, H, F), norms (L, H) and
-    (L, D) (Qwen3's q/k norms), embed (V, H), lm_head (V, H) (the same tensor when tied).
+    """The weights decode reads, in one of three modes (`self.mode`):
 
-    Resident (`self.resident`): on a CPU, where the matmuls take the weights' own dtype (no autocast)
-    and no LoRA adapter is merged, there is no copy at all: refresh() takes the model's own tensors, per
-    layer (wo, w2, the norms: lists), and q, k, v and gate, up are separate GEMMs (qkv(), gate_up()).
-    A copy of SmolLM2-135M in fp32 is 0.5 GiB beside the trainer's weights and AdamW states; the
-    separate GEMMs cost no measurable time there (48-100 rows, one thread: within the +-10% noise of
-    the fused ones). A GPU keeps the copy: its CUDA graphs replay fixed addresses."""
+    - "copy" (a GPU; a CPU under autocast_bf16): stacked per layer, wqkv (L, qd + 2kd, H) [q | k | v
+      rows], bqkv (L, qd + 2kd) (Qwen2), wo (L, H, qd), w13 (L, 2F, H) [gate | up], w2 (L, H, F), norms
+      (L, H) and (L, D) (Qwen3's q/k norms), embed (V, H), lm_head (V, H) (the same tensor when tied),
+      refreshed in place: a GPU's CUDA graphs replay fixed addresses.
+    - "packed" (a CPU in fp32 with oneDNN, every x86 build of torch): a layer's four GEMMs from its
+      weights reordered once per call into oneDNN's blocked layout (torch.ops.mkldnn, what inductor's
+      CPU freezing uses). One fp32 thread of an AVX512 CPU, SmolLM2's 30 layers: 1.3-1.9x torch's
+      F.linear at 4-128 rows; with oneDNN and MKL held to AVX2, 1.0-1.2x (bench/RESULTS.md). The
+      reorder is ~0.3 s a call there; the norms, the embedding and the LM head are the model's own.
+    - "resident" (a CPU in fp32 without oneDNN, no LoRA): no copy at all, the model's own tensors,
+      q, k, v and gate, up as separate GEMMs (0.5 GiB less than a copy of SmolLM2-135M in fp32, and
+      within the +-10% noise of the fused GEMMs at 24-100 rows)."""
 
-    def __init__(self, model, resident: bool | None = None):
+    def __init__(self, model, mode: str | None = None):
         a = self.args = model.args
         # the residual stream's dtype (fp32 on CPU, the FSDP compute dtype on GPU) and the matmuls'
         self.act_dtype, self.mm_dtype, self.device = _layout(model)
-        self.resident = _resident(model) if resident is None else resident  # False: a GPU's layout (kernel counts)
+        self.mode = mode or _mode(model)  # kernel counts ask for "copy": a GPU's layout on a CPU
         self.inv_freq = model.inv_freq.detach().clone().float()  # (D/2,), fixed by the config
-        if self.resident:
-            return  # refresh() takes the model's tensors
+        if self.mode != "copy":
+            return  # refresh() takes the model's tensors (and packs the GEMMs' weights)
         L, H, D, F_, V = a.n_layers, a.dim, a.head_dim, a.ffn_dim, a.vocab_size
         qkv = (a.n_heads + 2 * a.n_kv_heads) * D
         mm = lambda *shape: torch.empty(*shape, dtype=self.mm_dtype, device=self.device)
@@ -66,34 +70,47 @@ class DecodeWeights:
         self.lm_head = self.embed if a.tie_embeddings else act(V, H)
 
     def matches(self, model) -> bool:
-        """Whether this copy's dtypes and device still fit the model (autocast may be switched)."""
-        return _layout(model) == (self.act_dtype, self.mm_dtype, self.device) and _resident(model) == self.resident
+        """Whether these weights' dtypes, device and mode still fit the model (autocast may be switched)."""
+        return _layout(model) == (self.act_dtype, self.mm_dtype, self.device) and self.mode == _mode(model)
 
-    def qkv(self, i: int, y: Tensor) -> Tensor:  # (n, H) -> (n, qd + 2kd) [q | k | v]
-        if self.resident:
-            return torch.cat([F.linear(y, p.weight, p.bias) for p in self.proj[i]], dim=-1)
-        return _linear(y, self.wqkv[i], None if self.bqkv is None else self.bqkv[i])
+    # a layer's four GEMMs, x in the matmuls' dtype: (n, H) -> (n, qd + 2kd) [q | k | v], (n, qd) -> (n, H),
+    # (n, H) -> (n, 2F) [gate | up], (n, F) -> (n, H)
+    def qkv(self, i: int, x: Tensor) -> Tensor:
+        if self.mode == "packed":
+            return _onednn(x, self.packs[i][0], self.bqkv[i])
+        if self.mode == "resident":
+            return torch.cat([F.linear(x, p.weight, p.bias) for p in self.proj[i]], dim=-1)
+        return F.linear(x, self.wqkv[i], None if self.bqkv is None else self.bqkv[i])
 
-    def gate_up(self, i: int, y: Tensor) -> Tensor:  # (n, H) -> (n, 2F) [gate | up]
-        if self.resident:
-            return torch.cat([F.linear(y, p.weight) for p in self.mlp_in[i]], dim=-1)
-        return _linear(y, self.w13[i])
+    def o(self, i: int, x: Tensor) -> Tensor:
+        return _onednn(x, self.packs[i][1]) if self.mode == "packed" else F.linear(x, self.wo[i])
 
-    def matrices(self, i: int) -> list:  # layer i's matmul weights, as decode multiplies by them (benches)
-        if self.resident:
-            return [p.weight for p in (*self.proj[i], *self.mlp_in[i])] + [self.wo[i], self.w2[i]]
-        return [self.wqkv[i], self.wo[i], self.w13[i], self.w2[i]]
+    def gate_up(self, i: int, x: Tensor) -> Tensor:
+        if self.mode == "packed":
+            return _onednn(x, self.packs[i][2])
+        if self.mode == "resident":
+            return torch.cat([F.linear(x, p.weight) for p in self.mlp_in[i]], dim=-1)
+        return F.linear(x, self.w13[i])
+
+    def down(self, i: int, x: Tensor) -> Tensor:
+        return _onednn(x, self.packs[i][3]) if self.mode == "packed" else F.linear(x, self.w2[i])
+
+    def matrices(self, i: int) -> list:  # layer i's weights as torch's plain GEMMs read them (benches)
+        if self.mode == "copy":
+            return [self.wqkv[i], self.wo[i], self.w13[i], self.w2[i]]
+        return [p.weight for p in (*self.proj[i], *self.mlp_in[i])] + [self.wo[i], self.w2[i]]
 
     @torch.no_grad()
     def refresh(self, model):
-        """Copy the model's current weights in (casting to this copy's dtypes): after an optimizer
-        step the next decode reads the new ones. Always a full copy: a version counter would miss
-        writes through .data, and under FSDP2 the gathered tensors are new in every call (a 0.5B
-        model in bf16 is 1 GB: ~0.3 ms on an H200; SmolLM2-135M on 2 CPU cores ~0.1 s a call). Under
-        LoRA (grpo/lora.py) each adapted weight is merged on the way in, W + s B A: the sampler samples
-        from the adapted model with no other step. Resident: the model's tensors as they are now (the
-        optimizer writes them in place; under FSDP2 the gathered ones of this call)."""
-        if self.resident:
+        """The model's current weights, as decode will read them: after an optimizer step the next
+        decode reads the new ones. A copy is always a full one: a version counter would miss writes
+        through .data, and under FSDP2 the gathered tensors are new in every call (a 0.5B model in bf16
+        is 1 GB: ~0.3 ms on an H200; SmolLM2-135M on 2 CPU cores ~0.1 s a call). Under LoRA
+        (grpo/lora.py) each adapted weight is merged on the way in, W + s B A: the sampler samples from
+        the adapted model with no other step. Packed and resident: the model's own tensors as they are
+        now (the optimizer writes them in place; under FSDP2 the gathered ones of this call), and the
+        GEMMs' weights packed anew."""
+        if self.mode != "copy":
             return self._take(model)
         a = self.args
         qd, kd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
@@ -129,13 +146,30 @@ class DecodeWeights:
         self.q_norm = [b.self_attn.q_norm.weight for b in layers] if qk else None
         self.k_norm = [b.self_attn.k_norm.weight for b in layers] if qk else None
         self.norm, self.embed, self.lm_head = model.norm.weight, model.embed_tokens.weight, model.lm_head.weight
+        if self.mode == "packed":  # each GEMM's weight (fused, LoRA merged) reordered for oneDNN
+            pack = lambda ps: torch.ops.mkldnn._reorder_linear_weight(  # noqa: E731
+                torch.cat([effective_weight(p) for p in ps]), PACK_ROWS)
+            self.packs = [(pack(q), pack((b.self_attn.o_proj,)), pack(g), pack((b.mlp.down_proj,)))
+                          for q, g, b in zip(self.proj, self.mlp_in, layers)]
+            self.bqkv = [torch.cat([p.bias for p in q]) if self.args.qkv_bias else None for q in self.proj]
 
 
-def _resident(model) -> bool:
-    """Does decode read the model's own tensors (no copy)? On a CPU with the matmuls in the weights'
-    dtype and no LoRA adapters (a merged W + s B A needs a buffer)."""
+PACK_ROWS = 64  # the rows oneDNN's packed layout is chosen for: packed for 48 or 128, alike at 4-100 rows
+
+
+def _onednn(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:  # (n, in) -> (n, out), fp32
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def _mode(model) -> str:
+    """How decode reads the weights (DecodeWeights): "packed" on a CPU in fp32 with oneDNN, "resident" on
+    one without (no LoRA: a merged W + s B A needs a buffer), else "copy"."""
     act, mm, device = _layout(model)
-    return device.type == "cpu" and act == mm and getattr(model, "lora", None) is None
+    if device.type != "cpu" or act != mm:
+        return "copy"
+    if mm == torch.float32 and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return "packed"
+    return "resident" if getattr(model, "lora", None) is None else "copy"
 
 
 def _layout(model) -> tuple:  # (activation dtype, matmul dtype, device) of a decode copy of `model`
@@ -176,9 +210,9 @@ def decode_hidden(w: DecodeWeights, cache, tok: Tensor, pos: Tensor, n: int, spa
                            None if w.q_norm is None else w.q_norm[i], None if w.k_norm is None else w.k_norm[i],
                            a.norm_eps, backend=kb)  # (n, nh, D), rotary applied; k, v now cached at pos
         o = _attend(q, cache.k[i], cache.v[i], slot, length, span, bias, kernel)  # (n, nh, D)
-        x = _linear(o.reshape(n, -1), w.wo[i]).to(res.dtype)
+        x = w.o(i, o.reshape(n, -1).to(w.mm_dtype)).to(res.dtype)
         y, res = add_rmsnorm(x, res, w.ln2[i], a.norm_eps, backend=kb)
-        x = _linear(silu_mul(w.gate_up(i, y.to(w.mm_dtype)), backend=kb), w.w2[i]).to(res.dtype)
+        x = w.down(i, silu_mul(w.gate_up(i, y.to(w.mm_dtype)), backend=kb).to(w.mm_dtype)).to(res.dtype)
     y, _ = add_rmsnorm(x, res, w.norm, a.norm_eps, backend=kb)
     return y
 

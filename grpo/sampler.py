@@ -103,8 +103,8 @@ class Sampler:
 
     def release(self, weights: bool = True):
         """Free the KV cache, the graphs that read it and the resident decode weights (a second copy
-        of the model: the trainer's update wants the memory, where it is short); the next call
-        allocates a cache sized to itself and copies the weights in again."""
+        of the model, where decode keeps one: the trainer's update wants the memory, where it is
+        short); the next call allocates a cache sized to itself and copies the weights in again."""
         self.cache, self.state, self.graphs, self.graph_pool = None, None, {}, None
         if weights:
             self.weights = None

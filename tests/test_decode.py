@@ -67,24 +67,27 @@ def test_decode_under_autocast_bf16(tiny_dir, family):
     assert (ours - ref).abs().max() < 0.03 * scale, ((ours - ref).abs().max(), scale)
 
 
-@pytest.mark.parametrize("copy", [False, True])
-def test_decode_weights_follow_the_optimizer(tiny_dir, copy):
+@pytest.mark.parametrize("mode", ["copy", "packed", "resident"])
+def test_decode_weights_follow_the_optimizer(tiny_dir, mode, monkeypatch):
     """One sampler across an optimizer step: its next call reads the new weights, giving a fresh
-    sampler's tokens. In fp32 on a CPU decode reads the model's own tensors (resident, no copy);
-    under autocast_bf16 its bf16 copy is refreshed in place, at the same addresses."""
+    sampler's tokens. Under autocast_bf16 the bf16 copy is refreshed in place, at the same addresses;
+    in fp32 on a CPU the GEMMs' weights are packed for oneDNN anew and the rest are the model's own
+    tensors; without oneDNN ("resident") every weight is the model's own."""
     path, _ = tiny_dir("qwen2", vocab_size=300)
     model = Transformer.from_pretrained(path)
-    model.autocast_bf16 = copy
+    model.autocast_bf16 = mode == "copy"
+    if mode == "resident":
+        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     sampler = Sampler(model, gen_batch=8)
     p = SamplingParams(n=2, temperature=1.0, max_tokens=16, stop_token_ids=[], seed=3)
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
     before = sampler.generate(prompts, p)
     w = sampler.weights
-    assert w.resident != copy
-    if not copy:  # the model's tensors themselves, not a copy of them
+    assert w.mode == mode
+    if mode != "copy":  # the model's tensors themselves, not a copy of them
         assert w.wo[0] is model.layers[0].self_attn.o_proj.weight and w.embed is model.embed_tokens.weight
         assert w.proj[0][0] is model.layers[0].self_attn.q_proj
-    addresses = (w.wqkv.data_ptr(), w.w13.data_ptr()) if copy else None
+    addresses = (w.wqkv.data_ptr(), w.w13.data_ptr()) if mode == "copy" else None
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     model.train()
     loss = model(torch.tensor([[5, 6, 7, 8]]), labels=torch.tensor([[6, 7, 8, -100]])).sum()
@@ -92,7 +95,7 @@ def test_decode_weights_follow_the_optimizer(tiny_dir, copy):
     opt.step()
     model.eval()
     after = sampler.generate(prompts, p)
-    if copy:
+    if mode == "copy":
         assert (sampler.weights.wqkv.data_ptr(), sampler.weights.w13.data_ptr()) == addresses
     assert [c.token_ids for c in after] == [c.token_ids for c in Sampler(model, gen_batch=8).generate(prompts, p)]
     assert [c.token_ids for c in after] != [c.token_ids for c in before]

@@ -58,8 +58,9 @@ def test_counted_terms_are_the_bytes_the_code_allocates(family, tiny_dir):
     sampler.generate(prompts, SamplingParams(n=2, max_tokens=M, stop_token_ids=[], seed=0))
     assert rollouts["KV cache"] == nbytes([sampler.cache.k, sampler.cache.v])
     w = sampler.weights
-    assert w.resident  # a CPU in fp32 without LoRA: decode reads the model's own tensors, no copy
-    assert rollouts["decode copy of the weights"] == 0
+    assert w.mode == "packed"  # a CPU in fp32: the GEMMs' weights packed for oneDNN, the rest the model's own
+    packs = [t for layer in w.packs for t in layer] + [t for t in w.bqkv if t is not None]
+    assert rollouts["decode copy of the weights"] == sum(t.numel() * t.element_size() for t in packs)
     model.autocast_bf16 = True  # where there is a copy (autocast's bf16 matmuls, LoRA, a GPU): what it holds
     copied = DecodeWeights(model)
     model.autocast_bf16 = False
