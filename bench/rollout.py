@@ -70,7 +70,7 @@ def planned_sample(plans: list[list[int]], keys: list[int], obs_len: int, eos: i
         end = [s in ends.get(k, ()) for k, s in zip(key.tolist(), step.tolist())]  # host sync: CPU bench
         return real(force_eos(logits, torch.tensor(end, device=logits.device), eos), key, step, *args)
 
-    def sample_hidden(hidden, weight, key, step, *args):  # decode steps: the logits, then the rule above
+    def sample_hidden(hidden, weight, key, step, *args, packed=None):  # decode steps: the logits, then the rule above
         return sample(torch.nn.functional.linear(hidden.to(weight.dtype), weight), key, step, *args)
     with mock.patch.object(grpo.sampler, "sample", sample), \
             mock.patch.object(grpo.window, "sample_hidden", sample_hidden):  # decode_step's, grpo/window.py

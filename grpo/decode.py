@@ -25,8 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from grpo.cpu import can_pack, pack, packed_linear
 from grpo.kernels import add_rmsnorm, decode_attention, qkv_rope_write, silu_mul, use_triton
 from grpo.lora import effective_weight
+from grpo.sampling import HEAD_CHUNK
 
 try:  # optional: flash-attn's KV-cache kernel, where installed (CUDA)
     from flash_attn import flash_attn_with_kvcache
@@ -44,8 +46,9 @@ class DecodeWeights:
     - "packed" (a CPU in fp32 with oneDNN, every x86 build of torch): a layer's four GEMMs from its
       weights reordered once per call into oneDNN's blocked layout (torch.ops.mkldnn, what inductor's
       CPU freezing uses). One fp32 thread of an AVX512 CPU, SmolLM2's 30 layers: 1.3-1.9x torch's
-      F.linear at 4-128 rows; with oneDNN and MKL held to AVX2, 1.0-1.2x (bench/RESULTS.md). The
-      reorder is ~0.3 s a call there; the norms, the embedding and the LM head are the model's own.
+      F.linear at 4-128 rows; with oneDNN and MKL held to AVX2, 1.0-1.2x (bench/RESULTS.md). The LM
+      head is packed too, in sample_hidden's vocabulary chunks (`head`); the norms and the embedding
+      are the model's own tensors. The reorder is ~0.4 s a call there.
     - "resident" (a CPU in fp32 without oneDNN, no LoRA): no copy at all, the model's own tensors,
       q, k, v and gate, up as separate GEMMs (0.5 GiB less than a copy of SmolLM2-135M in fp32, and
       within the +-10% noise of the fused GEMMs at 24-100 rows)."""
@@ -56,6 +59,7 @@ class DecodeWeights:
         self.act_dtype, self.mm_dtype, self.device = _layout(model)
         self.mode = mode or _mode(model)  # kernel counts ask for "copy": a GPU's layout on a CPU
         self.inv_freq = model.inv_freq.detach().clone().float()  # (D/2,), fixed by the config
+        self.head = None  # packed mode: the LM head's vocabulary chunks, packed (sample_hidden)
         if self.mode != "copy":
             return  # refresh() takes the model's tensors (and packs the GEMMs' weights)
         L, H, D, F_, V = a.n_layers, a.dim, a.head_dim, a.ffn_dim, a.vocab_size
@@ -77,23 +81,23 @@ class DecodeWeights:
     # (n, H) -> (n, 2F) [gate | up], (n, F) -> (n, H)
     def qkv(self, i: int, x: Tensor) -> Tensor:
         if self.mode == "packed":
-            return _onednn(x, self.packs[i][0], self.bqkv[i])
+            return packed_linear(x, self.packs[i][0], self.bqkv[i])
         if self.mode == "resident":
             return torch.cat([F.linear(x, p.weight, p.bias) for p in self.proj[i]], dim=-1)
         return F.linear(x, self.wqkv[i], None if self.bqkv is None else self.bqkv[i])
 
     def o(self, i: int, x: Tensor) -> Tensor:
-        return _onednn(x, self.packs[i][1]) if self.mode == "packed" else F.linear(x, self.wo[i])
+        return packed_linear(x, self.packs[i][1]) if self.mode == "packed" else F.linear(x, self.wo[i])
 
     def gate_up(self, i: int, x: Tensor) -> Tensor:
         if self.mode == "packed":
-            return _onednn(x, self.packs[i][2])
+            return packed_linear(x, self.packs[i][2])
         if self.mode == "resident":
             return torch.cat([F.linear(x, p.weight) for p in self.mlp_in[i]], dim=-1)
         return F.linear(x, self.w13[i])
 
     def down(self, i: int, x: Tensor) -> Tensor:
-        return _onednn(x, self.packs[i][3]) if self.mode == "packed" else F.linear(x, self.w2[i])
+        return packed_linear(x, self.packs[i][3]) if self.mode == "packed" else F.linear(x, self.w2[i])
 
     def matrices(self, i: int) -> list:  # layer i's weights as torch's plain GEMMs read them (benches)
         if self.mode == "copy":
@@ -147,18 +151,12 @@ class DecodeWeights:
         self.k_norm = [b.self_attn.k_norm.weight for b in layers] if qk else None
         self.norm, self.embed, self.lm_head = model.norm.weight, model.embed_tokens.weight, model.lm_head.weight
         if self.mode == "packed":  # each GEMM's weight (fused, LoRA merged) reordered for oneDNN
-            pack = lambda ps: torch.ops.mkldnn._reorder_linear_weight(  # noqa: E731
-                torch.cat([effective_weight(p) for p in ps]), PACK_ROWS)
-            self.packs = [(pack(q), pack((b.self_attn.o_proj,)), pack(g), pack((b.mlp.down_proj,)))
+            fused = lambda ps: pack(torch.cat([effective_weight(p) for p in ps]))  # noqa: E731
+            self.packs = [(fused(q), fused((b.self_attn.o_proj,)), fused(g), fused((b.mlp.down_proj,)))
                           for q, g, b in zip(self.proj, self.mlp_in, layers)]
             self.bqkv = [torch.cat([p.bias for p in q]) if self.args.qkv_bias else None for q in self.proj]
-
-
-PACK_ROWS = 64  # the rows oneDNN's packed layout is chosen for: packed for 48 or 128, alike at 4-100 rows
-
-
-def _onednn(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:  # (n, in) -> (n, out), fp32
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+            # the LM head in sample_hidden's vocabulary chunks: its GEMM 1.6x F.linear's at 24-100 rows
+            self.head = [pack(self.lm_head[s:s + HEAD_CHUNK]) for s in range(0, self.args.vocab_size, HEAD_CHUNK)]
 
 
 def _mode(model) -> str:
@@ -167,7 +165,7 @@ def _mode(model) -> str:
     act, mm, device = _layout(model)
     if device.type != "cpu" or act != mm:
         return "copy"
-    if mm == torch.float32 and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    if mm == torch.float32 and can_pack():
         return "packed"
     return "resident" if getattr(model, "lora", None) is None else "copy"
 

@@ -156,11 +156,13 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
         ("runtime (Python, torch, transformers)", int(CPU_RUNTIME), "stated: measured resident size")]
 
     # the sampler (grpo.decode.DecodeWeights): a copy of every weight, its matmuls in their dtype (bf16 under
-    # autocast); on a CPU in the weights' own dtype only the GEMMs' weights, packed for oneDNN (the rest read in place)
+    # autocast); on a CPU in the weights' own dtype the GEMMs' weights and the LM head, packed for oneDNN (the
+    # norms and the embedding read in place)
     mm = 2 if (gpu or autocast or c == 2) else 4
     packed = not gpu and mm == c
     bias = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim * args.qkv_bias  # stored with the matmuls
-    decode_copy = L * (n["linear"] + bias) * mm + (0 if packed else L * (n["block"] - n["linear"] - bias) * c + n["root"] * c)
+    rest = V * H * c if packed else L * (n["block"] - n["linear"] - bias) * c + n["root"] * c
+    decode_copy = L * (n["linear"] + bias) * mm + rest
     gathered = c * n["total"] if fsdp else 0                      # FSDP's unsharded compute-dtype weights
     kv_bytes = c                                                  # the cache takes the sampler weights' dtype
 
@@ -174,7 +176,7 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
             slots = max(1, min(cfg.gen_batch, rows, (int(cfg.kv_budget_gb * GIB) or 2 * GIB) // slot))
         prefill = (8192 if gpu else 2048) * (3 * H + args.n_heads * args.head_dim + 3 * args.ffn_dim) * c
         terms = [("KV cache", slots * slot, f"{slots} slots x {S} positions x 2 x layers x kv heads x head dim x {kv_bytes} B"),
-                 ("decode copy of the weights", decode_copy, "the blocks' GEMM weights, packed for oneDNN" if packed
+                 ("decode copy of the weights", decode_copy, "the blocks' GEMM weights and the LM head, packed for oneDNN" if packed
                   else "every weight once, matmuls in their dtype"),
                  ("sampler workspace", slots * V * 4 * 2 + prefill,
                   "fp32 logits and noise of a step (slots x V x 8) + a prefill chunk's activations")]

@@ -29,6 +29,7 @@ from torch import Tensor
 from grpo.kernels.reference import GOLDEN, MASK32, gumbel, mix32, noise_seed  # noqa: F401
 
 from grpo import kernels
+from grpo.cpu import packed_linear
 from grpo.model import lm_logits
 
 
@@ -91,14 +92,20 @@ def sample(logits: Tensor, key: Tensor, step: Tensor, temperature: float, top_k:
     return tokens, z.gather(-1, tokens[:, None])[:, 0] - z.logsumexp(-1)
 
 
+HEAD_CHUNK = 2048  # LM-head rows per step of sample_hidden's loop: a (48 x 2048) fp32 block stays in cache
+
+
 def sample_hidden(hidden: Tensor, weight: Tensor, key: Tensor, step: Tensor, temperature: float, top_k: int = 0,
-                  top_p: float = 1.0, min_p: float = 0.0, chunk: int = 2048) -> tuple[Tensor, Tensor]:
+                  top_p: float = 1.0, min_p: float = 0.0, chunk: int = HEAD_CHUNK,
+                  packed: list | None = None) -> tuple[Tensor, Tensor]:
     """sample(hidden @ weight.T, ...) from the last hidden states (B, H) and the LM head (V, H): the
     same tokens. On a CPU with no filter set the vocabulary goes `chunk` rows at a time, each chunk's
     logits, noise, race and log-sum-exp computed while its (B, chunk) block is in cache, so no (B, V)
     logits exist (SmolLM2, 48 rows, one thread: LM head and sampling 61 ms a step against 80). The
     race's winner is the best chunk winner (the first on a tie, as argmax); the log-sum-exp combines
-    the chunks', so a log-prob may differ from sample()'s in its last bits, a token never."""
+    the chunks', so a log-prob may differ from sample()'s in its last bits, a token never. `packed`: the
+    LM head's `chunk`-row blocks packed for oneDNN (grpo.cpu.pack; grpo.decode's packed mode), the same
+    logits to fp32 rounding from a faster GEMM."""
     filtered = top_k > 0 or top_p < 1.0 or min_p > 0.0
     if filtered or kernels.gpu(hidden):  # fp32 logits (V of them a row) from the LM head's dtype
         return sample(lm_logits(hidden, weight), key, step, temperature, top_k, top_p, min_p)
@@ -106,7 +113,8 @@ def sample_hidden(hidden: Tensor, weight: Tensor, key: Tensor, step: Tensor, tem
     seed = noise_seed(key, step) if temperature > 0.0 else None
     best, where, picked, lse = [], [], [], []  # per chunk: (B,) best score, its token, that token's z, lse(z)
     for start in range(0, V, chunk):
-        z = lm_logits(hidden, weight[start:start + chunk])  # (B, c) fp32 logits of the chunk
+        z = (packed_linear(hidden, packed[start // chunk]) if packed is not None
+             else lm_logits(hidden, weight[start:start + chunk]))  # (B, c) fp32 logits of the chunk
         if temperature == 0.0:
             score = z  # greedy: the largest logit; its log-prob at T 1
         else:

@@ -35,7 +35,7 @@ def decode_step(weights: DecodeWeights, cache: KVCache, state: DecodeState, para
     active, pos = st.active[rows], st.pos[rows]
     y = decode_hidden(weights, cache, st.tok[rows], pos, num_slots, cache_len)  # (num_slots, H)
     tok, lp = sample_hidden(y, weights.lm_head, st.key[rows], st.ntok[rows], p.temperature, p.top_k, p.top_p,
-                            p.min_p)
+                            p.min_p, packed=weights.head)
     st.out_tok[rows, column], st.out_lp[rows, column], st.out_ok[rows, column] = tok, lp, active
     st.tok[rows] = torch.where(active, tok, st.tok[rows])
     st.pos[rows] += active

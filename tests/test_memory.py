@@ -59,7 +59,7 @@ def test_counted_terms_are_the_bytes_the_code_allocates(family, tiny_dir):
     assert rollouts["KV cache"] == nbytes([sampler.cache.k, sampler.cache.v])
     w = sampler.weights
     assert w.mode == "packed"  # a CPU in fp32: the GEMMs' weights packed for oneDNN, the rest the model's own
-    packs = [t for layer in w.packs for t in layer] + [t for t in w.bqkv if t is not None]
+    packs = [t for layer in w.packs for t in layer] + w.head + [t for t in w.bqkv if t is not None]
     assert rollouts["decode copy of the weights"] == sum(t.numel() * t.element_size() for t in packs)
     model.autocast_bf16 = True  # where there is a copy (autocast's bf16 matmuls, LoRA, a GPU): what it holds
     copied = DecodeWeights(model)
