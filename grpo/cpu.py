@@ -124,8 +124,9 @@ def trim() -> None:
 PACK_ROWS = 64  # the rows the layout is chosen for: packed for 48 or 128, alike at 4-100 rows
 
 
-def can_pack() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def can_pack() -> bool:  # measured on x86 only (AVX2, AVX512): elsewhere decode keeps torch's GEMMs
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and torch.backends.cpu.get_cpu_capability().startswith("AVX"))
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:  # (out, in) fp32 -> an opaque oneDNN tensor of the same shape

@@ -1,7 +1,7 @@
-"""Decode: one new token per row over the sampler's KV cache, from a resident copy of the weights.
+"""Decode: one new token per row over the sampler's KV cache, from weights held for it (DecodeWeights).
 
     weights = DecodeWeights(model)      # allocated once per sampler
-    weights.refresh(model)              # in place, at the start of every sampler call
+    weights.refresh(model)              # at the start of every sampler call: copied in place, or packed anew
     logits = decode(weights, cache, tok, pos, n, span)   # (n,) tokens at (n,) positions -> (n, V)
 
 Why a second forward beside Transformer.forward (which still runs every prefill and tool
@@ -45,11 +45,11 @@ class DecodeWeights:
       refreshed in place: a GPU's CUDA graphs replay fixed addresses.
     - "packed" (a CPU in fp32 with oneDNN, every x86 build of torch): a layer's four GEMMs from its
       weights reordered once per call into oneDNN's blocked layout (torch.ops.mkldnn, what inductor's
-      CPU freezing uses). One fp32 thread of an AVX512 CPU, SmolLM2's 30 layers: 1.3-1.9x torch's
+      CPU freezing uses). One fp32 thread of an AVX512 CPU, SmolLM2's 30 layers: 1.3-2.2x torch's
       F.linear at 4-128 rows; with oneDNN and MKL held to AVX2, 1.0-1.2x (bench/RESULTS.md). The LM
       head is packed too, in sample_hidden's vocabulary chunks (`head`); the norms and the embedding
-      are the model's own tensors. The reorder is ~0.4 s a call there.
-    - "resident" (a CPU in fp32 without oneDNN, no LoRA): no copy at all, the model's own tensors,
+      are the model's own tensors. The reorder is ~0.3 s a call there.
+    - "resident" (a CPU without oneDNN, or with bf16 weights; no LoRA, no autocast): no copy at all, the model's own tensors,
       q, k, v and gate, up as separate GEMMs (0.5 GiB less than a copy of SmolLM2-135M in fp32, and
       within the +-10% noise of the fused GEMMs at 24-100 rows)."""
 
@@ -151,6 +151,7 @@ class DecodeWeights:
         self.k_norm = [b.self_attn.k_norm.weight for b in layers] if qk else None
         self.norm, self.embed, self.lm_head = model.norm.weight, model.embed_tokens.weight, model.lm_head.weight
         if self.mode == "packed":  # each GEMM's weight (fused, LoRA merged) reordered for oneDNN
+            self.packs = self.head = None  # the last call's, freed before the new ones exist
             fused = lambda ps: pack(torch.cat([effective_weight(p) for p in ps]))  # noqa: E731
             self.packs = [(fused(q), fused((b.self_attn.o_proj,)), fused(g), fused((b.mlp.down_proj,)))
                           for q, g, b in zip(self.proj, self.mlp_in, layers)]

@@ -11,8 +11,9 @@ exactly equal to the base; A starts as PEFT initialises it (Kaiming-uniform, a =
 other weight is frozen: no gradient, no optimizer state, and under FSDP only the adapters'
 gradients are reduced.
 
-The sampler needs no extra step: its resident decode copy (grpo/decode.py) is refreshed at the
-start of every call from `effective_weight`, W + s B A, merged once there. The KL reference
+The sampler needs no extra step: its decode weights (grpo/decode.py: a copy, or on a CPU in fp32
+weights packed for oneDNN) are refreshed at the start of every call from `effective_weight`,
+W + s B A, merged once there. The KL reference
 (beta > 0) is the base itself with the adapters switched off (`BaseModel`): no second model.
 Also here: PEFT's adapter folder (adapter_config.json, adapter_model.safetensors with PEFT's key
 names) written and read, and the merged state dict of a Hugging Face export.

@@ -106,6 +106,7 @@ def sample_hidden(hidden: Tensor, weight: Tensor, key: Tensor, step: Tensor, tem
     the chunks', so a log-prob may differ from sample()'s in its last bits, a token never. `packed`: the
     LM head's `chunk`-row blocks packed for oneDNN (grpo.cpu.pack; grpo.decode's packed mode), the same
     logits to fp32 rounding from a faster GEMM."""
+    assert packed is None or chunk == HEAD_CHUNK, "packed LM-head blocks are HEAD_CHUNK rows each"
     filtered = top_k > 0 or top_p < 1.0 or min_p > 0.0
     if filtered or kernels.gpu(hidden):  # fp32 logits (V of them a row) from the LM head's dtype
         return sample(lm_logits(hidden, weight), key, step, temperature, top_k, top_p, min_p)

@@ -99,7 +99,7 @@ def grpo_step(run: Run, step: int) -> tuple[list, torch.Tensor, torch.Tensor, di
         if cfg.drop_flat_groups:
             trajs = refill(trajs, share, cfg.num_generations, step, cfg, run.rollouts, run.train_examples)
         # the update's activations get the cache's and the decode weights' memory; a CPU has no graphs
-        # to keep (the next call allocates and copies in again: ~0.1 s for SmolLM2)
+        # to keep (the next call allocates and packs the weights again: ~0.3 s for SmolLM2 at one thread)
         if run.device.type != "cuda" or not cfg.keep_kv_cache:
             run.sampler.release()
     t1 = time.time()
@@ -556,7 +556,7 @@ def warm_start_phase(run: Run):
 def free_optimizer_state(run: Run):
     """Training is over: AdamW's two states (8 bytes a trained parameter: 1.0 GiB for SmolLM2-135M in
     fp32) are freed before the eval after, whose KV cache then has their room; the last checkpoint
-    holds them (--resume continues from it), and nothing after this reads them."""
+    holds them where checkpoints are on (--resume continues from it), and nothing after this reads them."""
     run.optimizer.state.clear()
     if run.device.type == "cpu":
         trim()
