@@ -17,12 +17,31 @@ Naive versions for tests and benches: grpo.kernels.reference. Which way each cal
 with GPU tiles, or the reference), and compile_for(), which compiles every launch for a GPU on
 a machine without one: grpo.kernels.target.
 """
-from .advantages import group_advantages
-from .grpo_loss import grpo_token_loss
-from .layers import add_rmsnorm, decode_attention, qkv_rope_write, silu_mul
-from .logprobs import linear_logprobs, scaled_logits
-from .sampling import fused_sample
-from .target import HAS_TRITON, compile_for, gpu, references, use_triton
+import sys
 
-__all__ = ["linear_logprobs", "scaled_logits", "grpo_token_loss", "group_advantages", "fused_sample", "add_rmsnorm", "silu_mul",
-           "qkv_rope_write", "decode_attention", "HAS_TRITON", "compile_for", "gpu", "references", "use_triton"]
+if __name__ == "kernels":
+    # Found by its folder name, not installed as grpo.kernels: Python started in a checkout's root
+    # (`python -m pytest`, `python -c`) puts that root first on sys.path, where this folder shadows
+    # PyPI's `kernels`, which transformers imports when it is installed (a dependency since 5.x).
+    # Load that package in this module's place instead; with none installed, say where this one is.
+    from importlib.machinery import PathFinder
+    from importlib.util import module_from_spec
+    from pathlib import Path
+
+    _root = Path(__file__).resolve().parent.parent
+    _spec = PathFinder.find_spec("kernels", [p for p in sys.path if Path(p or ".").resolve() != _root])
+    if _spec is None:
+        raise ModuleNotFoundError(f"No module named 'kernels' outside {_root} (its kernels/ folder is "
+                                  "imported as grpo.kernels)", name="kernels")
+    sys.modules["kernels"] = module_from_spec(_spec)  # the import statement returns what sys.modules holds
+    _spec.loader.exec_module(sys.modules["kernels"])
+else:
+    from .advantages import group_advantages
+    from .grpo_loss import grpo_token_loss
+    from .layers import add_rmsnorm, decode_attention, qkv_rope_write, silu_mul
+    from .logprobs import linear_logprobs, scaled_logits
+    from .sampling import fused_sample
+    from .target import HAS_TRITON, compile_for, gpu, references, use_triton
+
+    __all__ = ["linear_logprobs", "scaled_logits", "grpo_token_loss", "group_advantages", "fused_sample", "add_rmsnorm", "silu_mul",
+               "qkv_rope_write", "decode_attention", "HAS_TRITON", "compile_for", "gpu", "references", "use_triton"]

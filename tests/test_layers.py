@@ -6,14 +6,17 @@ grpo/eval.py's does not: the eval's command line is grpo/cli/eval.py alone). The
 benches share code only through the package: no test imports or loads a bench script, and no
 bench imports a test module (a test may run a bench script as a process)."""
 import ast
+import importlib.machinery
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = sorted(p for p in (ROOT / "grpo").glob("*.py"))
-STDLIB = {"math", "os", "functools", "typing", "dataclasses", "contextlib", "struct", "subprocess", "tempfile", "time",
-          "pathlib", "unittest"}
+STDLIB = {"math", "os", "sys", "functools", "typing", "dataclasses", "contextlib", "struct", "subprocess", "tempfile",
+          "time", "pathlib", "unittest", "importlib"}
 RUNS_A_FILE = {"spec_from_file_location", "exec_module", "run_path", "run_module", "exec", "execfile"}
 
 
@@ -52,6 +55,24 @@ def test_kernels_are_a_leaf(path):
     allowed = ("torch", "triton", ".", "grpo.kernels")
     outside = sorted(m for m in modules if m.split(".")[0] not in STDLIB and not m.startswith(allowed))
     assert not outside, f"kernels/{path.name} imports {outside}"
+
+
+def test_the_kernels_folder_never_shadows_pypis_kernels():
+    """Python started in the checkout's root has the root first on sys.path, where kernels/ would be found
+    as PyPI's `kernels` (which transformers imports when it is installed): `import kernels` there gets
+    PyPI's package, or, with none installed, an error that says so; transformers imports either way."""
+    code = ("import importlib.util, sys\n"
+            "import transformers.integrations.hub_kernels\n"
+            "try:\n    import kernels\n    print('file', kernels.__file__)\n"
+            "except ModuleNotFoundError as e:\n    print('error', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    kind, _, rest = r.stdout.strip().splitlines()[-1].partition(" ")
+    outside = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+    if importlib.machinery.PathFinder.find_spec("kernels", outside) is not None:  # PyPI's is installed
+        assert kind == "file" and not Path(rest).resolve().is_relative_to(ROOT), r.stdout
+    else:
+        assert kind == "error" and "grpo.kernels" in rest, r.stdout
 
 
 def test_the_check_sees_function_level_imports_and_skips_main_blocks(tmp_path):
