@@ -6,9 +6,10 @@ only grows).
     python bench/cpu_memory.py --lora 16     # full fine-tuning against LoRA r 16 (all seven linear layers)
     python bench/cpu_memory.py --quick       # 4 sequences: checks the script
 
-One setting's process: the model, AdamW, then one optimizer step over the sequences packed into
-micro-batches of at most `micro_batch_tokens` (the trainer's packing: whole sequences), forward +
-backward on each, then the AdamW step (its two fp32 states exist from then on, as in a run).
+One setting's process: the model, AdamW and a first optimizer step on one sequence (untimed: AdamW's
+two fp32 states exist from then on, as in a run's later steps), then the timed optimizer step over the
+sequences packed into micro-batches of at most `micro_batch_tokens` (the trainer's packing: whole
+sequences), forward + backward on each, then the AdamW step.
 Peak = the process's maximum resident set (ru_maxrss, Linux), with what importing torch costs.
 The recipe's step trains ~27 of its 48 rollouts (flat groups are left out). With --lora each
 setting also times the sampler's per-call refresh of its decode copy (under LoRA: W + s B A merged).
@@ -47,13 +48,18 @@ def one(setting: dict) -> dict:
     T = setting["prompt"] + setting["completion"]
     per_mb = max(1, setting["micro_batch_tokens"] // T)  # whole sequences per micro-batch, padded to T
     g = torch.Generator().manual_seed(0)
-    t = time.perf_counter()
-    for start in range(0, setting["rows"], per_mb):
-        rows = min(per_mb, setting["rows"] - start)
+
+    def micro_batch(rows: int):
         ids = torch.randint(0, model.args.vocab_size, (rows, T), generator=g)
         labels = ids.roll(-1, dims=1)
         labels[:, :setting["prompt"]] = -100  # the completion is scored
         model(ids, labels=labels).sum().backward()
+    micro_batch(1)  # a first step, untimed: AdamW's states exist from then on, as in a run's later steps
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    t = time.perf_counter()
+    for start in range(0, setting["rows"], per_mb):
+        micro_batch(min(per_mb, setting["rows"] - start))
     opt.step()
     seconds = time.perf_counter() - t
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux

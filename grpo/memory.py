@@ -73,17 +73,25 @@ def counts(args) -> dict:
     return dict(linear=linear, block=linear + small, root=root, total=L * (linear + small) + root, lora=L * lora)
 
 
-def act_bytes_per_token(args, c: int, lora_dropout: bool = False) -> int:
-    """Bytes autograd keeps per token and layer in grpo/model.py's Block at compute width c. Each RMSNorm
-    keeps its fp32 input (a copy when c is 2: 4 bytes a channel), its normalized value and its output (the
-    next layer's input), c each; Qwen3's q and k norms the same over qd + kd channels; q, k, v before and
-    after rotary (2(qd + 2kd)), attention's output and its o_proj input copy (2qd), gate, up, silu(gate)
-    and their product (4F); fp32 statistics (the norms' rsqrt, attention's log-sum-exp per head). Under
-    LoRA dropout each adapted layer keeps its dropped-out input and mask: 5H + qd + F channels, c + 1 bytes."""
+def _lora_targets(cfg) -> tuple:
+    from grpo.lora import parse_targets  # torch, only where LoRA is asked for
+    return parse_targets(getattr(cfg, "lora_target_modules", "all-linear"))
+
+
+def act_bytes_per_token(args, c: int, lora_dropout: bool = False, lean_mlp: bool = True) -> int:
+    """Bytes autograd keeps per token and layer in grpo/model.py's Block at compute width c (fp32: exactly
+    what tests/test_backward.py counts). Each RMSNorm keeps its input and its output (the next layer's
+    input), c each (the normalized value is recomputed in its backward); Qwen3's q and k norms their input
+    over qd + kd channels (rotary after them keeps nothing of its input); q, k and v as attention reads
+    them (qd + 2kd), attention's output and its o_proj input copy (2qd), gate and up (2F), and where the
+    MLP's lean backward is off (under CPU autocast, or a LoRA down projection) silu(gate) and the product
+    too (4F); fp32 statistics (each norm's rsqrt, attention's log-sum-exp per head). Under LoRA dropout
+    each adapted layer keeps its dropped-out input and mask: 5H + qd + F channels, c + 1 bytes."""
     H, F, qd, kd = args.dim, args.ffn_dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    norms = 2 * H * (4 + 2 * c) + (qd + kd) * (4 + 2 * c) * args.qk_norm
-    rest = c * (2 * (qd + 2 * kd) + 2 * qd + 4 * F) + 4 * (2 + args.n_heads)
-    return norms + rest + (5 * H + qd + F) * (c + 1) * lora_dropout
+    norms = 2 * H * 2 * c + (qd + kd) * c * args.qk_norm
+    rest = c * ((qd + 2 * kd) + 2 * qd + (2 if lean_mlp else 4) * F)
+    stats = 4 * (2 + args.n_heads + (args.n_heads + args.n_kv_heads) * args.qk_norm)
+    return norms + rest + stats + (5 * H + qd + F) * (c + 1) * lora_dropout
 
 
 @dataclass
@@ -193,7 +201,9 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
 
     # the update: one packed micro-batch of T tokens through forward and backward
     T = cfg.micro_batch_tokens
-    per_layer = act_bytes_per_token(args, c, cfg.use_peft and cfg.lora_dropout > 0)
+    lora_down = cfg.use_peft and "down_proj" in _lora_targets(cfg)  # then the MLP runs LoRA's forward
+    per_layer = act_bytes_per_token(args, c, cfg.use_peft and cfg.lora_dropout > 0,
+                                    lean_mlp=not (lora_down or autocast))
     if cfg.gradient_checkpointing:  # each block keeps its input; one block's activations live in its recompute
         acts, formula = T * (L * H * c + per_layer), f"{T} tokens x (layers x H x {c} B + one block's {per_layer} B)"
     else:
@@ -202,7 +212,8 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
     update = [("gradients, fp32, sharded", 4 * trained // W, "4 x trained parameters / ranks"),
               ("activations of one micro-batch", acts, formula),
               ("log-probs' vocabulary chunk", 2 * T * chunk * 4, f"logits and their gradient, {T} x {chunk} fp32"),
-              ("root's input and output", T * H * (c + 4) + T * 4 * 3, "embedding out, final norm out, per-token stats")]
+              ("root's input and output", T * H * (c + 4) + T * 4 * 3, "embedding out, final norm out, per-token stats"),
+              ("a layer's backward temporaries", 4 * T * args.ffn_dim * c, f"4 x {T} tokens x F x {c} B: the MLP's")]
     if fsdp:  # two blocks gathered at a time (prefetch), the root kept through backward, their unreduced grads
         update.append(("FSDP's gathered blocks, root and their grads", 2 * c * (2 * n["block"] + n["root"]),
                        "2 x compute bytes x (2 blocks + root)"))

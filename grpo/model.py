@@ -155,9 +155,45 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # normalize in fp32 (as the reference implementations do), scale in the input dtype
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _RMSNormFn.apply(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, rstd: Tensor | None = None) -> Tensor:
+    # normalize in fp32 at least (as the reference implementations do), scale in the input dtype
+    xf = x.to(_norm_dtype(x))
+    if rstd is None:
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+    return weight * (xf * rstd).type_as(x)
+
+
+def _norm_dtype(x: Tensor) -> torch.dtype:  # fp32, or float64 for float64 inputs (gradcheck)
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """rms_norm for training, keeping its input and 1 / rms (a float a token) for the backward:
+    autograd's own graph of it also keeps the normalized value, H floats a token (SmolLM2 in fp32:
+    4.6 KB a token and layer for its two norms, ~10% of what a Block keeps)."""
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        rstd = torch.rsqrt(x.to(_norm_dtype(x)).pow(2).mean(-1, keepdim=True) + eps)  # (..., 1) fp32
+        ctx.save_for_backward(x, weight, rstd)
+        return rms_norm(x, weight, eps, rstd)
+
+    @staticmethod
+    def backward(ctx, gy: Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        n = x.to(rstd.dtype) * rstd  # the normalized value, recomputed
+        gw = None
+        if ctx.needs_input_grad[1]:  # y = w * n: sum over tokens of gy * n, as autograd reduces it
+            gw = (gy * n.type_as(x)).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
+        gx = None
+        if ctx.needs_input_grad[0]:  # d/dx of x * rstd(x): rstd * (gn - n * mean(gn * n)) over the last dim
+            gn = gy.to(rstd.dtype) * weight.to(rstd.dtype)
+            gx = (rstd * (gn - n * (gn * n).mean(-1, keepdim=True))).to(x.dtype)
+        return gx, gw, None
 
 
 class Attention(nn.Module):
@@ -244,7 +280,36 @@ class MLP(nn.Module):  # SwiGLU
         self.down_proj = nn.Linear(args.ffn_dim, args.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        d = self.down_proj  # a LoRA down projection, or one with hooks, runs its own forward
+        lean = (type(d) is nn.Linear and d.bias is None and not d._forward_hooks and not d._forward_pre_hooks
+                and gate.requires_grad and torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type))
+        return _SwiGLUDown.apply(gate, up, d.weight) if lean else d(F.silu(gate) * up)
+
+
+class _SwiGLUDown(torch.autograd.Function):
+    """down(silu(gate) * up) for training, keeping gate, up and the weight for the backward, which
+    recomputes silu(gate) and the product (elementwise, ~1% of the MLP's FLOPs). Autograd's own graph
+    also keeps both: 2 x ffn_dim floats a token, a quarter of what a Block keeps (SmolLM2 in fp32:
+    12 KB a token and layer). Not under autocast, whose casts the backward would have to replay; in bf16
+    the same gradients as autograd's, bit for bit (tests/test_backward.py)."""
+    @staticmethod
+    def forward(ctx, gate: Tensor, up: Tensor, w: Tensor) -> Tensor:
+        ctx.save_for_backward(gate, up, w)
+        return F.linear(F.silu(gate) * up, w)
+
+    @staticmethod
+    def backward(ctx, go: Tensor):  # go (..., H)
+        gate, up, w = ctx.saved_tensors
+        gh = go @ w  # (..., F): the product's grad
+        silu = F.silu(gate)  # the forward's op: in bf16 the same bits as the product it made
+        gw = None
+        if ctx.needs_input_grad[2]:
+            gw = go.reshape(-1, go.shape[-1]).T @ (silu * up).reshape(-1, up.shape[-1])  # (H, F)
+        # the ops autograd runs for silu(gate) * up, in place where it can: at most four (..., F) tensors
+        # at a time (the memory plan's backward term), and in bf16 autograd's own rounding
+        g_up = silu.mul_(gh)
+        return torch.ops.aten.silu_backward(gh.mul_(up), gate), g_up, gw
 
 
 class Block(nn.Module):

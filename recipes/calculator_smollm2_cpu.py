@@ -117,12 +117,12 @@ class CalculatorCPU(Config):
     mask_truncated_completions: bool = True  # a cut call is long, nested and wrong: its loss taught "do not nest"...
     keep_truncated_answers: bool = True  # ...but an answer repeated to the limit is trained on: masked, it was a
                                       # free way out of a wrong answer (a run ended with 60 of 200 eval answers so)
-    max_prompt_length: int = 512
+    max_prompt_length: int = 288         # its prompts take up to 155 tokens; the plan and micro_batch_tokens count this
     max_completion_length: int = 224     # gold answers to the eval questions take up to 188 tokens (160 cut 18% of them)
     max_turns: int = 3                # a tool call and the answer take 2; room for one correction
     gen_batch: int = 128              # eval decodes 128 rows at a time; GRPO's 48 completions fit in one wave
-    micro_batch_tokens: int = 1024    # on a CPU small micro-batches are faster too (bench/cpu_memory.py, 12 sequences:
-                                      # 4096 tokens 86 s, 6.5 GB peak; 1024: 65 s, 3.2 GB)
+    micro_batch_tokens: int = 512     # on a CPU small micro-batches are faster too (bench/cpu_memory.py, 12 sequences
+                                      # of 220 tokens, AdamW's states held: 1024 tokens 45-49 s, 3.9 GiB; 512: 44 s, 3.3)
     share_prompt: bool = True         # the update computes each group's prompt once (~1/3 of its tokens)
     # eval: held-out expressions worded from the HELDOUT book (no training template), greedy and
     # 1 sample at the training temperature, after the warm-start and after GRPO; the untrained

@@ -47,7 +47,7 @@ def main(phase: str, which: str, *sizes: int):
         opt.step()
         opt.zero_grad(set_to_none=True)
         terms = ("gradients, fp32, sharded", "activations of one micro-batch", "log-probs' vocabulary chunk",
-                 "root's input and output")
+                 "root's input and output", "a layer's backward temporaries")
         run = lambda: model(ids, labels=labels).sum().backward()  # noqa: E731
     else:
         prompts, G, P, M = sizes
