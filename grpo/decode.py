@@ -4,8 +4,8 @@
     weights.refresh(model)              # at the start of every sampler call: copied in place, or packed anew
     logits = decode(weights, cache, tok, pos, n, span)   # (n,) tokens at (n,) positions -> (n, V)
 
-Why a second forward beside Transformer.forward (which still runs every prefill and tool
-observation; this file is the decode step only):
+Why a second forward beside Transformer.forward (which still runs every prompt's prefill, and a tool
+observation's on a GPU; `extend` below takes the observations on a CPU):
 - Fixed addresses. A CUDA graph replays the pointers it captured. Under FSDP2 the gathered
   weights live at new addresses in each sampler call, so graphs used to be captured anew in
   every call (~0.5 s per cache bucket). The copy here lives as long as the sampler, is refreshed
@@ -28,6 +28,7 @@ from torch import Tensor
 from grpo.cpu import can_pack, pack, packed_linear
 from grpo.kernels import add_rmsnorm, decode_attention, qkv_rope_write, silu_mul, use_triton
 from grpo.lora import effective_weight
+from grpo.model import lm_logits
 from grpo.sampling import HEAD_CHUNK
 
 try:  # optional: flash-attn's KV-cache kernel, where installed (CUDA)
@@ -203,17 +204,64 @@ def decode_hidden(w: DecodeWeights, cache, tok: Tensor, pos: Tensor, n: int, spa
     length = (pos + 1).to(torch.int32) if kernel == "flash" else pos + 1  # keys each row reads, its own included
     x, res = w.embed[tok], None  # (n, H); res: the residual stream
     for i in range(a.n_layers):
-        y, res = add_rmsnorm(x, res, w.ln1[i], a.norm_eps, backend=kb)
-        qkv = w.qkv(i, y.to(w.mm_dtype))  # (n, qd + 2kd)
-        q = qkv_rope_write(qkv, cos, sin, cache.k[i], cache.v[i], slot, pos, a.n_heads, a.n_kv_heads, a.head_dim,
-                           None if w.q_norm is None else w.q_norm[i], None if w.k_norm is None else w.k_norm[i],
-                           a.norm_eps, backend=kb)  # (n, nh, D), rotary applied; k, v now cached at pos
+        q, res = _qkv(w, i, x, res, cos, sin, cache, slot, pos, kb)  # (n, nh, D); k, v now cached at pos
         o = _attend(q, cache.k[i], cache.v[i], slot, length, span, bias, kernel)  # (n, nh, D)
-        x = w.o(i, o.reshape(n, -1).to(w.mm_dtype)).to(res.dtype)
-        y, res = add_rmsnorm(x, res, w.ln2[i], a.norm_eps, backend=kb)
-        x = w.down(i, silu_mul(w.gate_up(i, y.to(w.mm_dtype)), backend=kb).to(w.mm_dtype)).to(res.dtype)
+        x, res = _o_mlp(w, i, o.reshape(n, -1), res, kb)
     y, _ = add_rmsnorm(x, res, w.norm, a.norm_eps, backend=kb)
     return y
+
+
+def _qkv(w: DecodeWeights, i: int, x: Tensor, res: Tensor | None, cos: Tensor, sin: Tensor, cache, slot: Tensor,
+         pos: Tensor, kb: str) -> tuple[Tensor, Tensor]:
+    """Layer i up to attention: add+RMSNorm, the QKV GEMM, q/k norms and rotary, k and v written at
+    (slot, pos). x (n, H), the residual stream res -> q (n, nh, D) and the new residual."""
+    a = w.args
+    y, res = add_rmsnorm(x, res, w.ln1[i], a.norm_eps, backend=kb)
+    qkv = w.qkv(i, y.to(w.mm_dtype))  # (n, qd + 2kd)
+    q = qkv_rope_write(qkv, cos, sin, cache.k[i], cache.v[i], slot, pos, a.n_heads, a.n_kv_heads, a.head_dim,
+                       None if w.q_norm is None else w.q_norm[i], None if w.k_norm is None else w.k_norm[i],
+                       a.norm_eps, backend=kb)
+    return q, res
+
+
+def _o_mlp(w: DecodeWeights, i: int, o: Tensor, res: Tensor, kb: str) -> tuple[Tensor, Tensor]:
+    """Layer i after attention: the O GEMM, add+RMSNorm, the gate-up GEMM, silu*mul, the down GEMM.
+    o (n, qd) -> the layer's output (n, H) and the residual."""
+    x = w.o(i, o.to(w.mm_dtype)).to(res.dtype)
+    y, res = add_rmsnorm(x, res, w.ln2[i], w.args.norm_eps, backend=kb)
+    return w.down(i, silu_mul(w.gate_up(i, y.to(w.mm_dtype)), backend=kb).to(w.mm_dtype)).to(res.dtype), res
+
+
+@torch.no_grad()
+def extend(w: DecodeWeights, cache, ids: Tensor, pos: Tensor, valid: Tensor, slots: Tensor) -> Tensor:
+    """Rows continuing their history with several tokens each (a tool's observation), through the
+    decode weights (on a CPU, oneDNN's packed GEMMs instead of the model's F.linear: a few dozen rows
+    at a time, where torch's GEMM reads the weights slowest). ids, pos, valid (B, T): the tokens, their
+    positions and which are real in a padded batch; slots (B,) the rows' cache slots. Real tokens' k, v
+    are written at pos; each attends to its row's keys up to its own. -> the LM head's logits (B, V) at
+    each row's last real token, in fp32 as Transformer.forward's `output_index` gives them. CPU only
+    (the torch references of the decode kernels)."""
+    a, (B, T) = w.args, ids.shape
+    idx = valid.reshape(-1).nonzero().squeeze(1)  # (N,) the real tokens, row-major
+    p = pos.reshape(-1)[idx]
+    freqs = p[:, None].float() * w.inv_freq  # (N, D/2)
+    cos, sin = freqs.cos(), freqs.sin()
+    slot = slots[:, None].expand(B, T).reshape(-1)[idx]  # (N,)
+    span = int(pos.masked_fill(~valid, 0).max()) + 1
+    keys = torch.arange(span, device=ids.device)
+    hidden_keys = ~(keys <= pos[..., None])[:, None]  # (B, 1, T, span): later than the query's own position
+    bias = torch.zeros(B, 1, T, span, device=ids.device).masked_fill_(hidden_keys, float("-inf"))
+    x, res = w.embed[ids.reshape(-1)[idx]], None  # (N, H)
+    nh, nkv, D = a.n_heads, a.n_kv_heads, a.head_dim
+    for i in range(a.n_layers):
+        q, res = _qkv(w, i, x, res, cos, sin, cache, slot, p, "torch")  # (N, nh, D)
+        qp = q.new_zeros(B * T, nh, D).index_copy_(0, idx, q).view(B, T, nh, D).transpose(1, 2)  # (B, nh, T, D)
+        k, v = (c[i][slots, :span].transpose(1, 2).float() for c in (cache.k, cache.v))  # (B, nkv, span, D)
+        o = F.scaled_dot_product_attention(qp.float(), k, v, attn_mask=bias, enable_gqa=nh != nkv)
+        x, res = _o_mlp(w, i, o.transpose(1, 2).reshape(B * T, nh * D)[idx].to(q.dtype), res, "torch")
+    y, _ = add_rmsnorm(x, res, w.norm, a.norm_eps, backend="torch")  # (N, H)
+    last = valid.sum(1).cumsum(0) - 1  # (B,) each row's last real token among the N
+    return lm_logits(y[last], w.lm_head)  # (B, V) fp32
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

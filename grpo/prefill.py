@@ -7,6 +7,7 @@
 Both then sample each row's next token (Sampler.sample_into) and arm it for decode."""
 import torch
 
+from grpo.decode import extend
 from grpo.kv_cache import to_device
 from grpo.rows import Call, Row
 
@@ -116,10 +117,13 @@ def resume(sampler, call: Call):
     valid = to_device([[t < len(x) for t in range(T)] for _, x, _ in rows], dev)
     start = to_device([p for _, _, p in rows], dev)
     slots = to_device([s.slot for s, _, _ in rows], dev)
-    sampler.cache.rows(slots, start, T, max(p for _, _, p in rows) + T, valid)
-    last = to_device([[len(x) - 1] for _, x, _ in rows], dev)  # (B, 1)
     positions = start[:, None] + torch.arange(T, device=dev)
-    logits = sampler.model(ids, positions, cache=sampler.cache, output_index=last)[:, 0]  # (B, V)
+    if dev.type == "cpu":  # through the decode weights: oneDNN's packed GEMMs where decode packs them
+        logits = extend(sampler.weights, sampler.cache, ids, positions, valid, slots)  # (B, V)
+    else:
+        sampler.cache.rows(slots, start, T, max(p for _, _, p in rows) + T, valid)
+        last = to_device([[len(x) - 1] for _, x, _ in rows], dev)  # (B, 1)
+        logits = sampler.model(ids, positions, cache=sampler.cache, output_index=last)[:, 0]  # (B, V)
     sampler.sample_into(call, [s for s, _, _ in rows], logits)
 
 

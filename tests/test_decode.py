@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from grpo.decode import DecodeWeights, decode
+from grpo.decode import DecodeWeights, decode, extend
 from grpo.kv_cache import KVCache
 from grpo.model import Transformer
 from grpo.sampler import Sampler, SamplingParams
@@ -125,7 +125,7 @@ def test_decode_with_triton_kernels_under_the_interpreter(tiny_dir):
     path, _ = tiny_dir("qwen3", vocab_size=97)
     code = f"""
 import torch
-from grpo.decode import DecodeWeights, decode
+from grpo.decode import DecodeWeights, decode, extend
 from grpo.kv_cache import KVCache
 from grpo.model import Transformer
 model = Transformer.from_pretrained({path!r}).eval()
@@ -150,3 +150,43 @@ print("ok", (out - ref).abs().max().item())
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "TRITON_INTERPRET": "1"})
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+@pytest.mark.parametrize("family,mode", [("llama", "packed"), ("qwen2", "packed"), ("qwen3", "packed"),
+                                         ("qwen2", "resident"), ("qwen3", "copy")])
+def test_extend_equals_model_forward(tiny_dir, family, mode, monkeypatch):
+    """Rows that continue their history with several tokens (a tool's observation, padded): extend()
+    through the decode weights gives Transformer.forward's logits at each row's last real token, and
+    writes the same keys and values, the padding none. In each of the decode weights' modes: "copy"
+    under autocast_bf16 (bf16 matmuls both ways, so bf16's rounding apart), "resident" without oneDNN."""
+    path, _ = tiny_dir(family)
+    model = Transformer.from_pretrained(path).eval()
+    model.autocast_bf16 = mode == "copy"
+    if mode == "resident":
+        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    prompts, new = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15]], [[20, 21, 22], [23], [24, 25]]
+    S = 16
+    caches = [KVCache(model.args, 4, S, torch.float32, torch.device("cpu")) for _ in range(2)]
+    slots = torch.tensor([2, 0, 3])  # not in row order
+    T = max(map(len, new))
+    ids = torch.tensor([x + [0] * (T - len(x)) for x in new])
+    valid = torch.tensor([[t < len(x) for t in range(T)] for x in new])
+    start = torch.tensor([len(x) for x in prompts])
+    positions = start[:, None] + torch.arange(T)
+    with torch.no_grad():
+        for c in caches:
+            for s, x in zip(slots.tolist(), prompts):
+                c.packed(torch.full((len(x),), s), torch.arange(len(x)))
+                model(torch.tensor([x]), torch.arange(len(x))[None], cache=c)
+        caches[0].rows(slots, start, T, int(positions.max()) + 1, valid)
+        last = torch.tensor([[len(x) - 1] for x in new])
+        ref = model(ids, positions, cache=caches[0], output_index=last)[:, 0]
+        w = DecodeWeights(model)
+        w.refresh(model)
+        ours = extend(w, caches[1], ids, positions, valid, slots)
+    assert w.mode == mode and ref.abs().max() > 0.1
+    tol = dict(atol=3e-2 * ref.abs().max().item(), rtol=0) if mode == "copy" else dict(atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(ours, ref, **tol)
+    tol = dict(atol=3e-2, rtol=3e-2) if mode == "copy" else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches[1].k, caches[0].k, **tol)  # padding wrote nothing in either
+    torch.testing.assert_close(caches[1].v, caches[0].v, **tol)
