@@ -12,6 +12,9 @@ Three decode rates, in tokens/s, at the same rows:
 - the physical floor: the step's FLOPs at the best fp32 GEMM rate measured here (a 1024^3 matmul)
   or one read of the weights at the measured read bandwidth, whichever is slower.
 Ratios: ours / floor (the goal is >= 0.50) and ours / matmuls. The CPU kind and thread count are printed.
+A second table times decode's own kernels alone at the same rows: its GEMMs as it calls them (packed
+for oneDNN where it packs) and its attention over the run's mean keys a row. floor / (GEMMs +
+attention) is the most any engine built on these kernels can reach, whatever it does around them.
 """
 import argparse
 import time
@@ -58,6 +61,38 @@ def matmul_step(sampler: Sampler, rows: int, reps: int) -> float:
     return best(step, reps)
 
 
+def kernels_step(sampler: Sampler, rows: int, span: int, reps: int) -> tuple[float, float]:
+    """Seconds of one decode step's GEMMs as decode calls them (packed for oneDNN where it packs: the
+    layers' four and the LM head's vocabulary chunks), and of its attention alone (decode's own, over a
+    cache of `span` keys a row), at `rows` rows: what any engine built on these kernels spends at least."""
+    from grpo.cpu import packed_linear
+    from grpo.decode import _attend, _key_bias
+    from grpo.kv_cache import KVCache
+    w, a = sampler.weights, sampler.weights.args
+    x, h = torch.randn(rows, a.dim).to(w.mm_dtype), torch.randn(rows, a.ffn_dim).to(w.mm_dtype)
+    xo = torch.randn(rows, a.n_heads * a.head_dim).to(w.mm_dtype)  # o's input: the heads' outputs
+    head = torch.randn(rows, a.dim).to(w.lm_head.dtype)
+
+    def gemms():
+        for i in range(a.n_layers):
+            w.qkv(i, x), w.o(i, xo), w.gate_up(i, x), w.down(i, h)
+        if w.head is not None:
+            [packed_linear(head, blk) for blk in w.head]
+        else:
+            F.linear(head, w.lm_head)
+    cache = KVCache(a, rows, span, torch.float32, "cpu")
+    cache.k.normal_(), cache.v.normal_()
+    q, slot = torch.randn(rows, a.n_heads, a.head_dim), torch.arange(rows)
+    pos = torch.full((rows,), span - 1)
+    bias = _key_bias(pos, span)
+
+    def attention():
+        for i in range(a.n_layers):
+            _attend(q, cache.k[i], cache.v[i], slot, pos + 1, span, bias, None)
+    gemms(), attention()
+    return best(gemms, reps), best(attention, reps)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=0, help="0: torch's default")
@@ -88,6 +123,9 @@ def main():
     ours = rows * (args.new - 1) / (t_new - t_one)  # the 1-token call: prefill and the first token
 
     t_mm = matmul_step(sampler, rows, 3)
+    mean_span = round(sum(map(len, prompts)) / len(prompts) + args.new / 2)  # a row's keys, on average
+    with torch.no_grad():
+        t_gemm, t_attn = kernels_step(sampler, rows, mean_span, 3)
     w = sampler.weights
     params = sum(W.numel() for i in range(w.args.n_layers) for W in w.matrices(i)) + w.lm_head.numel()
     gemm = matmul_gflops(1024, 1024, 1024, torch.float32, seconds=1.0) * 1e9  # FLOP/s
@@ -102,9 +140,13 @@ def main():
                   floor=round(rows / t_floor, 1), ours_ms=round(1e3 * rows / ours, 1), matmuls_ms=round(1e3 * t_mm, 1),
                   floor_ms=round(1e3 * t_floor, 1), ours_of_floor=round(ours * t_floor / rows, 3),
                   matmuls_of_floor=round(t_floor / t_mm, 3), ours_of_matmuls=round(ours * t_mm / rows, 3),
+                  gemms_ms=round(1e3 * t_gemm, 1), attention_ms=round(1e3 * t_attn, 1),
+                  kernels_of_floor=round(t_floor / (t_gemm + t_attn), 3),
                   capability=torch.backends.cpu.get_cpu_capability())]
     print_table(table, ["threads", "rows", "ours", "matmuls", "floor", "ours_ms", "matmuls_ms", "floor_ms",
                         "ours_of_floor", "matmuls_of_floor", "ours_of_matmuls"])
+    print(f"decode's own kernels alone, a step at {rows} rows (attention over {mean_span} keys a row, the run's mean):")
+    print_table(table, ["gemms_ms", "attention_ms", "floor_ms", "kernels_of_floor"], dump=False)
 
 
 if __name__ == "__main__":
