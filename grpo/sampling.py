@@ -20,13 +20,15 @@ and the whole step stays on device with no host sync. On CUDA with no filter set
 rule runs as one fused Triton pass over the logits (grpo.kernels.fused_sample: the same
 tokens, without the (B, V) int64 noise buffer).
 """
+import functools
 import math
 
 import torch
 from torch import Tensor
 
 # the hash, one definition for the sampler and for the Triton kernel's reference
-from grpo.kernels.reference import GOLDEN, MASK32, gumbel, mix32, noise_seed  # noqa: F401
+from grpo.kernels.reference import (GOLDEN, MASK32, gumbel, int32_bits, log_exp_noise, mix32,  # noqa: F401
+                                    noise_seed, weyl_bits)
 
 from grpo import kernels
 from grpo.cpu import packed_linear
@@ -111,7 +113,8 @@ def sample_hidden(hidden: Tensor, weight: Tensor, key: Tensor, step: Tensor, tem
     if filtered or kernels.gpu(hidden):  # fp32 logits (V of them a row) from the LM head's dtype
         return sample(lm_logits(hidden, weight), key, step, temperature, top_k, top_p, min_p)
     hidden, V = hidden.to(weight.dtype), weight.shape[0]
-    seed = noise_seed(key, step) if temperature > 0.0 else None
+    if temperature > 0.0:  # the noise's inputs once a step, not once a chunk: the seeds' and the vocabulary's bits
+        seed32, weyl = int32_bits(noise_seed(key, step)), _weyl(V, hidden.device)
     best, where, picked, lse = [], [], [], []  # per chunk: (B,) best score, its token, that token's z, lse(z)
     for start in range(0, V, chunk):
         z = (packed_linear(hidden, packed[start // chunk]) if packed is not None
@@ -119,14 +122,20 @@ def sample_hidden(hidden: Tensor, weight: Tensor, key: Tensor, step: Tensor, tem
         if temperature == 0.0:
             score = z  # greedy: the largest logit; its log-prob at T 1
         else:
-            z = z / temperature
-            score = gumbel(key, step, z.shape[-1], start, seed).add_(z)  # z_v - log E_v
+            z = z / temperature if temperature != 1.0 else z
+            score = log_exp_noise(seed32, weyl[start:start + z.shape[-1]])
+            torch.sub(z, score, out=score)  # z_v - log E_v: gumbel()'s bits, one pass fewer
         s, v = score.max(-1)
         best.append(s), where.append(v + start), picked.append(z.gather(-1, v[:, None])[:, 0])
         lse.append(z.logsumexp(-1))
     c = torch.stack(best, -1).argmax(-1, keepdim=True)  # (B, 1): the winning chunk
     tokens = torch.stack(where, -1).gather(-1, c)[:, 0]
     return tokens, torch.stack(picked, -1).gather(-1, c)[:, 0] - torch.stack(lse, -1).logsumexp(-1)
+
+
+@functools.lru_cache(maxsize=8)
+def _weyl(V: int, device: torch.device) -> Tensor:  # (V,) int32: a vocabulary's Weyl terms, made once
+    return weyl_bits(0, V, device)
 
 
 def _fused(logits: Tensor) -> bool:
@@ -136,7 +145,8 @@ def _fused(logits: Tensor) -> bool:
 
 
 def _race(z: Tensor, key: Tensor, step: Tensor, keep: Tensor | None) -> Tensor:  # (b, V) -> (b,) int64
-    score = gumbel(key, step, z.shape[-1]).add_(z)  # z_v - log E_v
+    score = log_exp_noise(int32_bits(noise_seed(key, step)), _weyl(z.shape[-1], z.device))
+    torch.sub(z, score, out=score)  # z_v - log E_v: gumbel()'s bits
     if keep is not None:
         score.masked_fill_(~keep, float("-inf"))
     return score.argmax(-1)

@@ -45,23 +45,34 @@ def mix32(x):
 def gumbel(key: Tensor, step: Tensor, V: int, start: int = 0, seed: Tensor | None = None) -> Tensor:
     """Gumbel noise -log(-log u_v), one u_v per (request key, step, token v), a pure function of
     the three: a 32-bit seed per (key, step), then murmur3's finalizer over seed ^ (Weyl sequence
-    in v), in place: these (B, V) integer passes are the largest part of sampling's cost.
-    (B,), (B,) int64 -> (B, V) fp32. `start`: the noise of tokens [start, start + V) (a chunk of the
-    vocabulary); `seed`: noise_seed(key, step), when the caller has it (once for all chunks).
-    The (B, V) passes run on int32 holding the same 32 bits (multiplication keeps the low 32 bits of
-    the product in either type; a logical shift is an arithmetic one masked): half the bytes of
-    int64, and AVX2 has no 64-bit multiply (same bits: tested)."""
+    in v). (B,), (B,) int64 -> (B, V) fp32. `start`: the noise of tokens [start, start + V) (a chunk
+    of the vocabulary); `seed`: noise_seed(key, step), when the caller has it (once for all chunks).
+    The sampler's CPU loop adds the noise to the logits as z - log_exp_noise(...) instead, one pass
+    fewer and the same bits (z + (-a) and z - a round alike)."""
     seed = noise_seed(key, step) if seed is None else seed
-    weyl = torch.arange(start, start + V, device=seed.device) * GOLDEN & MASK32  # (V,)
-    x = _int32(seed)[:, None] ^ _int32(weyl)  # (B, V) int32: the bits of seed ^ weyl < 2^32
-    x ^= (x >> 16) & 0xFFFF
+    return log_exp_noise(int32_bits(seed), weyl_bits(start, V, seed.device)).neg_()
+
+
+def log_exp_noise(seed32: Tensor, weyl32: Tensor) -> Tensor:
+    """log E_v, E_v = -log u_v ~ Exp(1): the Gumbel noise negated. seed32 (B,) and weyl32 (V,) int32
+    (int32_bits of noise_seed and of the Weyl terms) -> (B, V) fp32. These integer passes are the
+    largest part of sampling's cost; they run on int32 holding the same 32 bits as the int64
+    definition (multiplication keeps the low 32 bits of the product in either type; a logical shift
+    is an arithmetic one masked): half the bytes, and AVX2 has no 64-bit multiply (same bits: tested)."""
+    x = seed32[:, None] ^ weyl32  # (B, V) int32: the bits of seed ^ weyl < 2^32
+    t = torch.bitwise_right_shift(x, 16)  # one scratch buffer for both xorshifts
+    x ^= t.bitwise_and_(0xFFFF)
     x *= _int32(0x85EBCA6B)
-    x ^= (x >> 13) & 0x7FFFF
+    x ^= torch.bitwise_right_shift(x, 13, out=t).bitwise_and_(0x7FFFF)
     x *= _int32(0xC2B2AE35)
     x >>= 9  # keep bits 9..31 (the finalizer's last xorshift would change only 9..15: left out)
     x &= 0x7FFFFF
-    u = x.float().add_(0.5).mul_(2.0**-23)  # 23 bits, so fp32 holds u exactly: 0 < u < 1, never 1
-    return u.log_().neg_().log_().neg_()
+    u = torch.add(x, 0.5).mul_(2.0**-23)  # fp32: 23 bits, so it holds u exactly: 0 < u < 1, never 1
+    return u.log_().neg_().log_()
+
+
+def weyl_bits(start: int, V: int, device) -> Tensor:  # (V,) int32: the Weyl terms of tokens [start, start + V)
+    return int32_bits(torch.arange(start, start + V, device=device) * GOLDEN & MASK32)
 
 
 def noise_seed(key: Tensor, step: Tensor) -> Tensor:  # (B,), (B,) int64 -> (B,) int64 < 2^32
@@ -69,9 +80,11 @@ def noise_seed(key: Tensor, step: Tensor) -> Tensor:  # (B,), (B,) int64 -> (B,)
     return mix32((key >> 32) ^ mix32(key ^ mix32(step * GOLDEN + 0x165667B1)))
 
 
-def _int32(x):  # values in [0, 2^32) -> int32 with the same bits (two's complement); ints or int64 tensors
-    if isinstance(x, int):
-        return x - (1 << 32) if x >= 1 << 31 else x
+def _int32(x: int) -> int:  # a value in [0, 2^32) -> the int32 with the same bits (two's complement)
+    return x - (1 << 32) if x >= 1 << 31 else x
+
+
+def int32_bits(x: Tensor) -> Tensor:  # int64 values in [0, 2^32) -> int32 tensors with the same bits
     return torch.where(x >= 1 << 31, x - (1 << 32), x).to(torch.int32)
 
 

@@ -374,6 +374,19 @@ def test_noise_bits_as_defined_in_int64():
         assert torch.equal(gumbel(key, step, V, start), int64_definition(key, step, V, start)), (V, start)
 
 
+def test_the_loops_scores_are_gumbels_bits():
+    """sample_hidden's loop and _race score z - log E (log_exp_noise, the seeds' and the vocabulary's
+    bits made once a step) rather than gumbel() + z: the same bits at every token, chunk or not."""
+    from grpo.kernels.reference import int32_bits, log_exp_noise, noise_seed, weyl_bits
+    g = torch.Generator().manual_seed(5)
+    key = torch.randint(-2**62, 2**62, (17,), generator=g)
+    step = torch.randint(0, 10_000, (17,), generator=g)
+    for V, start in ((4099, 0), (2048, 47_104), (3, 151_933)):
+        z = 30 * torch.randn(17, V, generator=g)  # logits far apart and close together
+        ours = torch.sub(z, log_exp_noise(int32_bits(noise_seed(key, step)), weyl_bits(start, V, "cpu")))
+        assert torch.equal(ours, gumbel(key, step, V, start) + z), (V, start)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
 def test_sampling_from_hidden_states_in_chunks(temperature):
     """sample_hidden (the CPU decode's LM head and race a vocabulary chunk at a time, no (B, V)
