@@ -20,7 +20,6 @@ and the whole step stays on device with no host sync. On CUDA with no filter set
 rule runs as one fused Triton pass over the logits (grpo.kernels.fused_sample: the same
 tokens, without the (B, V) int64 noise buffer).
 """
-import functools
 import math
 
 import torch
@@ -114,7 +113,7 @@ def sample_hidden(hidden: Tensor, weight: Tensor, key: Tensor, step: Tensor, tem
         return sample(lm_logits(hidden, weight), key, step, temperature, top_k, top_p, min_p)
     hidden, V = hidden.to(weight.dtype), weight.shape[0]
     if temperature > 0.0:  # the noise's inputs once a step, not once a chunk: the seeds' and the vocabulary's bits
-        seed32, weyl = int32_bits(noise_seed(key, step)), _weyl(V, hidden.device)
+        seed32, weyl = int32_bits(noise_seed(key, step)), weyl_bits(0, V, hidden.device)
     best, where, picked, lse = [], [], [], []  # per chunk: (B,) best score, its token, that token's z, lse(z)
     for start in range(0, V, chunk):
         z = (packed_linear(hidden, packed[start // chunk]) if packed is not None
@@ -133,11 +132,6 @@ def sample_hidden(hidden: Tensor, weight: Tensor, key: Tensor, step: Tensor, tem
     return tokens, torch.stack(picked, -1).gather(-1, c)[:, 0] - torch.stack(lse, -1).logsumexp(-1)
 
 
-@functools.lru_cache(maxsize=8)
-def _weyl(V: int, device: torch.device) -> Tensor:  # (V,) int32: a vocabulary's Weyl terms, made once
-    return weyl_bits(0, V, device)
-
-
 def _fused(logits: Tensor) -> bool:
     """Sample with the fused kernel? On CUDA when triton imports (said once when it does not:
     the eager path draws the same tokens, but a silent fallback would hide a slow path)."""
@@ -145,7 +139,7 @@ def _fused(logits: Tensor) -> bool:
 
 
 def _race(z: Tensor, key: Tensor, step: Tensor, keep: Tensor | None) -> Tensor:  # (b, V) -> (b,) int64
-    score = log_exp_noise(int32_bits(noise_seed(key, step)), _weyl(z.shape[-1], z.device))
+    score = log_exp_noise(int32_bits(noise_seed(key, step)), weyl_bits(0, z.shape[-1], z.device))
     torch.sub(z, score, out=score)  # z_v - log E_v: gumbel()'s bits
     if keep is not None:
         score.masked_fill_(~keep, float("-inf"))
