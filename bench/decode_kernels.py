@@ -9,10 +9,13 @@ F 11008), V 151936; the cache holds S 1024 positions a slot, rows filled to rand
     python bench/decode_kernels.py --iters 50
     python bench/decode_kernels.py --sweep      # and the decode attention's launch alternatives
 
-Each time (microseconds) is the mean over `iters` back-to-back calls (CUDA events), the best of `reps`
-such runs: these kernels take microseconds, so one call is mostly launch overhead, which is
-what the eager references pay once per small op. Imports torch and triton only (through
-grpo.kernels), no transformers: runs on a bare GPU box after `pip install --no-deps -e .`.
+Each time (microseconds) is the mean over `iters` back-to-back calls replayed from one CUDA graph
+(CUDA events), the best of `reps` such runs: the device's time, as the sampler's graphed decode pays
+it. Timed as a Python launch loop these kernels measured the host's launch overhead instead (20-60 us
+a launch), so a call that cannot be captured falls back to that loop. Imports torch and triton only
+(through grpo.kernels), no transformers: runs on a bare GPU box after
+`pip install --no-deps --no-build-isolation .` (offline, `-e` fails there: its build wants setuptools
+from the network).
 Last line of output: json.dumps(rows).
 """
 import argparse

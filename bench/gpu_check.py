@@ -7,9 +7,10 @@
     python bench/gpu_check.py --dry-run          # CPU (automatic without CUDA): the same code, tiny sizes
     TRITON_INTERPRET=1 python bench/gpu_check.py --dry-run   # ...with the Triton kernels interpreted
 
-On a bare GPU box with torch and triton only, offline: `pip install --no-deps -e .` in the clone, then
-the first command. Nothing on its path imports transformers, tokenizers, safetensors or the rest at
-module level (tests/test_gpu_check.py runs it with them blocked).
+On a bare GPU box with torch and triton only, offline: `pip install --no-deps --no-build-isolation .` in the
+clone (not `-e`: offline its build asks the network for setuptools), then the first command.
+Nothing on its path imports transformers, tokenizers, safetensors or the rest at module level
+(tests/test_gpu_check.py runs it with them blocked).
 
 Random weights of the Qwen2.5-0.5B and 3B shapes, initialized as transformers does (std 0.02), no download.
 Parity, each against a reference defined here (any failure, or any part that raises, exits 1):

@@ -30,13 +30,33 @@ V, S = 151936, 1024  # vocabulary; cache positions per slot
 
 
 def time_ms(fn, iters: int, reps: int) -> float:
+    """Best of `reps` of the mean ms of `iters` calls of fn, replayed from one CUDA graph: the device's
+    time alone. Launched from Python a kernel of a few microseconds takes the host's 20-60 us to
+    launch, and timing that launch loop measured the host (the first H200 sweep, 2026-12-04: every
+    decode-attention launch at 77-145 us, two clusters, the shipped launch 0.88x of itself).
+    A call that cannot be captured (a host sync in a reference) is timed as a plain loop."""
     fn()                                                     # warm-up: Triton compiles here
+    torch.cuda.synchronize()
+    replay = None
+    try:
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            fn()                                             # a side-stream warm-up, as capture wants
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(iters):
+                    fn()
+        replay = graph.replay
+    except Exception:  # noqa: BLE001 - not capturable: time the launches instead
+        torch.cuda.synchronize()
     best = float("inf")
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(iters):
-            fn()
+        if replay is not None:
+            replay()
+        else:
+            for _ in range(iters):
+                fn()
         end.record()
         torch.cuda.synchronize()
         best = min(best, start.elapsed_time(end) / iters)

@@ -282,18 +282,20 @@ def silu_mul(gu: Tensor, backend: str | None = None) -> Tensor:
 
 def _attention_launch(D: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(keys a block, warps, pipeline stages) of the decode attention on a GPU, for head dim D.
-    16-bit caches: the k and v tiles stay in their dtype and feed the tensor cores; 64 keys x 8
-    warps x 2 stages compiles to 48-88 registers and no spill at D 64 and 128 with 2 to 8 query
-    heads a KV head, on sm_80-sm_100, in 18 KB (D 64) / 36 KB (D 128) of shared memory (4 warps
-    spilled 8 bytes at D 128 with 2 and 4 heads, Qwen3's shapes; 3 stages take 69 KB at D 128, a
-    third of an RTX 6000 Ada SM's). fp32 caches: the "ieee" dots run on the FMA units from fp32
-    tiles, twice the registers and shared memory: 8 warps and 32 (D <= 64) or 16 keys leave no
-    spill (64 keys x 4 warps spilled; 128 spilled up to 648 bytes and asked 139 KB at D 128).
-    Compiled, not timed (bench/compile_kernels.py, tests/test_compile.py); bench/decode_kernels.py
-    --sweep times the alternatives on a GPU."""
+    16-bit caches: the k and v tiles stay in their dtype and feed the tensor cores. 64 keys x 4
+    warps x 3 stages, timed on an H200 (bench/decode_kernels.py --sweep, graph-replayed, bf16,
+    2026-12-04) against 13 others: fastest or within 3% of it at both goal shapes, 1.20x the
+    previous 64 x 8 x 2 at Qwen2.5-0.5B's (256 rows, D 64) and 1.36x at 3B's (64 rows, D 128).
+    It compiles to 70-82 registers and no spill at D 64 and 128 with 2 to 8 query heads a KV
+    head, on sm_80-sm_100 (64 x 4 x 2 spilled 8 bytes at D 128 with 2 and 4 heads, Qwen3's
+    shapes). fp32 caches: the "ieee" dots run on the FMA units from fp32 tiles, twice the
+    registers and shared memory: 8 warps and 32 (D <= 64) or 16 keys leave no spill (64 keys x
+    4 warps spilled; 128 spilled up to 648 bytes and asked 139 KB at D 128); not timed on a GPU
+    (the trainer's caches are bf16 there). Compiled for each arch by bench/compile_kernels.py
+    and tests/test_compile.py."""
     if dtype == torch.float32:
         return (32 if D <= 64 else 16), 8, 3
-    return 64, 8, 2
+    return 64, 4, 3
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor, length: Tensor,
