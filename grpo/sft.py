@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from grpo import dist
 from grpo.config import Config
+from grpo.cpu import grads_in_one_block
 from grpo.lora import trainable
 from grpo.rollout import Trajectory, continuation_ids, render_prompt
 from grpo.update import collate
@@ -97,6 +98,7 @@ def warm_start(model, tokenizer, env, examples: list, cfg: Config, device, log):
         packs = [pack(part, device) if part else _masked(trajs[0], device) for part in _split(trajs, sizes, n)]
         tokens = dist.all_sum(sum(b["loss_mask"].sum().item() for b in packs))  # host sync: the global normalizer
         nll_sum = 0.0
+        grads_in_one_block(optimizer)  # CPU: the gradients in one buffer, before any activation
         for b in packs:  # (1, sum of lengths) each
             nll = -(model(b["input_ids"], b["position_ids"], labels=b["labels"]) * b["loss_mask"]).sum()
             (nll * world / tokens).backward()  # FSDP averages gradients over ranks: scale the local sum by world

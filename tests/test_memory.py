@@ -256,3 +256,49 @@ def test_readme_table_is_the_plans():
     """README's table of the recipes' planned peaks is what `python -m grpo.plan --table` prints now."""
     from grpo.cli.plan import gpu_table
     assert gpu_table(str(ROOT / "recipes")) in (ROOT / "README.md").read_text()
+
+
+TINY_QWEN = dict(model_type="qwen2", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=64)
+
+
+def _two_micro_batch_step(model, optimizer, block: bool) -> list:
+    from grpo.cpu import grads_in_one_block
+    made = grads_in_one_block(optimizer) if block else False
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        ids = torch.randint(0, 96, (2, 12), generator=g)
+        model(ids, labels=ids.roll(-1, 1)).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return made, grads, storages
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_gradients_in_one_block_take_the_same_steps(lora):
+    """grpo.cpu.grads_in_one_block (the CPU update's gradients as views of one buffer, made before
+    the backward): the backward accumulates into the views in place (all in one storage after two
+    micro-batches), and the gradients and the AdamW step equal autograd's own, bit for bit (0 + g
+    is g). Under LoRA only the adapters get gradients; a step whose gradients exist is left alone."""
+    torch.manual_seed(0)
+    a = Transformer(TINY_QWEN)
+    if lora:
+        add_lora(a, LoraSettings(r=4, alpha=8, dropout=0.0, targets=("q_proj", "v_proj")))
+    b = type(a)(TINY_QWEN)
+    if lora:
+        add_lora(b, LoraSettings(r=4, alpha=8, dropout=0.0, targets=("q_proj", "v_proj")))
+    b.load_state_dict(a.state_dict())
+    opts = [torch.optim.AdamW(trainable(m), lr=1e-2) for m in (a, b)]
+    for step in range(2):
+        made_a, grads_a, _ = _two_micro_batch_step(a, opts[0], block=False)
+        made_b, grads_b, storages = _two_micro_batch_step(b, opts[1], block=True)
+        assert not made_a and made_b and len(storages) == 1
+        assert len(grads_a) == len(grads_b) == len(list(trainable(b)))
+        assert all(torch.equal(x, y) for x, y in zip(grads_a, grads_b)), step
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    from grpo.cpu import grads_in_one_block
+    first = next(iter(trainable(b)))
+    first.grad = torch.zeros_like(first)
+    assert not grads_in_one_block(opts[1]) and all(p.grad is None for p in list(trainable(b))[1:])
