@@ -179,3 +179,35 @@ def zeroed_block(numel: int, dtype: torch.dtype) -> torch.Tensor:
     if hasattr(mmap, "MADV_HUGEPAGE"):
         buf.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(buf, dtype=dtype)  # the tensor keeps the mapping alive
+
+
+
+
+def adam_states_up_front(optimizer) -> bool:
+    """AdamW's two moment tensors made now, zeroed, as views of one mapping (zeroed_block), not at
+    its first step. Made there, they are 2 x ~200 heap blocks allocated just after the first
+    backward's activations were freed, into and around their holes, and the heap then stayed at
+    the first step's peak; in one mapping they leave the heap to the activations, and go back to
+    the OS whole with the optimizer. The state is what AdamW's first step writes (a 0 step count,
+    zero moments), so the steps are the same (tests/test_memory.py); a checkpoint (DCP) writes
+    each view's own bytes. Only torch.optim.AdamW without amsgrad, fused or capturable kernels,
+    over plain CPU tensors of one dtype, with no state yet; returns whether it made them."""
+    if type(optimizer) is not torch.optim.AdamW or optimizer.state:
+        return False
+    groups = optimizer.param_groups
+    if any(g.get("amsgrad") or g.get("fused") or g.get("capturable") or g.get("differentiable") for g in groups):
+        return False
+    params = [p for g in groups for p in g["params"]]
+    if not params or any(p.device.type != "cpu" or type(p) not in (torch.Tensor, torch.nn.Parameter) for p in params):
+        return False
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) != 1:
+        return False
+    n = sum(p.numel() for p in params)
+    block, offset = zeroed_block(2 * n, dtypes.pop()), 0
+    for p in params:  # the step count as AdamW makes it on a CPU (a float32 scalar tensor)
+        k = p.numel()
+        optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": block[offset:offset + k].view_as(p),
+                              "exp_avg_sq": block[n + offset:n + offset + k].view_as(p)}
+        offset += k
+    return True

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from grpo import dist
 from grpo.config import Config
-from grpo.cpu import grads_in_one_block
+from grpo.cpu import adam_states_up_front, grads_in_one_block
 from grpo.lora import trainable
 from grpo.rollout import Trajectory, continuation_ids, render_prompt
 from grpo.update import collate
@@ -83,6 +83,7 @@ def warm_start(model, tokenizer, env, examples: list, cfg: Config, device, log):
     params = trainable(model)  # the adapters under LoRA
     optimizer = torch.optim.AdamW(params, lr=cfg.sft_learning_rate,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
+    adam_states_up_front(optimizer)  # CPU: its moments in one mapping now, not in the heap at step 1
     eos = model.eos_token_ids()[0]
     kw = dict(enable_thinking=cfg.enable_thinking)
     rng = random.Random(cfg.seed)  # the same batches on every rank
