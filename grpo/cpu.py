@@ -10,7 +10,6 @@ matmuls of the model's own shapes (well under a second) and picks bf16 only wher
 by `MARGIN`. "true" and "false" force the choice.
 """
 import ctypes
-import mmap
 import os
 import time
 
@@ -136,78 +135,3 @@ def pack(weight: torch.Tensor) -> torch.Tensor:  # (out, in) fp32 -> an opaque o
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")  # (n, in) -> (n, out)
-
-
-# ----------------------------------------------------------------------------- gradients in one block
-def grads_in_one_block(optimizer) -> bool:
-    """Before a CPU update's first backward: every parameter's .grad a view of one zeroed buffer.
-
-    Left to autograd, each gradient is allocated during the first micro-batch's backward, between
-    that backward's activations, in glibc's heap (every block but the tied embedding's is under its
-    mmap threshold). Freed at the optimizer step (`zero_grad(set_to_none=True)`), they leave holes
-    the heap keeps: SmolLM2-135M's 0.5 GB of gradients and the activations around them stayed
-    resident into the next phase. One buffer of them all, mapped before any activation, is handed
-    back to the OS whole when the step drops its views (bench/RESULTS.md, 2026-12-04: 0.6-0.7 GB
-    less resident after a step, a 0.2 GB lower peak). It is mapped in 2 MB pages where the kernel
-    gives them: fresh 4 KB pages cost a fault each, 0.5-1.5 s a step in this project's VMs.
-    Only for plain CPU tensors of one dtype (FSDP2's DTensors keep their own gradients) whose
-    gradients are not yet made; returns whether it made them. Every parameter a Transformer's
-    forward uses gets a gradient anyway, so AdamW takes the same steps (tests/test_memory.py)."""
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    if not params or any(p.grad is not None or p.device.type != "cpu"
-                         or type(p) not in (torch.Tensor, torch.nn.Parameter) for p in params):
-        return False
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) != 1:
-        return False
-    block = zeroed_block(sum(p.numel() for p in params), dtypes.pop())
-    offset = 0
-    for p in params:
-        p.grad = block[offset:offset + p.numel()].view_as(p)
-        offset += p.numel()
-    return True
-
-
-def zeroed_block(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed 1-D CPU tensor in its own anonymous mapping (zero pages from the kernel, 2 MB ones
-    asked for), unmapped when the tensor and its views are gone; torch.zeros where there is no mmap."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    try:
-        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except (AttributeError, OSError, ValueError):  # not POSIX, or a zero size
-        return torch.zeros(numel, dtype=dtype)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buf, dtype=dtype)  # the tensor keeps the mapping alive
-
-
-
-
-def adam_states_up_front(optimizer) -> bool:
-    """AdamW's two moment tensors made now, zeroed, as views of one mapping (zeroed_block), not at
-    its first step. Made there, they are 2 x ~200 heap blocks allocated just after the first
-    backward's activations were freed, into and around their holes, and the heap then stayed at
-    the first step's peak; in one mapping they leave the heap to the activations, and go back to
-    the OS whole with the optimizer. The state is what AdamW's first step writes (a 0 step count,
-    zero moments), so the steps are the same (tests/test_memory.py); a checkpoint (DCP) writes
-    each view's own bytes. Only torch.optim.AdamW without amsgrad, fused or capturable kernels,
-    over plain CPU tensors of one dtype, with no state yet; returns whether it made them."""
-    if type(optimizer) is not torch.optim.AdamW or optimizer.state:
-        return False
-    groups = optimizer.param_groups
-    if any(g.get("amsgrad") or g.get("fused") or g.get("capturable") or g.get("differentiable") for g in groups):
-        return False
-    params = [p for g in groups for p in g["params"]]
-    if not params or any(p.device.type != "cpu" or type(p) not in (torch.Tensor, torch.nn.Parameter) for p in params):
-        return False
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) != 1:
-        return False
-    n = sum(p.numel() for p in params)
-    block, offset = zeroed_block(2 * n, dtypes.pop()), 0
-    for p in params:  # the step count as AdamW makes it on a CPU (a float32 scalar tensor)
-        k = p.numel()
-        optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": block[offset:offset + k].view_as(p),
-                              "exp_avg_sq": block[n + offset:n + offset + k].view_as(p)}
-        offset += k
-    return True

@@ -14,7 +14,6 @@ from tqdm import tqdm
 
 from grpo import dist
 from grpo.config import Config
-from grpo.cpu import adam_states_up_front, grads_in_one_block
 from grpo.lora import trainable
 from grpo.rollout import Trajectory, continuation_ids, render_prompt
 from grpo.update import collate
@@ -83,7 +82,6 @@ def warm_start(model, tokenizer, env, examples: list, cfg: Config, device, log):
     params = trainable(model)  # the adapters under LoRA
     optimizer = torch.optim.AdamW(params, lr=cfg.sft_learning_rate,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
-    adam_states_up_front(optimizer)  # CPU: its moments in one mapping now, not in the heap at step 1
     eos = model.eos_token_ids()[0]
     kw = dict(enable_thinking=cfg.enable_thinking)
     rng = random.Random(cfg.seed)  # the same batches on every rank
@@ -99,7 +97,6 @@ def warm_start(model, tokenizer, env, examples: list, cfg: Config, device, log):
         packs = [pack(part, device) if part else _masked(trajs[0], device) for part in _split(trajs, sizes, n)]
         tokens = dist.all_sum(sum(b["loss_mask"].sum().item() for b in packs))  # host sync: the global normalizer
         nll_sum = 0.0
-        grads_in_one_block(optimizer)  # CPU: the gradients in one buffer, before any activation
         for b in packs:  # (1, sum of lengths) each
             nll = -(model(b["input_ids"], b["position_ids"], labels=b["labels"]) * b["loss_mask"]).sum()
             (nll * world / tokens).backward()  # FSDP averages gradients over ranks: scale the local sum by world

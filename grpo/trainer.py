@@ -27,7 +27,7 @@ from grpo import dist
 from grpo.budget import RunBudget, TimePlan, make_plan, rl_budget, stop_reason
 from grpo.checkpoint import Checkpointer, export, note_run, open_run_dir, refuse_used_dir, run_meta
 from grpo.config import Config
-from grpo.cpu import adam_states_up_front, measure, set_autocast, set_threads, trim
+from grpo.cpu import measure, set_autocast, set_threads, trim
 from grpo.eval import evaluate, run_eval_settings, summarize
 from grpo.fallback import kernels_of
 from grpo.kv_cache import KVCache
@@ -297,7 +297,6 @@ def build(cfg: Config, device, extra: list = ()) -> tuple:
         dist.shard(ref_model, compute_dtype)
     optimizer = torch.optim.AdamW(trainable(model), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
-    adam_states_up_front(optimizer)  # CPU: its moments in one mapping now, not in the heap at step 1
     total_steps = cfg.max_steps * cfg.num_iterations * cfg.steps_per_generation  # optimizer steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
     # the KV cache takes the dtype of the weights it reads (bf16 under FSDP on GPU); sized per

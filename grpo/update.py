@@ -19,7 +19,6 @@ import torch
 
 from grpo import dist
 from grpo.config import Config
-from grpo.cpu import grads_in_one_block
 from grpo.loss import LossOptions, policy_loss
 from grpo.progress import bar
 from grpo.shared_prompt import prompt_rows, shared_prompt_batch
@@ -210,7 +209,6 @@ def policy_update(model, ref_model, optimizer, scheduler, trajs: list, advantage
     bar, t0, done_tokens = progress_bar(total_mbs), time.time(), 0
     for it in range(cfg.num_iterations):
         for c, (batches, num_sequences, num_tokens) in enumerate(steps):
-            grads_in_one_block(optimizer)  # CPU: the gradients in one buffer, before any activation
             for k, b in enumerate(batches):
                 logprobs, entropy = sequence_logprobs(model, b, cfg.temperature, return_entropy=True)
                 old_logprobs = old[c][k] if old is not None else logprobs.detach()

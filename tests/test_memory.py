@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from grpo.config import Config
-from grpo.cpu import adam_states_up_front, grads_in_one_block
 from grpo.decode import DecodeWeights
 from grpo.lora import LoraSettings, add_lora, trainable
 from grpo.memory import FAST_MICRO_BATCH, GEN_BATCHES, GIB, GPU_MEMORY_GIB, KNOWN, MICRO_BATCHES, counts, memory_plan, size
@@ -224,9 +223,6 @@ def test_preflight_runs_a_worst_case_step_and_keeps_nothing(tmp_path, capsys):
     trainer.record_run(cfg)  # the run folder build() notes its choices in
     _, model, _, optimizer, _, sampler = trainer.build(cfg, cpu)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    # on a CPU AdamW's moments exist from build (grpo.cpu.adam_states_up_front), zero: they must stay so
-    moments = {p: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
-    assert len(moments) == len(list(model.parameters()))
     rng = torch.get_rng_state()
     calls = []
     real = sampler.generate
@@ -236,8 +232,7 @@ def test_preflight_runs_a_worst_case_step_and_keeps_nothing(tmp_path, capsys):
     assert calls == [(2, 16, 4, 8, [])]  # every row: a full prompt, the whole completion, no stop
     assert set(out) == {"rollouts", "update"} and all(got > 0 and want > 0 for want, got in out.values())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # no step taken
-    assert all(p.grad is None for p in model.parameters()) and set(optimizer.state) == set(moments)
-    assert all(torch.equal(optimizer.state[p][k], v) for p, s in moments.items() for k, v in s.items())
+    assert all(p.grad is None for p in model.parameters()) and not optimizer.state
     assert sampler.cache is None  # released, as a CPU step releases it
     assert torch.equal(torch.get_rng_state(), rng)  # a run with --preflight draws what one without it draws
     text = capsys.readouterr().out
@@ -261,53 +256,3 @@ def test_readme_table_is_the_plans():
     """README's table of the recipes' planned peaks is what `python -m grpo.plan --table` prints now."""
     from grpo.cli.plan import gpu_table
     assert gpu_table(str(ROOT / "recipes")) in (ROOT / "README.md").read_text()
-
-
-TINY_QWEN = dict(model_type="qwen2", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=64)
-
-
-def _two_micro_batch_step(model, optimizer, block: bool) -> list:
-    made = grads_in_one_block(optimizer) if block else False
-    g = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        ids = torch.randint(0, 96, (2, 12), generator=g)
-        model(ids, labels=ids.roll(-1, 1)).sum().backward()
-    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return made, grads, storages
-
-
-@pytest.mark.parametrize("lora", [False, True])
-def test_gradients_and_adam_states_made_up_front_take_the_same_steps(lora):
-    """grpo.cpu.grads_in_one_block (the CPU update's gradients as views of one mapping, made before
-    the backward) and adam_states_up_front (AdamW's moments likewise, made with the optimizer): the
-    backward accumulates into the views in place (all in one storage after two micro-batches), and
-    the gradients, the weights and AdamW's state after two steps equal those of autograd and AdamW
-    left alone, bit for bit (0 + g is g). Under LoRA only the adapters get gradients; a step whose
-    gradients exist, or an optimizer with state, is left alone."""
-    torch.manual_seed(0)
-    a = Transformer(TINY_QWEN)
-    if lora:
-        add_lora(a, LoraSettings(r=4, alpha=8, dropout=0.0, targets=("q_proj", "v_proj")))
-    b = type(a)(TINY_QWEN)
-    if lora:
-        add_lora(b, LoraSettings(r=4, alpha=8, dropout=0.0, targets=("q_proj", "v_proj")))
-    b.load_state_dict(a.state_dict())
-    opts = [torch.optim.AdamW(trainable(m), lr=1e-2, weight_decay=0.1) for m in (a, b)]
-    assert adam_states_up_front(opts[1])
-    for step in range(2):
-        made_a, grads_a, _ = _two_micro_batch_step(a, opts[0], block=False)
-        made_b, grads_b, storages = _two_micro_batch_step(b, opts[1], block=True)
-        assert not made_a and made_b and len(storages) == 1
-        assert len(grads_a) == len(grads_b) == len(list(trainable(b)))
-        assert all(torch.equal(x, y) for x, y in zip(grads_a, grads_b)), step
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
-    for p, q in zip(trainable(a), trainable(b)):
-        assert all(torch.equal(opts[0].state[p][k], opts[1].state[q][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
-    assert not adam_states_up_front(opts[1])  # it has state: left alone
-    first = next(iter(trainable(b)))
-    first.grad = torch.zeros_like(first)
-    assert not grads_in_one_block(opts[1]) and all(p.grad is None for p in list(trainable(b))[1:])
