@@ -282,20 +282,20 @@ def silu_mul(gu: Tensor, backend: str | None = None) -> Tensor:
 
 def _attention_launch(D: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(keys a block, warps, pipeline stages) of the decode attention on a GPU, for head dim D.
-    16-bit caches: the k and v tiles stay in their dtype and feed the tensor cores. 64 keys x 4
-    warps x 3 stages, timed on an H200 (bench/decode_kernels.py --sweep, graph-replayed, bf16,
-    2026-12-04) against 13 others: fastest or within 3% of it at both goal shapes, 1.20x the
-    previous 64 x 8 x 2 at Qwen2.5-0.5B's (256 rows, D 64) and 1.36x at 3B's (64 rows, D 128).
-    It compiles to 70-82 registers and no spill at D 64 and 128 with 2 to 8 query heads a KV
-    head, on sm_80-sm_100 (64 x 4 x 2 spilled 8 bytes at D 128 with 2 and 4 heads, Qwen3's
-    shapes). fp32 caches: the "ieee" dots run on the FMA units from fp32 tiles, twice the
-    registers and shared memory: 8 warps and 32 (D <= 64) or 16 keys leave no spill (64 keys x
-    4 warps spilled; 128 spilled up to 648 bytes and asked 139 KB at D 128); not timed on a GPU
-    (the trainer's caches are bf16 there). Compiled for each arch by bench/compile_kernels.py
-    and tests/test_compile.py."""
+    16-bit caches: the k and v tiles stay in their dtype and feed the tensor cores. Timed on an
+    H200 (bench/decode_kernels.py --sweep, graph-replayed, bf16, 2026-12-04) against 13 others,
+    each as a speed-up over the previous 64 x 8 x 2: at D 64 (Qwen2.5-0.5B's 256 rows) 64 keys x 4
+    warps x 3 stages, 1.20x (the fastest, 64 x 4 x 2, 1.23x); at D 128 (3B's 64 rows) 64 x 8 x 3,
+    1.23x (64 x 4 x 3 was 1.36x, but spills 16 bytes on sm_100 with 4 query heads a KV head,
+    Qwen3-4B's shape; 64 x 4 x 2 spills 8 on sm_90 and sm_100 with 2 and 4). Both compile with no
+    spill for 2 to 8 heads on sm_80-sm_100 (63-80 registers). fp32 caches: the "ieee" dots run on
+    the FMA units from fp32 tiles, twice the registers and shared memory: 8 warps and 32 (D <= 64)
+    or 16 keys leave no spill (64 keys x 4 warps spilled; 128 spilled up to 648 bytes and asked
+    139 KB at D 128); not timed on a GPU (the trainer's caches are bf16 there). Compiled for each
+    arch by bench/compile_kernels.py and tests/test_compile.py."""
     if dtype == torch.float32:
         return (32 if D <= 64 else 16), 8, 3
-    return 64, 4, 3
+    return (64, 4, 3) if D <= 64 else (64, 8, 3)
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor, length: Tensor,

@@ -90,13 +90,15 @@ def test_the_attention_sweep_compiles_each_launch(monkeypatch):
     assert len({k.hash for k in attention}) == 2 * len(set(cases.SWEEP)), len(attention)
 
 
+@pytest.mark.parametrize("arch", [90, pytest.param(100, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("G", [2, 4, 7])
-def test_decode_attention_on_tensor_cores_for_16_bit_caches(G, D):
+def test_decode_attention_on_tensor_cores_for_16_bit_caches(G, D, arch):
     """bf16 caches: both dots on the tensor cores (mma in the PTX), the query heads of a KV head
     padded only to a power of two (Qwen3-0.6B's 2, Qwen3-4B's 4, Qwen2.5-0.5B's 7 -> 8; the MMA pads
     to its own tile); fp32 caches: "ieee" dots on the FMA units (no mma, no tf32). No spill, at
-    Qwen2.5's head dim (64 for 0.5B) and Qwen3's (128)."""
+    Qwen2.5's head dim (64 for 0.5B) and Qwen3's (128), on Hopper and on Blackwell (sm_100, where a
+    launch that did not spill on sm_90 did)."""
     from grpo.kernels import compile_for, decode_attention
     from grpo.kernels.cases import resources
     B, nkv, S = 4, 2, 256
@@ -104,7 +106,7 @@ def test_decode_attention_on_tensor_cores_for_16_bit_caches(G, D):
     for dtype, mma in ((torch.bfloat16, True), (torch.float32, False)):
         q = torch.randn(B, nkv * G, D, generator=g).to(dtype)
         k_cache, v_cache = (torch.randn(B, S, nkv, D, generator=g).to(dtype) for _ in range(2))
-        with compile_for(90) as launches:
+        with compile_for(arch) as launches:
             decode_attention(q, k_cache, v_cache, torch.arange(B), torch.full((B,), S))
         k = next(k for name, k in launches if name == "_decode_attention_kernel")
         ptx = k.asm["ptx"]
