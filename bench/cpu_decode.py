@@ -14,7 +14,8 @@ Three decode rates, in tokens/s, at the same rows:
 Ratios: ours / floor (the goal is >= 0.50) and ours / matmuls. The CPU kind and thread count are printed.
 A second table times decode's own kernels alone at the same rows: its GEMMs as it calls them (packed
 for oneDNN where it packs) and its attention over the run's mean keys a row. floor / (GEMMs +
-attention) is the most any engine built on these kernels can reach, whatever it does around them.
+attention) is the most any engine built on these kernels can reach, whatever it does around them. The
+last line says what 0.50 of the floor leaves for everything beside those kernels, against what it takes.
 """
 import argparse
 import time
@@ -22,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from grpo.cpu import matmul_gflops
+from grpo.cpu import cpu_name, matmul_gflops
 from grpo.envs.calculator import SHORT_SYSTEM_PROMPT, CalculatorEnv, generate_questions
 from grpo.model import Transformer
 from grpo.rollout import render_prompt
@@ -132,7 +133,7 @@ def main():
     bw = read_bandwidth()
     t_floor = max(2 * params * rows / gemm, params * 4 / bw)
     span = max(map(len, prompts)) + args.new
-    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads; "
+    print(f"{cpu_name()}, CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads; "
           f"SmolLM2-135M fp32, {rows} rows, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"{args.new} new (keys up to {span}); fp32 GEMM {gemm / 1e9:.0f} GFLOP/s (1024^3), read "
           f"{bw / 1e9:.1f} GB/s; a step: {2 * params * rows / 1e9:.1f} GFLOP, {params * 4 / 1e6:.0f} MB of weights")
@@ -147,6 +148,10 @@ def main():
                         "ours_of_floor", "matmuls_of_floor", "ours_of_matmuls"])
     print(f"decode's own kernels alone, a step at {rows} rows (attention over {mean_span} keys a row, the run's mean):")
     print_table(table, ["gemms_ms", "attention_ms", "floor_ms", "kernels_of_floor"], dump=False)
+    kernels_ms, goal_ms = 1e3 * (t_gemm + t_attn), 2e3 * t_floor
+    print(f"0.50 of the floor allows {goal_ms:.1f} ms a step: decode's GEMMs and attention alone take {kernels_ms:.1f}, "
+          f"leaving {goal_ms - kernels_ms:.1f} ms for everything else (norms, rotary, KV writes, sampling, the host), "
+          f"which take {1e3 * rows / ours - kernels_ms:.1f} here")
 
 
 if __name__ == "__main__":

@@ -108,7 +108,9 @@ def main():
     for r in out:
         r["x_time"] = round(r["seconds"] / base, 3)
     import torch
-    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}; {args.rows} sequences of "
+
+    from grpo.cpu import cpu_name
+    print(f"{cpu_name()}, CPU capability {torch.backends.cpu.get_cpu_capability()}; {args.rows} sequences of "
           f"{args.prompt} + {args.completion} tokens, {args.threads} thread(s); x_time against the first row")
     print_table(out, ["micro_batch_tokens"] + (["lora_r", "lora_dropout"] if args.lora else ["checkpointing"])
                 + ["seconds", "x_time", "peak_mib"]

@@ -11,6 +11,7 @@ by `MARGIN`. "true" and "false" force the choice.
 """
 import ctypes
 import os
+import platform
 import time
 
 import torch
@@ -81,6 +82,20 @@ def set_autocast(model, setting, device=None, rates_fn=None) -> str:
         rates_fn = lambda: measure(model.args.dim, model.args.ffn_dim)  # noqa: E731
     model.autocast_bf16, line = choose(setting, rates_fn)
     return line
+
+
+def cpu_name() -> str:
+    """The CPU's model name, e.g. "AMD EPYC 9R14" (Linux: /proc/cpuinfo; elsewhere platform's guess).
+    Benches print it beside get_cpu_capability(): "AVX512" alone does not tell a core with one 512-bit
+    FMA path from one with two, and the fp32 floor differs by 2x between them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def set_threads(requested: int = 0) -> int:

@@ -243,6 +243,18 @@ def test_threads_per_rank_share_the_cores(monkeypatch):
         torch.set_num_threads(n)
 
 
+def test_cpu_name_reads_the_first_model_name_and_falls_back_without_cpuinfo(tmp_path, monkeypatch):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9R14 96-Core Processor\n\n"
+                    "processor\t: 1\nmodel name\t: AMD EPYC 9R14 96-Core Processor\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda f, *a, **k: real_open(info if f == "/proc/cpuinfo" else f, *a, **k))
+    assert cpu.cpu_name() == "AMD EPYC 9R14 96-Core Processor"
+    info.unlink()  # no /proc (macOS, Windows): platform's answer, never an exception
+    monkeypatch.setattr(cpu.platform, "processor", lambda: "arm")
+    assert cpu.cpu_name() == "arm"
+
+
 def test_probe_times_the_sampler_and_one_backward_without_changing_the_model(tmp_path, one_thread):
     from transformers import AutoTokenizer
     from grpo.model import Transformer
