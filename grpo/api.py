@@ -21,7 +21,8 @@ Where we differ from TRL:
   before and after training, not an eval loss;
 - `env`: an env of our own protocol (grpo.trainer.train) for prompts and multi-turn tools
   (`step`, `stop_strings`); the reward functions then score its episodes;
-- `peft_config`: a `peft.LoraConfig` (its r, lora_alpha, lora_dropout, target_modules, use_rslora),
+- `peft_config`: a `peft.LoraConfig` (its r, lora_alpha, lora_dropout, target_modules, use_rslora;
+  any other option that is on, such as use_dora or aLoRA's alora_invocation_tokens, is refused),
   trained by grpo.lora without peft; the same as the Config fields use_peft, lora_r, ...
 `from grpo import GRPOTrainer, GRPOConfig` works as in TRL (GRPOConfig is grpo.config.Config).
 """
@@ -90,17 +91,21 @@ def lora_fields(peft_config) -> dict:
         return {}
     if str(getattr(peft_config, "peft_type", "LORA")).rsplit(".", 1)[-1] != "LORA":
         raise ValueError(f"peft_config: {type(peft_config).__name__} is not a LoRA config (only LoRA is supported)")
-    from grpo.lora import UNSUPPORTED, refused_options
-    names = [*UNSUPPORTED, "init_lora_weights"]
-    # adapters start as ours do: PEFT's default init (True), nothing else
-    odd = refused_options({k: getattr(peft_config, k) for k in names if hasattr(peft_config, k)}, inits=(True,))
+    from grpo.lora import IMPLEMENTED, refused_options
+    fields = dataclasses.fields(peft_config) if dataclasses.is_dataclass(peft_config) else ()
+    options = {f.name: getattr(peft_config, f.name) for f in fields} or dict(vars(peft_config))
+    # adapters start as ours do: PEFT's default init (True), nothing else; every field we do not implement is off
+    odd = refused_options(options, inits=(True,))
     if odd:
-        raise ValueError(f"peft_config: unsupported LoRA options {', '.join(odd)}")
-    # no target_modules: PEFT's own default for Llama, Qwen2 and Qwen3, the q and v projections
-    targets = getattr(peft_config, "target_modules", None) or "q_proj,v_proj"
+        raise ValueError(f"peft_config: unsupported LoRA options {', '.join(odd)} (plain LoRA only: "
+                         f"{', '.join(IMPLEMENTED)})")
+    # no target_modules: None, PEFT's own default for the architecture (grpo.lora.PEFT_DEFAULT_TARGETS)
+    targets = getattr(peft_config, "target_modules", None) or None
+    if targets is not None and not isinstance(targets, str):
+        targets = ",".join(sorted(targets))
     return dict(use_peft=True, lora_r=int(peft_config.r), lora_alpha=peft_config.lora_alpha,
                 lora_dropout=float(peft_config.lora_dropout), use_rslora=bool(getattr(peft_config, "use_rslora", False)),
-                lora_target_modules=targets if isinstance(targets, str) else ",".join(sorted(targets)))
+                lora_target_modules=targets)
 
 
 class GRPOTrainer:

@@ -7,19 +7,22 @@ A recipe subclasses `Config` with its own defaults and fields; precedence is
 Field names are TRL's GRPOConfig names where the idea is the same (num_generations,
 learning_rate, max_prompt_length, max_completion_length, max_steps, num_iterations = mu,
 epsilon / epsilon_high, beta, loss_type, scale_rewards, mask_truncated_completions,
-gradient_checkpointing, save_steps, save_total_limit, eval_steps, lr_scheduler_type). One
-difference of meaning: `prompts_per_step` counts prompts over all ranks, where TRL's
-per_device_train_batch_size counts completions per device (ours x G / ranks).
+gradient_checkpointing, save_steps, save_total_limit, eval_steps, lr_scheduler_type,
+steps_per_generation, gradient_accumulation_steps, and ModelConfig's use_peft and lora_*). Batch
+sizes differ: `prompts_per_step` counts prompts over all ranks, where TRL's
+per_device_train_batch_size counts completions per device (ours x G / ranks). docs/trl.md lists
+every TRL field we accept, translate or refuse, and each default or meaning that differs.
 A field's trailing comment is its description in `--help`, and the `# ---- name` lines its sections.
 """
 import inspect
 from dataclasses import dataclass
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 SCALES = ("group", "batch", "none")
 CHOICES = {"loss_type": LOSS_TYPES, "scale_rewards": SCALES, "lr_scheduler_type": ("constant", "cosine"),
            "dtype": ("auto", "float32", "bfloat16"), "autocast_bf16": ("auto", "true", "false"),
-           "importance_sampling_level": ("token", "sequence"), "kernels": ("auto", "torch")}
+           "importance_sampling_level": ("token", "sequence"), "kernels": ("auto", "torch"),
+           "export_dtype": ("auto", "float32", "bfloat16")}
 REPORTERS = ("tensorboard", "wandb", "trackio")  # report_to: comma-separated, or "none" / "all"
 
 
@@ -34,24 +37,44 @@ class Config:
     question_field: str = "question"  # the data column holding the question (else prompt, else problem)
     answer_field: str = "answer"      # the data column holding the answer
     seed: int = 0                     # seeds the data order, the sampler and the init
-    max_steps: int = 100              # optimizer steps of RL (each: sample, score, mu updates)
+    max_steps: int = 100              # RL steps, each: sample, score, then num_iterations x steps_per_generation /
+                                      # gradient_accumulation_steps optimizer steps (TRL counts optimizer steps: with
+                                      # its defaults, 1 x 1 / 1, the same count)
     resume: bool = False              # continue from the newest complete checkpoint
     export: bool = True               # Hugging Face export at the end
+    export_dtype: str = "auto"        # its weights: auto = as trained (a full fine-tune's fp32 masters; under LoRA the
+                                      # base's dtype, bf16 on a GPU, which drops an update below half a bf16 ulp of W);
+                                      # float32 keeps the merged LoRA update whole (twice the bytes)
     # ---- GRPO
     prompts_per_step: int = 8         # B: prompts per step over all ranks (TRL counts completions per device)
     num_generations: int = 8          # G: completions per prompt
     num_iterations: int = 1           # mu: policy updates per batch of rollouts
-    steps_per_generation: int = 1     # S: each batch of rollouts split into S mini-batches of whole groups, each an
-                                      # optimizer step (TRL's name); the old log-probs are the rollout policy's
-    loss_type: str = "grpo"           # aggregation over tokens (grpo.loss: one function each)
+    steps_per_generation: int | None = None  # TRL's: micro-steps per batch of rollouts; none =
+                                      # gradient_accumulation_steps, so one optimizer step a batch. The batch is split
+                                      # into steps_per_generation / gradient_accumulation_steps mini-batches of whole
+                                      # groups, each an optimizer step (then the old log-probs are the rollout policy's)
+    gradient_accumulation_steps: int = 1  # TRL's: micro-steps per optimizer step; here it only divides
+                                      # steps_per_generation (micro-batches are cut by micro_batch_tokens, and the
+                                      # gradient does not depend on the cut)
+    loss_type: str = "grpo"           # grpo | bnpo | dr_grpo | dapo: the clipped surrogate, each its aggregation over
+                                      # tokens (grpo.loss: one function each); cispo: -sg(min(rho, epsilon_high)) A logp,
+                                      # a token mean as dapo (MiniMax-M1, arXiv 2506.13585); sapo: -sigmoid(tau (rho - 1))
+                                      # 4 / tau A, a soft gate for the clip, a sequence mean as grpo (arXiv 2511.20347)
     importance_sampling_level: str = "token"  # the ratio rho: per token (GRPO), or one per sequence, the
                                       # geometric mean of its tokens' ratios (GSPO, arXiv 2507.18071)
     scale_rewards: str = "group"      # advantage std: group | batch | none (Dr. GRPO)
     epsilon: float = 0.2              # eps_low of the clip range
-    epsilon_high: float | None = None  # eps_high; unset = epsilon (DAPO's clip-higher: 0.28)
-    delta: float = 0.0                # two-sided clipping: cap rho at delta; 0 = off
-    dual_clip: float = 0.0            # dual-clip c > 1 for A < 0; 0 = off
+    epsilon_high: float | None = None  # eps_high; unset = epsilon (DAPO's clip-higher: 0.28); cispo: the cap on rho
+                                      # itself, as TRL (unset: epsilon; ScaleRL, arXiv 2510.13786, uses 5)
+    sapo_temperature_pos: float = 1.0  # sapo's tau where A > 0 (TRL's name and default)
+    sapo_temperature_neg: float = 1.05  # sapo's tau where A <= 0: larger fades off-policy negative tokens faster
+    delta: float = 0.0                # two-sided clipping: cap rho at delta; 0 = off (cispo and sapo ignore it, as TRL)
+    dual_clip: float = 0.0            # dual-clip c > 1 for A < 0; 0 = off (cispo and sapo ignore it)
     beta: float = 0.0                 # k3 KL weight; 0 = no reference model is loaded
+    use_bias_correction_kl: bool = True  # the KL term rho_t k3_t, k3 weighted by the importance ratio rho = pi / pi_old
+                                      # with its gradient (DeepSeek-V3.2, arXiv 2512.02556: unbiased on tokens drawn
+                                      # from pi_old), in place of k3_t = exp(ref - logp) - (ref - logp) - 1 (DeepSeekMath,
+                                      # arXiv 2402.03300); TRL's name and default
     tis_cap: float = 2.0              # truncated importance sampling cap C; 0 = off
     mask_truncated_completions: bool = False  # no loss on completions cut at max_completion_length...
     keep_truncated_answers: bool = False  # ...except those cut after they answered (env.answered(t), if the env
@@ -65,6 +88,9 @@ class Config:
     top_p: float = 1.0                # nucleus sampling; 1 = off
     top_k: int = 0                    # 0 = off
     min_p: float = 0.0                # 0 = off
+    logprobs_kept_set: bool = True    # with top_p/top_k/min_p: every log-prob (sampler, old, policy, reference) is of the
+                                      # kept set renormalised, the distribution sampled, so an unchanged policy's ratio is
+                                      # 1; false: of the full vocabulary, as TRL scores them (the ratio is biased below 1)
     max_prompt_length: int = 1024     # prompt tokens (the sampler's cache holds prompt + completion)
     max_completion_length: int = 512  # all completion tokens, sampled and injected
     max_turns: int = 0                # assistant turns per episode; 0 = the env's own limit (env.max_turns)
@@ -76,7 +102,7 @@ class Config:
     adam_beta2: float = 0.99          # AdamW beta2
     adam_epsilon: float = 1e-8        # AdamW epsilon: updates are g / (sqrt(v) + eps), so a gradient far below eps
                                       # moves its weight by ~lr x g / eps rather than by lr (sign-like)
-    warmup_steps: int = 0             # linear warmup, in optimizer steps (num_iterations x steps_per_generation a step)
+    warmup_steps: int = 0             # linear warmup, in optimizer steps (as TRL; see max_steps for their number)
     lr_scheduler_type: str = "constant"  # after warmup
     max_grad_norm: float = 1.0        # 0 = no clipping
     sft_steps: int = 0                # supervised steps on the env's gold trajectories before RL
@@ -87,9 +113,13 @@ class Config:
                                       # usually want ~10x a full fine-tune's learning_rate
     lora_r: int = 16                  # the adapters' rank r
     lora_alpha: int = 32              # the adapters' output scaled by lora_alpha / r (lora_alpha / sqrt(r) with use_rslora)
-    lora_dropout: float = 0.05        # dropout on the adapters' input, in training only
-    lora_target_modules: str = "all-linear"  # comma-separated among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
-                                      # down_proj; all-linear = all seven
+    lora_dropout: float = 0.05        # dropout on the adapters' input, in training only (see disable_dropout)
+    disable_dropout: bool = True      # no dropout in the policy's forward (TRL's name; its default is false): the
+                                      # sampler never drops, so the update scores what it sampled. false applies
+                                      # lora_dropout and takes the old log-probs in a no-grad pass without it
+    lora_target_modules: str | None = None  # comma-separated among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+                                      # down_proj; all-linear = all seven; none = PEFT's default for the architecture, as
+                                      # in TRL: q_proj,v_proj for Llama, Qwen2 and Qwen3
     use_rslora: bool = False          # rank-stabilized LoRA (arXiv 2312.03732): scale by lora_alpha / sqrt(r)
     adapter_path: str = ""            # start from a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors);
                                       # its r, alpha and modules replace the flags'
@@ -140,6 +170,12 @@ class Config:
         """eps_high: epsilon_high, or epsilon where unset (a symmetric clip). The one place of that rule."""
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
+    def optimizer_steps(self) -> int:
+        """Optimizer steps per batch of rollouts (per pass; num_iterations passes): TRL's steps_per_generation
+        counts micro-steps, gradient_accumulation_steps of them to an optimizer step. The one place of that rule."""
+        S = self.gradient_accumulation_steps if self.steps_per_generation is None else self.steps_per_generation
+        return S // self.gradient_accumulation_steps
+
     def check(self):
         """Clear errors before any work starts; resolves epsilon_high (unset = epsilon)."""
         def need(ok: bool, msg: str):
@@ -150,6 +186,8 @@ class Config:
         reporters = [r.strip() for r in self.report_to.split(",") if r.strip()]
         need(set(reporters) <= {*REPORTERS, "none", "all"},
              f"report_to={self.report_to!r}, expected a comma-separated list of {', '.join(REPORTERS)}, or none or all")
+        # TRL's booleans for scale_rewards, mapped as its GRPOConfig.__post_init__ maps them
+        self.scale_rewards = {"true": "group", "false": "none"}.get(str(self.scale_rewards).lower(), self.scale_rewards)
         for name, choices in CHOICES.items():
             value = getattr(self, name)
             need(value in choices, f"{name}={value!r}, expected one of {', '.join(choices)}")
@@ -164,6 +202,9 @@ class Config:
              f"delta={self.delta} must exceed 1 + epsilon_high")
         need(self.dual_clip == 0 or self.dual_clip > 1, f"dual_clip={self.dual_clip} must be > 1")
         need(self.beta >= 0 and self.tis_cap >= 0, "beta and tis_cap must be >= 0")
+        need(min(self.sapo_temperature_pos, self.sapo_temperature_neg) > 0, "sapo temperatures must be > 0")
+        need(self.loss_type != "cispo" or self.importance_sampling_level == "token",
+             "loss_type=cispo weighs each token's log-prob by its own ratio: it needs importance_sampling_level=token")
         need(self.temperature > 0, f"temperature={self.temperature} must be > 0 (use top_k=1 for greedy)")
         need(0 < self.top_p <= 1 and self.top_k >= 0 and 0 <= self.min_p < 1,
              "top_p in (0, 1], top_k >= 0, min_p in [0, 1)")
@@ -171,8 +212,15 @@ class Config:
              "lengths >= 1 and max_turns >= 0")
         need(self.overlong_buffer < self.max_completion_length,
              "overlong_buffer must be < max_completion_length")
-        need(self.num_iterations >= 1 and self.micro_batch_tokens >= 1 and self.steps_per_generation >= 1,
-             "num_iterations, steps_per_generation and micro_batch_tokens >= 1")
+        if self.steps_per_generation is None:  # TRL's default: one optimizer step per batch of rollouts
+            self.steps_per_generation = self.gradient_accumulation_steps
+        need(min(self.num_iterations, self.micro_batch_tokens, self.steps_per_generation,
+                 self.gradient_accumulation_steps) >= 1,
+             "num_iterations, steps_per_generation, gradient_accumulation_steps and micro_batch_tokens >= 1")
+        # TRL lets an optimizer step span two batches of rollouts; here each step takes whole groups of one batch
+        need(self.steps_per_generation % self.gradient_accumulation_steps == 0,
+             f"steps_per_generation={self.steps_per_generation} must be a multiple of gradient_accumulation_steps="
+             f"{self.gradient_accumulation_steps} (their ratio: optimizer steps per batch of rollouts)")
         sized = getattr(self, "profile_applied", {}).get("sized_by_plan", ())  # on a GPU, sized at start to hold one
         need(self.micro_batch_tokens >= self.max_prompt_length + self.max_completion_length or "micro_batch_tokens" in sized,
              f"micro_batch_tokens={self.micro_batch_tokens} cannot hold one sequence of "

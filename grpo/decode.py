@@ -43,7 +43,12 @@ class DecodeWeights:
     - "copy" (a GPU; a CPU under autocast_bf16): stacked per layer, wqkv (L, qd + 2kd, H) [q | k | v
       rows], bqkv (L, qd + 2kd) (Qwen2), wo (L, H, qd), w13 (L, 2F, H) [gate | up], w2 (L, H, F), norms
       (L, H) and (L, D) (Qwen3's q/k norms), embed (V, H), lm_head (V, H) (the same tensor when tied),
-      refreshed in place: a GPU's CUDA graphs replay fixed addresses.
+      refreshed in place: a GPU's CUDA graphs replay fixed addresses. Under LoRA the adapters are merged
+      into the copy where it is fp32; where it is half precision (a bf16 base, autocast_bf16) they are
+      applied unmerged, as the trainer's LoRALinear does: round_bf16(W + s B A) would drop every
+      entry of s B A below half an ulp of W (~6e-5 at |W| ~ 0.02), most of what a few steps at lr
+      1e-5 move, so the sampler would draw from nearly the base model. `adapters`: per GEMM, A of its
+      adapted targets stacked (L, k r, in) and B block-diagonal (L, out, k r): two small GEMMs more.
     - "packed" (a CPU in fp32 with oneDNN, every x86 build of torch): a layer's four GEMMs from its
       weights reordered once per call into oneDNN's blocked layout (torch.ops.mkldnn, what inductor's
       CPU freezing uses). One fp32 thread of an AVX512 CPU, SmolLM2's 30 layers: 1.3-2.2x torch's
@@ -61,6 +66,7 @@ class DecodeWeights:
         self.mode = mode or _mode(model)  # kernel counts ask for "copy": a GPU's layout on a CPU
         self.inv_freq = model.inv_freq.detach().clone().float()  # (D/2,), fixed by the config
         self.head = None  # packed mode: the LM head's vocabulary chunks, packed (sample_hidden)
+        self.adapters = None  # GEMM name -> (A, B) stacks, where LoRA is applied unmerged
         if self.mode != "copy":
             return  # refresh() takes the model's tensors (and packs the GEMMs' weights)
         L, H, D, F_, V = a.n_layers, a.dim, a.head_dim, a.ffn_dim, a.vocab_size
@@ -73,6 +79,27 @@ class DecodeWeights:
         self.q_norm, self.k_norm = (act(L, D), act(L, D)) if a.qk_norm else (None, None)
         self.embed = act(V, H)
         self.lm_head = self.embed if a.tie_embeddings else act(V, H)
+        lora = getattr(model, "lora", None)
+        if lora is not None and self.mm_dtype.itemsize < 4:  # half precision: adapters unmerged
+            self.scale, self.adapters = lora.scale, {}
+            for g, names in GEMMS.items():
+                k = sum(n in lora.targets for n in names)  # the GEMM's adapted targets
+                if k:
+                    ins, outs = _linears(model.layers[0], names)[0].in_features, self.out_features(g)
+                    self.adapters[g] = (mm(L, k * lora.r, ins), torch.zeros(L, outs, k * lora.r, dtype=self.mm_dtype,
+                                                                             device=self.device))
+
+    def out_features(self, g: str) -> int:  # a fused GEMM's output width
+        a = self.args
+        return {"qkv": (a.n_heads + 2 * a.n_kv_heads) * a.head_dim, "o": a.dim, "gate_up": 2 * a.ffn_dim,
+                "down": a.dim}[g]
+
+    def _lora(self, g: str, i: int, x: Tensor, y: Tensor) -> Tensor:
+        """y + s (x A^T) B^T of GEMM g's adapted targets in layer i (unmerged LoRA), else y."""
+        if self.adapters is None or g not in self.adapters:
+            return y
+        A, B = self.adapters[g]
+        return y + self.scale * F.linear(F.linear(x, A[i]), B[i])  # (n, k r) between: cheap
 
     def matches(self, model) -> bool:
         """Whether these weights' dtypes, device and mode still fit the model (autocast may be switched)."""
@@ -85,20 +112,20 @@ class DecodeWeights:
             return packed_linear(x, self.packs[i][0], self.bqkv[i])
         if self.mode == "resident":
             return torch.cat([F.linear(x, p.weight, p.bias) for p in self.proj[i]], dim=-1)
-        return F.linear(x, self.wqkv[i], None if self.bqkv is None else self.bqkv[i])
+        return self._lora("qkv", i, x, F.linear(x, self.wqkv[i], None if self.bqkv is None else self.bqkv[i]))
 
     def o(self, i: int, x: Tensor) -> Tensor:
-        return packed_linear(x, self.packs[i][1]) if self.mode == "packed" else F.linear(x, self.wo[i])
+        return packed_linear(x, self.packs[i][1]) if self.mode == "packed" else self._lora("o", i, x, F.linear(x, self.wo[i]))
 
     def gate_up(self, i: int, x: Tensor) -> Tensor:
         if self.mode == "packed":
             return packed_linear(x, self.packs[i][2])
         if self.mode == "resident":
             return torch.cat([F.linear(x, p.weight) for p in self.mlp_in[i]], dim=-1)
-        return F.linear(x, self.w13[i])
+        return self._lora("gate_up", i, x, F.linear(x, self.w13[i]))
 
     def down(self, i: int, x: Tensor) -> Tensor:
-        return packed_linear(x, self.packs[i][3]) if self.mode == "packed" else F.linear(x, self.w2[i])
+        return packed_linear(x, self.packs[i][3]) if self.mode == "packed" else self._lora("down", i, x, F.linear(x, self.w2[i]))
 
     def matrices(self, i: int) -> list:  # layer i's weights as torch's plain GEMMs read them (benches)
         if self.mode == "copy":
@@ -111,24 +138,36 @@ class DecodeWeights:
         decode reads the new ones. A copy is always a full one: a version counter would miss writes
         through .data, and under FSDP2 the gathered tensors are new in every call (a 0.5B model in bf16
         is 1 GB: ~0.3 ms on an H200; SmolLM2-135M on 2 CPU cores ~0.1 s a call). Under LoRA
-        (grpo/lora.py) each adapted weight is merged on the way in, W + s B A: the sampler samples from
-        the adapted model with no other step. Packed and resident: the model's own tensors as they are
+        (grpo/lora.py) each adapted weight is merged on the way in, W + s B A, where the copy is fp32, and
+        its adapters copied beside W where it is half precision: either way the sampler samples from the
+        adapted model with no other step. Packed and resident: the model's own tensors as they are
         now (the optimizer writes them in place; under FSDP2 the gathered ones of this call), and the
         GEMMs' weights packed anew."""
         if self.mode != "copy":
             return self._take(model)
         a = self.args
         qd, kd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        weight = (lambda m, out: out.copy_(m.weight)) if self.adapters is not None else (
+            lambda m, out: effective_weight(m, out=out))
         for i, b in enumerate(model.layers):
             at, mlp = b.self_attn, b.mlp
             for w, lo, hi in ((at.q_proj, 0, qd), (at.k_proj, qd, qd + kd), (at.v_proj, qd + kd, qd + 2 * kd)):
-                effective_weight(w, out=self.wqkv[i, lo:hi])
+                weight(w, self.wqkv[i, lo:hi])
                 if self.bqkv is not None:
                     self.bqkv[i, lo:hi].copy_(w.bias)
-            effective_weight(at.o_proj, out=self.wo[i])
-            effective_weight(mlp.gate_proj, out=self.w13[i, : a.ffn_dim])
-            effective_weight(mlp.up_proj, out=self.w13[i, a.ffn_dim:])
-            effective_weight(mlp.down_proj, out=self.w2[i])
+            weight(at.o_proj, self.wo[i])
+            weight(mlp.gate_proj, self.w13[i, : a.ffn_dim])
+            weight(mlp.up_proj, self.w13[i, a.ffn_dim:])
+            weight(mlp.down_proj, self.w2[i])
+            for g, (A, B) in (self.adapters or {}).items():  # A stacked, B block-diagonal (its zeros stay)
+                row = col = 0
+                for m in _linears(b, GEMMS[g]):
+                    if hasattr(m, "lora_A"):
+                        k, block = m.lora_A.shape[0], B[i, row:row + m.out_features, col:col + m.lora_A.shape[0]]
+                        A[i, col:col + k].copy_(m.lora_A)
+                        block.copy_(m.lora_B) if m.enabled else block.zero_()  # adapters_off: the base's
+                        col += k
+                    row += m.out_features
             self.ln1[i].copy_(b.input_layernorm.weight)
             self.ln2[i].copy_(b.post_attention_layernorm.weight)
             if self.q_norm is not None:
@@ -159,6 +198,14 @@ class DecodeWeights:
             self.bqkv = [torch.cat([p.bias for p in q]) if self.args.qkv_bias else None for q in self.proj]
             # the LM head in sample_hidden's vocabulary chunks: its GEMM 1.6x F.linear's at 24-100 rows
             self.head = [pack(self.lm_head[s:s + HEAD_CHUNK]) for s in range(0, self.args.vocab_size, HEAD_CHUNK)]
+
+
+GEMMS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+         "down": ("down_proj",)}  # decode's four GEMMs a layer, and the linear layers each one fuses
+
+
+def _linears(block, names: tuple) -> list:  # a block's linear layers of those names, in order
+    return [getattr(block.self_attn if n in GEMMS["qkv"] + GEMMS["o"] else block.mlp, n) for n in names]
 
 
 def _mode(model) -> str:

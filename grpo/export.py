@@ -8,7 +8,10 @@ the architecture, tokenizer and chat template come from the base model the run s
 `--model_path`, or the run's own `config.json` (two folders up from the checkpoint), which also
 says whether the run trained LoRA adapters (their settings). Only the model's entries are read,
 into fp32 weights on the CPU, whatever world size wrote them. A LoRA run's export is the merged
-model (W + s B A), or with `--adapter` a PEFT folder that `peft.PeftModel.from_pretrained` loads.
+model (W + s B A, summed in fp32), or with `--adapter` a PEFT folder that `peft.PeftModel.from_pretrained`
+loads. `--dtype auto` writes a full fine-tune's fp32 weights as they are, and a LoRA merge in the base
+checkpoint's own dtype (as peft's merge_and_unload keeps it): for a bf16 base that drops each entry of
+s B A below half a bf16 ulp of W, which `--dtype float32` keeps, at twice the bytes.
 """
 import argparse
 import json
@@ -66,12 +69,22 @@ def load_checkpoint(checkpoint: str, model_path: str, dtype: torch.dtype = torch
     return model
 
 
+def export_dtype(name: str, base_config: dict, lora: bool) -> torch.dtype:
+    """--dtype as a torch dtype; auto: a LoRA merge in the base checkpoint's dtype (its config.json's
+    dtype, or torch_dtype before transformers 5), else float32 (the trained fp32 master weights)."""
+    if name == "auto":
+        base = base_config.get("dtype") or base_config.get("torch_dtype") or "float32"
+        name = base if lora and base in ("float32", "bfloat16", "float16") else "float32"
+    return getattr(torch, name)
+
+
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(prog="python -m grpo.export", description=__doc__.split("\n")[0])
     p.add_argument("checkpoint", help="a checkpoint folder: runs/NAME/checkpoints/step_NNNNNN")
     p.add_argument("out_dir", help="the Hugging Face folder to write")
     p.add_argument("--model_path", help="the base model (default: model_path in the run's config.json)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights on disk")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="weights on disk; auto: float32 for a full fine-tune, the base's dtype for a LoRA merge")
     p.add_argument("--adapter", action="store_true",
                    help="a LoRA run: write its adapters as a PEFT folder instead of the merged model")
     p.add_argument("--push_to_hub", metavar="REPO",
@@ -88,8 +101,8 @@ def main(argv: list[str] | None = None) -> Path:
     model = load_checkpoint(args.checkpoint, base, lora=lora)
     if args.adapter:
         save_adapter(args.out_dir, model.state_dict(), lora, base)
-    else:  # adapters merged in fp32, then cast
-        model.save_pretrained(args.out_dir, dtype=getattr(torch, args.dtype))
+    else:  # adapters merged in fp32, rounded once to the dtype on disk
+        model.save_pretrained(args.out_dir, dtype=export_dtype(args.dtype, model.config, lora is not None))
     print(f"export: {checkpoint} -> {args.out_dir}" + (" (PEFT adapter)" if args.adapter else ""))
     if args.push_to_hub:
         try:

@@ -4,8 +4,9 @@
 Precedence: the dataclass's defaults < the profile (grpo.config.apply_profile) < the recipe's own defaults
 < the YAML file < the command line. Each field's trailing comment in the class source is its --help text,
 and the class's `# ---- name` lines are --help's sections (a recipe's own fields join the first): both
-read from the source once, here (field_docs). TRL GRPOConfig names with no field here are refused with
-what to use instead (TRL_NAMES); names from before TRL's vocabulary point to theirs (RENAMED).
+read from the source once, here (field_docs). TRL GRPOConfig and ModelConfig names with no field here
+are refused with what to use instead (TRL_NAMES; docs/trl.md lists them all); names from before TRL's
+vocabulary point to theirs (RENAMED).
 """
 import dataclasses
 import difflib
@@ -25,24 +26,31 @@ RENAMED = {"lr": "learning_rate", "num_steps": "max_steps", "group_size": "num_g
            "lr_schedule": "lr_scheduler_type", "activation_checkpointing": "gradient_checkpointing",
            "log_completions_every": "log_completions_steps", "sft_lr": "sft_learning_rate",
            "drop_zero_variance": "drop_flat_groups"}
-# TRL GRPOConfig names with no field here: what to do instead, said where the name is refused
+# TRL GRPOConfig / ModelConfig names with no field here: what to do instead, said where the name is refused
 TRL_NAMES = {
     "per_device_train_batch_size": "TRL counts completions per device; here a step is prompts_per_step prompts "
                                    "(all ranks) x num_generations completions: use --prompts_per_step",
     "per_device_eval_batch_size": "evals sample gen_batch rows at a time: use --gen_batch (and --eval_limit)",
     "generation_batch_size": "a step samples prompts_per_step x num_generations completions: use "
                              "--prompts_per_step (--gen_batch: rows decoded together)",
-    "gradient_accumulation_steps": "not needed: a step's batch is split into micro-batches by token count "
-                                   "(--micro_batch_tokens) and the gradient does not depend on the split",
     "use_vllm": "not needed: the sampler runs on the training weights (no second engine, no weight sync)",
     "vllm_mode": "not needed: the sampler runs on the training weights (no vLLM)",
     "vllm_gpu_memory_utilization": "the sampler's KV cache is sized by --kv_budget_gb (or --gen_batch)",
     "vllm_importance_sampling_correction": "always on: truncated importance sampling against the sampler's "
                                            "log-probs, capped by --tis_cap (0 = off)",
     "vllm_importance_sampling_cap": "use --tis_cap",
+    "vllm_importance_sampling_clip_max": "use --tis_cap (here per token, truncated: TRL's default mode "
+                                         "sequence_mask with 3.0 drops whole sequences instead)",
+    "vllm_importance_sampling_mode": "per-token truncation only (TRL's token_truncate), capped by --tis_cap",
     "peft_config": "in Python GRPOTrainer(peft_config=peft.LoraConfig(...)); on the command line --use_peft with "
                    "--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules, --use_rslora",
     "use_dora": "not supported: LoRA only (--use_peft)",
+    "lora_target_parameters": "not supported: --lora_target_modules adapts the blocks' linear layers",
+    "lora_modules_to_save": "not supported: under --use_peft only the adapters train",
+    "lora_task_type": "always CAUSAL_LM",
+    "model_name_or_path": "use --model_path",
+    "bnb_4bit_quant_type": "not supported: no quantized base (load_in_4bit)",
+    "use_bnb_nested_quant": "not supported: no quantized base (load_in_4bit)",
     "load_in_4bit": "not supported: the frozen base is bf16 on a GPU, fp32 on a CPU",
     "load_in_8bit": "not supported: the frozen base is bf16 on a GPU, fp32 on a CPU",
     "use_liger_loss": "not needed: the log-probs and the loss are fused Triton kernels on CUDA",
@@ -65,8 +73,22 @@ TRL_NAMES = {
     "sync_ref_model": "not supported: the reference model (beta > 0) is the initial policy",
     "repetition_penalty": "not supported by the sampler",
     "shuffle_dataset": "always: each epoch is a permutation seeded by --seed",
-    "disable_dropout": "not needed: the model has no dropout",
     "model_init_kwargs": "use --dtype",
+    "max_tool_calling_iterations": "use --max_turns (assistant turns per episode; 0 = the env's own limit)",
+    "chat_template_kwargs": "use --enable_thinking (the one keyword passed to the chat template)",
+    "generation_kwargs": "the sampler takes --temperature, --top_p, --top_k and --min_p",
+    "num_generations_eval": "use --eval_n (samples per eval question)",
+    "remove_unused_columns": "not needed: every data column reaches the reward functions",
+    "multi_objective_aggregation": "rewards are weighted and summed, then the sum is normalised (TRL's default, "
+                                   "sum_then_normalize)",
+    "top_entropy_quantile": "not supported: every completion token is trained on",
+    "entropy_coef": "not supported: no entropy bonus",
+    "off_policy_mask_threshold": "not supported: no off-policy sequence masking",
+    "cast_lm_head_to_fp32": "not supported",
+    "ref_model_sync_steps": "not supported: the reference model (beta > 0) is the initial policy",
+    "ref_model_mixup_alpha": "not supported: the reference model (beta > 0) is the initial policy",
+    "trust_remote_code": "not needed: grpo.model implements Llama, Qwen2 and Qwen3 itself",
+    "attn_implementation": "not needed: attention is grpo.model's own",
 }
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -96,6 +118,8 @@ def _convert(name: str, value, typ, label: str | None = None):
     try:
         if base is int and isinstance(value, float) or base is not str and isinstance(value, bool):
             raise ValueError
+        if base is str and isinstance(value, list):  # a YAML list, as TRL's list fields take: comma-separated
+            return ",".join(map(str, value))
         return base(value)
     except (TypeError, ValueError):
         raise ValueError(f"{label}={value!r}: expected {base.__name__}") from None
@@ -105,7 +129,7 @@ def unknown_field(name: str, fields, where: str = "") -> str:
     """The one line for a name that is not a field: TRL's names say what to use instead, old names
     their new one, typos the closest fields."""
     if name in TRL_NAMES:
-        return f"{where}--{name} is a TRL GRPOConfig option with no field here: {TRL_NAMES[name]}"
+        return f"{where}--{name} is a TRL option (GRPOConfig, ModelConfig) with no field here: {TRL_NAMES[name]}"
     close = [RENAMED[name]] if RENAMED.get(name) in fields else difflib.get_close_matches(name, fields, 3, 0.75)
     hint = f" (did you mean {', '.join('--' + c for c in close)}?)" if close else ""
     return f"{where}unknown field --{name}{hint}"

@@ -78,7 +78,7 @@ def step_count(config: dict, B: int, layers: int, way: str, arch: int) -> dict:
         if way == "model":  # the model's forward gives logits, and the sampler samples them
             stack.enter_context(mock.patch.object(window, "decode_hidden", model_decode))
             stack.enter_context(mock.patch.object(window, "sample_hidden",
-                                                  lambda logits, weight, *a, packed=None: sample(logits, *a)))
+                                                  lambda logits, weight, *a, packed=None, **kw: sample(logits, *a, **kw)))
         stack.enter_context(mock.patch.object(kernels, "fused_sample", sample_kernel))
         with count:
             decode_step(sampler.weights, sampler.cache, st, SamplingParams(temperature=1.0, stop_token_ids=[]), B,

@@ -32,6 +32,10 @@ from torch import Tensor, nn
 ATTENTION, MLP = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
 TARGETS = ATTENTION + MLP
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+# no target_modules (TRL's ModelConfig default, None): PEFT's per-architecture default
+# (peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING), the same for every
+# architecture grpo.model loads
+PEFT_DEFAULT_TARGETS = {"llama": ("q_proj", "v_proj"), "qwen2": ("q_proj", "v_proj"), "qwen3": ("q_proj", "v_proj")}
 PEFT_PREFIX = "base_model.model.model."  # PeftModelForCausalLM > LoraModel > *ForCausalLM > the decoder
 
 
@@ -40,7 +44,7 @@ class LoraSettings:
     r: int = 16
     alpha: float = 32.0
     dropout: float = 0.05
-    targets: tuple = TARGETS
+    targets: tuple = PEFT_DEFAULT_TARGETS["qwen2"]  # PEFT's default, as TRL leaves it (parse_targets(None))
     rslora: bool = False
 
     @property
@@ -49,8 +53,11 @@ class LoraSettings:
 
 
 def parse_targets(names) -> tuple:
-    """"q_proj,v_proj", a list of names, or "all-linear" (PEFT's name for every one) -> the names in
-    block order; a name that is not a linear layer of the blocks is a one-line error."""
+    """"q_proj,v_proj", a list of names, "all-linear" (PEFT's name for every one), or None (PEFT's
+    default: PEFT_DEFAULT_TARGETS) -> the names in block order; a name that is not a linear layer of
+    the blocks is a one-line error."""
+    if names is None:
+        return PEFT_DEFAULT_TARGETS["qwen2"]  # one tuple for every architecture we load (tests/test_trl_config.py checks)
     if isinstance(names, str):
         names = TARGETS if names.strip() == "all-linear" else [n.strip() for n in names.split(",") if n.strip()]
     names = set(names)
@@ -131,6 +138,12 @@ def adapters(model) -> list[LoRALinear]:
     return [m for m in model.modules() if isinstance(m, LoRALinear)]
 
 
+def has_dropout(model) -> bool:
+    """Whether the model's training forward drops anything: adapters with lora_dropout > 0 (our
+    Transformer has no other dropout)."""
+    return any(m.dropout > 0 for m in adapters(model))
+
+
 def trainable(model) -> list[nn.Parameter]:
     """What the optimizer holds: the adapters under LoRA, every parameter otherwise."""
     return [p for p in model.parameters() if p.requires_grad]
@@ -179,17 +192,18 @@ def is_adapter_key(name: str) -> bool:
     return name.endswith((".lora_A", ".lora_B"))
 
 
-def merged_state(state: dict, settings: LoraSettings) -> dict:
-    """A full state dict with adapters -> a plain model's: each adapted W replaced by W + s B A, in
-    the wider of W's and the adapters' dtypes (a bf16 base's merge stays fp32: s B A is small next to
-    W, and rounding the sum to bf16 would lose much of what training changed)."""
+def merged_state(state: dict, settings: LoraSettings, dtype: torch.dtype | None = None) -> dict:
+    """A full state dict with adapters -> a plain model's: each adapted W replaced by W + s B A, summed
+    in fp32 and written in `dtype` (default: W's own, as peft's merge_and_unload keeps it). Rounding to
+    a bf16 W loses each entry of s B A below half a bf16 ulp of W (2^-9 to 2^-8 of |W|) and rounds the
+    rest: float32 keeps the update whole, at twice the bytes (a 3B: 12 GB, not 6)."""
     out = {k: v for k, v in state.items() if not is_adapter_key(k)}
     for key, a in state.items():
         if key.endswith(".lora_A"):
             name = key.removesuffix(".lora_A")
             w = out[name + ".weight"]
             merged = w.float() + settings.scale * state[name + ".lora_B"].float() @ a.float()
-            out[name + ".weight"] = merged.to(torch.promote_types(w.dtype, a.dtype))
+            out[name + ".weight"] = merged.to(dtype or w.dtype)
     return out
 
 
@@ -211,18 +225,27 @@ def save_adapter(path, state: dict, settings: LoraSettings, base_model: str = ""
     (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
 
-# PEFT options that change the arithmetic above: an adapter using one is refused, not misread
-UNSUPPORTED = {"use_dora": False, "bias": "none", "lora_bias": False, "fan_in_fan_out": False,
-               "modules_to_save": None, "layers_to_transform": None, "exclude_modules": None,
-               "layer_replication": None, "rank_pattern": {}, "alpha_pattern": {}}
+# peft.LoraConfig's fields (peft 0.21) that the arithmetic above reads, as PEFT does...
+IMPLEMENTED = ("r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "init_lora_weights")
+# ...and those that change nothing here: bookkeeping, or read by PEFT only beside a field that is refused
+INERT = ("peft_type", "task_type", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping",
+         "peft_version", "runtime_config", "megatron_core", "qalora_group_size", "layers_pattern",
+         "ensure_weight_tying")
+# every other field is refused unless off: use_dora, bias, lora_bias, fan_in_fan_out, modules_to_save,
+# exclude_modules, layers_to_transform, layer_replication, rank_pattern, alpha_pattern, target_parameters,
+# trainable_token_indices, alora_invocation_tokens (aLoRA), use_qalora, megatron_config, loftq/eva/corda/
+# lora_ga/velora/monteclora/arrow/kasa configs, use_bdlora, and any field a later PEFT adds
+OFF = (None, False, "none", {}, [], (), set())
 # initialisations whose adapters are relative to a modified base (PiSSA, OLoRA, CorDA, LoftQ): refused
 PLAIN_INITS = (True, False, "gaussian", None)
 
 
 def refused_options(options: dict, inits: tuple = PLAIN_INITS) -> list[str]:
-    """"name=value" of each PEFT option in `options` (a LoraConfig's fields) that we would misread:
-    a non-default UNSUPPORTED one, or an init_lora_weights outside `inits`."""
-    odd = [f"{k}={options[k]!r}" for k, default in UNSUPPORTED.items() if options.get(k) not in (default, None, {}, [])]
+    """"name=value" of each PEFT option in `options` (a LoraConfig's fields, or an adapter_config.json)
+    that we would misread: one neither IMPLEMENTED nor INERT that is not off, or an init_lora_weights
+    outside `inits`."""
+    odd = [f"{k}={v!r}" for k, v in options.items()
+           if k not in IMPLEMENTED + INERT and not any(v == off and type(v) is type(off) for off in OFF)]
     init = options.get("init_lora_weights", True)
     return odd + ([f"init_lora_weights={init!r}"] if init not in inits else [])
 
@@ -239,7 +262,8 @@ def adapter_settings(path) -> LoraSettings:
         raise ValueError(f"adapter_path {path}: peft_type {cfg.get('peft_type')!r}, only LORA is supported")
     odd = refused_options(cfg)
     if odd:
-        raise ValueError(f"adapter_path {path}: unsupported LoRA options {', '.join(odd)}")
+        raise ValueError(f"adapter_path {path}: unsupported LoRA options {', '.join(odd)} (plain LoRA only: "
+                         f"{', '.join(IMPLEMENTED)})")
     targets = cfg.get("target_modules") or ()
     return LoraSettings(int(cfg["r"]), float(cfg.get("lora_alpha", 8)), float(cfg.get("lora_dropout", 0.0)),
                         parse_targets(targets if isinstance(targets, str) else list(targets)),

@@ -12,7 +12,18 @@ dataclass are here too: they read the same equations as the loss.
 - DAPO (clip-higher, token mean, overlong penalty): arXiv 2503.14476.
 - dual-clip PPO: arXiv 1912.09729.        - k3 KL estimator: J. Schulman, "Approximating KL divergence".
 - GSPO (one ratio per sequence, TRL's importance_sampling_level="sequence"): arXiv 2507.18071.
+- CISPO (clipped, detached IS weight on log pi): MiniMax-M1, arXiv 2506.13585.
+- SAPO (a soft sigmoid gate in place of the clip): arXiv 2511.20347.
+- k3 weighted by the ratio (TRL's use_bias_correction_kl): DeepSeek-V3.2, arXiv 2512.02556.
+Where TRL's GRPOTrainer (trl/trainer/grpo_trainer.py) decides a case the papers leave open (an
+unscorable completion, an infinite reward, how cispo and sapo aggregate), these functions do what it does.
+Which distribution the log-probs are of: softmax(logits / T) of the tokens the sampler drew from, so
+under top_p/top_k/min_p its kept set renormalised (the sampler records each token's set; the update's
+old, policy and reference log-probs are taken over the same set), never the full vocabulary, whose
+ratio for an unchanged policy is below 1 (docs/on_policy.md). TRL scores the full vocabulary; the
+config's logprobs_kept_set=false does too.
 """
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +44,15 @@ def group_advantages(rewards: Tensor, G: int, scale: str = "group", batch_reward
                    `batch_rewards` holds every rank's rewards; required when ranks > 1)
     scale="none":  r - mean_group                          (Dr. GRPO: no std division, it
                    up-weights groups with a small reward spread)
-    std is unbiased (divides by G - 1), as in the GRPO paper's implementations. A group whose
-    rewards are all equal gets exactly 0 (its mean may not be representable: 0.1 x 8).
+    std is unbiased (divides by n - 1), as in the GRPO paper's implementations. As TRL's
+    GRPOTrainer does it (nanmean, nanstd, then nan_to_num(advantages, nan=0)):
+    - a NaN reward (unscorable: every reward function returned None) is left out of its group's
+      mean and std and of the batch std, and gets advantage 0;
+    - a group with fewer than 2 scorable rewards gets 0 (TRL's nanstd of one value is NaN);
+    - a group holding an infinite reward gets 0 (TRL: inf - inf is NaN); the batch std leaves
+      inf out (under scale batch or none TRL lets it reach the other groups).
+    A group whose scorable rewards are all equal gets exactly 0 (its mean may not be
+    representable: 0.1 x 8).
     """
     assert rewards.dim() == 1 and rewards.numel() % G == 0, f"{rewards.shape=} not (B*{G},)"
     if scale not in ("group", "batch", "none"):
@@ -45,15 +63,24 @@ def group_advantages(rewards: Tensor, G: int, scale: str = "group", batch_reward
             raise ValueError("scale='batch' on several ranks needs batch_rewards, every rank's rewards: "
                              "the local std is not the batch's")
         batch_rewards = rewards
-    batch_std = batch_rewards.float().std() if scale == "batch" else None
+    batch_std = None
+    if scale == "batch":
+        finite = batch_rewards.float()[batch_rewards.isfinite()]           # NaN and inf left out
+        batch_std = finite.std() if finite.numel() > 1 else finite.new_zeros(())
     if kernels.use_triton(rewards, backend, "group_advantages"):
         return kernels.group_advantages(rewards, G, scale, float(batch_std) if scale == "batch" else 0.0)
-    r = rewards.float().view(-1, G)                            # (B, G)
-    flat = r.amax(1, keepdim=True) == r.amin(1, keepdim=True)  # (B, 1): all rewards equal
-    centered = torch.where(flat, 0.0, r - r.mean(dim=1, keepdim=True))
+    r = rewards.float().view(-1, G)                            # (B, G); NaN: unscorable
+    ok = ~r.isnan()                                            # (B, G) the scorable rewards
+    n = ok.sum(1, keepdim=True)                                # (B, 1) how many
+    hi = torch.where(ok, r, -math.inf).amax(1, keepdim=True)
+    lo = torch.where(ok, r, math.inf).amin(1, keepdim=True)
+    zero = (hi == lo) | (n < 2) | r.isinf().any(1, keepdim=True)   # (B, 1): groups that teach nothing
+    mean = torch.where(ok, r, 0.0).sum(1, keepdim=True) / n.clamp(min=1)
+    centered = torch.where(ok & ~zero, r - mean, 0.0)          # (B, G)
     if scale == "none":
         return centered.view(-1)
-    std = r.std(dim=1, keepdim=True) if scale == "group" else batch_std   # (B, 1) or ()
+    # group: the std of the scorable rewards (the others are 0 in `centered`)
+    std = (centered.square().sum(1, keepdim=True) / (n - 1).clamp(min=1)).sqrt() if scale == "group" else batch_std
     return (centered / (std + 1e-4)).view(-1)
 
 
@@ -88,6 +115,32 @@ def clipped_surrogate(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor
     return loss
 
 
+def cispo_surrogate(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, cap: float) -> Tensor:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): l_t = -sg(min(rho_t, cap)) A log pi(o_t).
+
+    The clip bounds the importance weight, stopped from the gradient, never the token's gradient:
+    every token gets d l_t / d logp_t = -min(rho_t, cap) A, where PPO's clip gives 0. `cap` is
+    TRL's epsilon_high, a bound on rho itself (not 1 + eps), and there is no lower bound, as in
+    TRL's loss_type="cispo" (ScaleRL, arXiv 2510.13786, uses cap 5).
+    """
+    rho = torch.exp(logprobs - old_logprobs.detach())
+    return -rho.clamp(max=cap).detach() * advantages * logprobs
+
+
+def sapo_surrogate(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
+                   tau_pos: float = 1.0, tau_neg: float = 1.05) -> Tensor:
+    """SAPO (arXiv 2511.20347): l_t = -f(rho_t) A, f(r) = sigmoid(tau (r - 1)) 4 / tau, with
+    tau = tau_pos where A > 0, else tau_neg (TRL's sapo_temperature_pos / _neg).
+
+    A soft gate in place of the clip: d l_t / d logp_t = -4 s (1 - s) rho_t A, s = sigmoid(tau
+    (rho_t - 1)), which is GRPO's -A on policy (rho = 1) and fades smoothly as rho leaves 1;
+    a larger tau_neg fades negative-advantage tokens faster (their updates are the less stable).
+    """
+    rho = torch.exp(logprobs - old_logprobs.detach())
+    tau = torch.where(advantages > 0, advantages.new_tensor(tau_pos), advantages.new_tensor(tau_neg))
+    return -torch.sigmoid(tau * (rho - 1)) * 4 / tau * advantages
+
+
 def sequence_ratio_logprobs(logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
     """GSPO: (B, T) log-probs whose ratio to old_logprobs is, at every token, the sequence's ratio
 
@@ -111,6 +164,18 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return torch.exp(d) - d - 1
 
 
+def kl_k3_corrected(logprobs: Tensor, ref_logprobs: Tensor, rho: Tensor) -> Tensor:
+    """rho_t k3_t, DeepSeek-V3.2's unbiased KL estimate (arXiv 2512.02556; TRL's
+    use_bias_correction_kl: per_token_kl * coef_1, coef_1 = pi / pi_old with its gradient).
+
+    The tokens were drawn from pi_old, not pi: plain k3 (DeepSeekMath) then estimates the KL of
+    the wrong distribution. Weighted by rho, with rho's gradient kept, the token's gradient is
+    rho_t (logp_t - ref_t): the gradient of KL(pi || ref) sampled from pi_old, where plain k3's is
+    1 - exp(ref_t - logp_t).
+    """
+    return rho * kl_k3(logprobs, ref_logprobs)
+
+
 def tis_weight(old_logprobs: Tensor, sampler_logprobs: Tensor, cap: float) -> Tensor:
     """Truncated importance weight w_t = min(exp(old - sampler), cap), detached.
 
@@ -124,19 +189,34 @@ def token_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_
                eps_low: float = 0.2, eps_high: float = 0.2,
                delta: float | None = None, dual_clip: float | None = None,
                ref_logprobs: Tensor | None = None, beta: float = 0.0,
-               sampler_logprobs: Tensor | None = None, tis_cap: float | None = None) -> Tensor:
+               sampler_logprobs: Tensor | None = None, tis_cap: float | None = None,
+               surrogate: str = "clip", tau_pos: float = 1.0, tau_neg: float = 1.05,
+               kl_ratio: bool = False) -> Tensor:
     """The per-token loss w_t l_t + beta k3_t in fp32, 0 where loss_mask is 0: (B, T) -> (B, T).
-    The reference for grpo.kernels.grpo_token_loss; advantages (B, 1) or (B, T)."""
+    The reference for grpo.kernels.grpo_token_loss; advantages (B, 1) or (B, T).
+
+    surrogate: "clip" (clipped_surrogate: eps_low, eps_high, delta, dual_clip), "cispo"
+    (cispo_surrogate, capped at eps_high) or "sapo" (sapo_surrogate: tau_pos, tau_neg).
+    kl_ratio: rho_t k3_t (kl_k3_corrected) in place of k3_t.
+    """
+    assert surrogate in ("clip", "cispo", "sapo"), f"{surrogate=} not in clip|cispo|sapo"
     m = loss_mask.bool()
     # padding may hold garbage (inf): zero every input there before any exp, or the masked
     # positions' gradient would be 0 * inf = nan
     clean = lambda x: None if x is None else torch.where(m, x.float(), 0.0)   # noqa: E731
     lp, old, ref, smp = clean(logprobs), clean(old_logprobs), clean(ref_logprobs), clean(sampler_logprobs)
-    loss = clipped_surrogate(lp, old, advantages.float(), eps_low, eps_high, delta, dual_clip)
+    A = advantages.float()
+    if surrogate == "cispo":
+        loss = cispo_surrogate(lp, old, A, eps_high)
+    elif surrogate == "sapo":
+        loss = sapo_surrogate(lp, old, A, tau_pos, tau_neg)
+    else:
+        loss = clipped_surrogate(lp, old, A, eps_low, eps_high, delta, dual_clip)
     if smp is not None and tis_cap is not None:
         loss = tis_weight(old, smp, tis_cap) * loss
     if ref is not None and beta > 0:
-        loss = loss + beta * kl_k3(lp, ref)
+        kl = kl_k3_corrected(lp, ref, torch.exp(lp - old.detach())) if kl_ratio else kl_k3(lp, ref)
+        loss = loss + beta * kl
     return torch.where(m, loss, 0.0)
 
 # -----------------------------------------------------------------------------
@@ -172,25 +252,42 @@ def dapo_aggregate(losses: Tensor, loss_mask: Tensor, num_tokens: int, world_siz
 # -----------------------------------------------------------------------------
 # the one entry the trainer calls per micro-batch
 
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+
+
 @dataclass(frozen=True)
 class LossOptions:
     """A run's loss settings, built once from its config (grpo.update.loss_options)."""
-    loss_type: str = "grpo"            # grpo | bnpo | dr_grpo | dapo (the *_aggregate functions; the config's name)
+    # grpo | bnpo | dr_grpo | dapo: the clipped surrogate, aggregated by the *_aggregate of that name;
+    # cispo (cispo_surrogate, DAPO's token mean) | sapo (sapo_surrogate, GRPO's sequence mean), as TRL
+    loss_type: str = "grpo"
     eps_low: float = 0.2
-    eps_high: float = 0.2
-    delta: float | None = None         # two-sided clipping cap; None = off
-    dual_clip: float | None = None     # dual-clip c > 1; None = off
+    eps_high: float = 0.2              # clip-higher; cispo: the cap on rho itself (TRL's epsilon_high)
+    delta: float | None = None         # two-sided clipping cap; None = off (the clipped surrogate only)
+    dual_clip: float | None = None     # dual-clip c > 1; None = off (the clipped surrogate only)
     beta: float = 0.0                  # k3 KL weight (needs ref_logprobs)
+    use_bias_correction_kl: bool = False  # rho_t k3_t in place of k3_t (kl_k3_corrected)
     tis_cap: float | None = None       # truncated IS cap (needs sampler_logprobs); None = off
     max_completion_length: int = 1        # Dr. GRPO's constant normalizer
     importance_sampling_level: str = "token"  # token (GRPO) | sequence (GSPO: sequence_ratio_logprobs)
+    sapo_temperature_pos: float = 1.0  # SAPO's tau where A > 0
+    sapo_temperature_neg: float = 1.05  # SAPO's tau where A <= 0
     backend: str | None = None         # token loss: "triton" | "torch" | None (triton on CUDA)
 
     def __post_init__(self):
-        if self.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo"):
-            raise ValueError(f"loss_type={self.loss_type!r} not in grpo|bnpo|dr_grpo|dapo")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type={self.loss_type!r} not in {'|'.join(LOSS_TYPES)}")
         if self.importance_sampling_level not in ("token", "sequence"):
             raise ValueError(f"importance_sampling_level={self.importance_sampling_level!r} not in token|sequence")
+        if self.loss_type == "cispo" and self.importance_sampling_level == "sequence":
+            raise ValueError("loss_type='cispo' weighs each token's log-prob by its own ratio: "
+                             "importance_sampling_level='sequence' is not supported with it")
+        if min(self.sapo_temperature_pos, self.sapo_temperature_neg) <= 0:
+            raise ValueError(f"sapo temperatures {self.sapo_temperature_pos}, {self.sapo_temperature_neg} must be > 0")
+
+    @property
+    def surrogate(self) -> str:  # token_loss's name for the token loss: clip | cispo | sapo
+        return self.loss_type if self.loss_type in ("cispo", "sapo") else "clip"
 
 
 @torch.no_grad()
@@ -202,12 +299,14 @@ def loss_metrics(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, los
       tokens      number of mask tokens
       ratio       sum of rho_t
       clip_low    tokens where rho < 1 - eps_low and A < 0 (the clip zeroes their gradient)
-      clip_high   tokens where rho > 1 + eps_high and A > 0
+      clip_high   tokens where rho > 1 + eps_high and A > 0; cispo: where rho > its cap and A > 0
+                  (TRL's cispo_clip_ratio); sapo has no clip (both 0)
       dual_clip   tokens where the dual-clip bound c |A| is the loss (A < 0)
-      kl          sum of k3_t (0 without ref_logprobs)
+      kl          sum of k3_t, or of rho_t k3_t with use_bias_correction_kl (0 without ref_logprobs)
       is_weight   sum of the truncated importance weight w_t (tokens when no sampler log-probs)
       is_capped   tokens where w_t hit tis_cap
       sampler_gap sum of |old_logp - sampler_logp| (0 without sampler log-probs)
+      sampler_gap_max  the largest |old_logp - sampler_logp| (a max over micro-batches, not a sum)
     """
     m = loss_mask.bool()
     A = advantages.float().expand_as(logprobs)                 # advantages broadcastable: (B, 1) or (B, T)
@@ -215,21 +314,28 @@ def loss_metrics(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, los
     rho = torch.exp((logprobs if ratio_logprobs is None else ratio_logprobs) - old_logprobs)
     zero = logprobs.new_zeros((), dtype=torch.float32)
     out = {"tokens": m.sum().float(), "ratio": s(rho), "clip_low": s((rho < 1 - opts.eps_low) & (A < 0)),
-           "clip_high": s((rho > 1 + opts.eps_high) & (A > 0))}
-    if opts.dual_clip is not None:
+           "clip_high": s((rho > 1 + opts.eps_high) & (A > 0)), "dual_clip": zero}
+    if opts.surrogate == "cispo":
+        out["clip_low"], out["clip_high"] = zero, s((rho > opts.eps_high) & (A > 0))
+    elif opts.surrogate == "sapo":
+        out["clip_low"], out["clip_high"] = zero, zero
+    elif opts.dual_clip is not None:
         surrogate = clipped_surrogate(logprobs if ratio_logprobs is None else ratio_logprobs, old_logprobs, A,
                                       opts.eps_low, opts.eps_high, opts.delta)
         out["dual_clip"] = s((A < 0) & (surrogate > -opts.dual_clip * A))
-    else:
-        out["dual_clip"] = zero
-    out["kl"] = s(kl_k3(logprobs, ref_logprobs)) if ref_logprobs is not None else zero
+    out["kl"] = zero
+    if ref_logprobs is not None:
+        out["kl"] = s(kl_k3_corrected(logprobs, ref_logprobs, rho) if opts.use_bias_correction_kl
+                      else kl_k3(logprobs, ref_logprobs))
     if sampler_logprobs is not None:
         w = torch.exp(old_logprobs - sampler_logprobs)
         out["is_weight"] = s(w.clamp(max=opts.tis_cap) if opts.tis_cap is not None else w)
         out["is_capped"] = s(w > opts.tis_cap) if opts.tis_cap is not None else zero
         out["sampler_gap"] = s((old_logprobs - sampler_logprobs).abs())
+        out["sampler_gap_max"] = torch.where(m, (old_logprobs - sampler_logprobs).abs().float(), 0.0).amax()
     else:
         out["is_weight"], out["is_capped"], out["sampler_gap"] = out["tokens"], zero, zero
+        out["sampler_gap_max"] = zero
     return out
 
 
@@ -250,21 +356,28 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss
     ratio_logprobs = sequence_ratio_logprobs(logprobs, old_logprobs, loss_mask) if sequence else logprobs
     kw = dict(eps_low=opts.eps_low, eps_high=opts.eps_high, delta=opts.delta, dual_clip=opts.dual_clip,
               ref_logprobs=None if sequence else ref_logprobs, beta=0.0 if sequence else opts.beta,
-              sampler_logprobs=sampler_logprobs, tis_cap=opts.tis_cap)
+              sampler_logprobs=sampler_logprobs, tis_cap=opts.tis_cap, surrogate=opts.surrogate,
+              tau_pos=opts.sapo_temperature_pos, tau_neg=opts.sapo_temperature_neg,
+              kl_ratio=opts.use_bias_correction_kl)
     token = kernels.grpo_token_loss if kernels.use_triton(logprobs, opts.backend, "the GRPO token loss") else token_loss
     losses = token(ratio_logprobs, old_logprobs, advantages, loss_mask, **kw)   # (B, T) fp32, 0 off the mask
     if sequence and ref_logprobs is not None and opts.beta > 0:  # w_t l_t + beta k3_t, as token_loss adds it
         m = loss_mask.bool()  # padding may hold inf: zero it before the exp (as token_loss does)
-        kl = kl_k3(torch.where(m, logprobs.float(), 0.0), torch.where(m, ref_logprobs.float(), 0.0))
+        lp, ref = torch.where(m, logprobs.float(), 0.0), torch.where(m, ref_logprobs.float(), 0.0)
+        if opts.use_bias_correction_kl:  # TRL's coef_1 at the sequence level: the sequence's ratio
+            rho = torch.exp(torch.where(m, ratio_logprobs.float() - old_logprobs.float(), 0.0))
+            kl = kl_k3_corrected(lp, ref, rho)
+        else:
+            kl = kl_k3(lp, ref)
         losses = losses + opts.beta * torch.where(m, kl, 0.0)
     m = loss_mask.float()
-    if opts.loss_type == "grpo":
+    if opts.loss_type in ("grpo", "sapo"):     # TRL aggregates sapo as grpo
         loss = grpo_aggregate(losses, m, num_sequences, world_size)
     elif opts.loss_type == "bnpo":
         loss = bnpo_aggregate(losses, m, num_micro_batches)
     elif opts.loss_type == "dr_grpo":
         loss = dr_grpo_aggregate(losses, m, num_sequences, opts.max_completion_length, world_size)
-    else:
+    else:                                      # dapo, and cispo (TRL aggregates it as dapo)
         loss = dapo_aggregate(losses, m, num_tokens, world_size)
     return loss, loss_metrics(logprobs, old_logprobs, advantages, loss_mask, opts,
                               ref_logprobs, sampler_logprobs, ratio_logprobs=ratio_logprobs)

@@ -2,6 +2,7 @@
 metrics.jsonl (one JSON object per step, flushed at once so a crash loses nothing)."""
 import functools
 import json
+import math
 import os
 
 import torch
@@ -30,8 +31,14 @@ def step_metrics(trajs, rewards, advantages, flat, update: dict, t_gen: float, t
     per_seq = dist.all_gather_cat(torch.cat([rewards[:, None].double().cpu(), A[:, None].cpu(), per_seq], 1))
     rewards, advantages, lengths, truncated, turns = per_seq[:, :5].T
     flat = dist.all_gather_cat(torch.as_tensor(flat, dtype=torch.float64))  # (groups,)
+    G = max(len(rewards) // max(len(flat), 1), 1)
+    scored = rewards[~rewards.isnan()]  # unscorable (NaN): left out of the reward's mean and std, as TRL's nanmean
     out = {
-        "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+        "reward/mean": scored.mean().item() if len(scored) else 0.0,
+        "reward/std": scored.std().item() if len(scored) > 1 else 0.0,
+        # completions every reward term was None for, and groups an infinite reward zeroed (grpo.loss.group_advantages)
+        "reward/unscorable": float(rewards.isnan().sum()),
+        "reward/infinite_groups": float(rewards.isinf().view(-1, G).any(1).sum()),
         "advantage/mean": advantages.mean().item(), "advantage/abs_mean": advantages.abs().mean().item(),
         "completion/len": lengths.mean().item(), "completion/truncated": truncated.mean().item(),
         "completion/turns": turns.mean().item(), "flat_groups": flat.mean().item(),
@@ -47,8 +54,7 @@ def step_metrics(trajs, rewards, advantages, flat, update: dict, t_gen: float, t
     out["update/sequences"] = update.get("sequences", 0.0)
     if torch.cuda.is_available():
         out["memory/max_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    G = len(rewards) // max(len(flat), 1)
-    return out | trl_aliases(out, rewards.view(-1, G).std(1).mean().item() if G > 1 else 0.0, lengths)
+    return out | trl_aliases(out, lengths)
 
 
 # our metric -> TRL GRPOTrainer's name for it (logged under both: a TRL user's dashboards find theirs)
@@ -59,13 +65,12 @@ TRL_ALIASES = {"reward/mean": "reward", "flat_groups": "frac_reward_zero_std",
                "is_weight": "sampling/importance_sampling_ratio/mean"}
 
 
-def trl_aliases(out: dict, group_std: float, lengths) -> dict:
-    """TRL's names for our step metrics; `reward_std` is TRL's: the mean over groups of each
-    group's reward std (our reward/std is the batch's)."""
+def trl_aliases(out: dict, lengths) -> dict:
+    """TRL's names for our step metrics; TRL's `reward_std` is the batch's (nanstd), our reward/std."""
     aliases = {trl: out[ours] for ours, trl in TRL_ALIASES.items() if ours in out}
     if "clip_low" in out and "clip_high" in out:
         aliases["clip_ratio/region_mean"] = out["clip_low"] + out["clip_high"]  # disjoint: A < 0 or A > 0
-    return aliases | {"reward_std": group_std, "completions/min_length": lengths.min().item(),
+    return aliases | {"reward_std": out["reward/std"], "completions/min_length": lengths.min().item(),
                       "completions/max_length": lengths.max().item()}
 
 
@@ -84,7 +89,7 @@ def rollout_records(trajs, rewards, advantages, tokenizer) -> list[dict]:
     out = []
     for t, r, a in zip(trajs, rewards.tolist(), sequence_advantages(advantages, len(trajs)).tolist()):
         out.append({"prompt_index": t.prompt_index, "prompt": tokenizer.decode(t.prompt_ids),
-                    "completion": t.text, "rewards": t.rewards, "reward": r,
+                    "completion": t.text, "rewards": t.rewards, "reward": None if math.isnan(r) else r,
                     "advantage": a,
                     "finish_reason": t.finish_reason, "turns": t.num_turns, "tokens": len(t.completion_ids)})
     return out

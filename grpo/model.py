@@ -353,14 +353,17 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, *, labels: Tensor | None = None,
                 temperature: float = 1.0, cache=None, output_index: Tensor | None = None,
-                return_entropy: bool = False, shared: "SharedPrompts | None" = None):
+                return_entropy: bool = False, shared: "SharedPrompts | None" = None,
+                thresholds: Tensor | None = None):
         """input_ids (B, T) -> logits (B, T, V), or (B, K, V) at `output_index` (B, K).
 
         With `labels` (B, T), the token to score at each position (already shifted; -100 = ignore):
         returns log-probs (B, T) fp32 under softmax(logits / temperature), and the entropy too
         if `return_entropy`. Packed rows: positions that do not count on by one start a new
         document, which attends only to itself. `cache`: the sampler's KV-cache object. `shared`:
-        rows of one prompt and its completions (the update's share_prompt; see SharedPrompts)."""
+        rows of one prompt and its completions (the update's share_prompt; see SharedPrompts).
+        `thresholds` (B, T) with labels: each token's log-prob over its kept set when sampling filtered
+        the vocabulary (grpo.kernels.linear_logprobs' threshold; -inf = the whole vocabulary)."""
         B, T = input_ids.shape
         x = self.embed_tokens(input_ids)  # (B, T, H)
         # packed documents (position ids given, no history to attend to: a packed training batch
@@ -388,7 +391,7 @@ class Transformer(nn.Module):
             from grpo.kernels import linear_logprobs  # Triton on CUDA, chunked torch elsewhere
             # under autocast_bf16 the LM head's gradient matmuls run bf16 too (its forward stays fp32)
             return linear_logprobs(h, self.lm_head.weight, labels, temperature=temperature,
-                                   return_entropy=return_entropy,
+                                   return_entropy=return_entropy, threshold=thresholds,
                                    grad_dtype=torch.bfloat16 if self.autocast_bf16 else None)
         if output_index is not None:  # the sampler's: a few rows, in fp32 as the trainer scores them
             h = h.gather(1, output_index[..., None].expand(-1, -1, h.shape[-1]))  # (B, K, H)
@@ -465,14 +468,14 @@ class Transformer(nn.Module):
         """Write config.json, safetensors (sharded above `max_shard_bytes`), generation_config and the
         tokenizer files of the folder we came from, so that transformers loads the result.
         `state_dict`: a full (unsharded) state dict, as gathered under FSDP; default ours. LoRA adapters
-        are merged into the weights they adapt, before any cast to `dtype` (the weights on disk)."""
+        are merged into the weights they adapt, in `dtype` (default: each base weight's own)."""
         from safetensors.torch import save_file
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = state_dict if state_dict is not None else self.state_dict()
         if self.lora is not None:  # adapters merged: transformers loads a plain model (grpo.lora.save_adapter: PEFT's)
             from grpo.lora import merged_state
-            state = merged_state(state, self.lora)
+            state = merged_state(state, self.lora, dtype)  # summed in fp32, rounded once to `dtype` (default W's)
         if dtype is not None:
             state = {k: v.to(dtype) for k, v in state.items()}
         state = {"model." + k if k != "lm_head.weight" else k: v.detach().contiguous()

@@ -105,6 +105,7 @@ def resume(sampler, call: Call):
         s.token_ids += obs
         s.loss_mask += [0] * len(obs)
         s.logprobs += [0.0] * len(obs)
+        s.thresholds += [float("-inf")] * len(obs)
         s.num_turns, s.turn_start = s.num_turns + 1, len(s.token_ids)
         if len(s.token_ids) >= s.max_tokens:
             sampler.finish(call, s, "length")

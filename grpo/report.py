@@ -69,7 +69,7 @@ def summary(results: dict, steps: int, seconds: float, export_path: str | None) 
     """The run in one record: each eval's mean with its interval, the paired gains over the eval
     before (the same questions, where both have them), steps, minutes, the export."""
     evals = {name: {k: r[k] for k in ("mean", "ci95", "pass", "n", "questions") if k in r}
-             for name, r in results.items()}
+             for name, r in results.items() if name != "sampler_gap"}
     gains = {}
     before = results.get("before", {}).get("per_question")
     for name in ("warmstart", "after"):
@@ -78,7 +78,8 @@ def summary(results: dict, steps: int, seconds: float, export_path: str | None) 
             k = min(len(before), len(after))  # the eval before may be shorter (eval_before_limit)
             gain, ci = paired_gain(before[:k], after[:k])
             gains[f"{name} - before"] = {"gain": gain, "ci95": ci, "questions": k}
-    return {"evals": evals, "gains": gains, "steps": steps, "minutes": seconds / 60, "export": export_path}
+    return {"evals": evals, "gains": gains, "steps": steps, "minutes": seconds / 60, "export": export_path,
+            "sampler_gap": results.get("sampler_gap")}
 
 
 def summary_lines(s: dict) -> list[str]:
@@ -90,6 +91,10 @@ def summary_lines(s: dict) -> list[str]:
         significant = "" if math.isnan(g["ci95"]) or abs(g["gain"]) <= g["ci95"] else " (past the interval)"
         lines.append(f"  gain {name}: {g['gain']:+.3f} ± {g['ci95']:.3f}, paired over {g['questions']} "
                      f"questions{significant}")
+    gap = s.get("sampler_gap")
+    if gap:  # how far the update's old log-probs were from the sampler's: ~1e-6 in fp32, exactly on-policy
+        lines.append(f"  sampler-trainer gap: mean {gap['mean']:.2e}, max {gap['max']:.2e} |log-prob| over "
+                     f"{gap['tokens']:.0f} sampled tokens")
     lines.append(f"  export: {s['export']}" if s["export"] else "  export: none (--export false, or stopped)")
     return lines
 

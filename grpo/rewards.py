@@ -8,7 +8,10 @@ TRL's calling convention (its GRPOTrainer docs, "Using a custom reward function"
   tool turns included for a multi-turn env);
 - every other dataset column as a keyword list, one entry per completion (`answer=[...]`);
 - None: "not applicable to this sample"; it is left out of the weighted sum (TRL sums with
-  nansum) and of the term's logged mean.
+  nansum) and of the term's logged mean. A completion that every function returns None for is
+  unscorable: its reward is NaN, not 0, so that, as in TRL's GRPOTrainer, it is left out of its
+  group's mean and std and gets advantage 0 (grpo.loss.group_advantages), and it is counted
+  (`reward/unscorable`).
 RewardFunctionsEnv is an env (grpo.trainer.train's protocol) over such functions; `base`, an
 env of our own protocol, can supply the prompts and the tool (step, stop_strings, ...) while
 the functions score. `--reward_funcs` names become functions in grpo/cli/reward_funcs.py.
@@ -102,8 +105,16 @@ def completion_messages(trajectory, role: str = "tool") -> list[dict]:
     return out
 
 
+def unscorable(terms: dict | None) -> bool:
+    """Every term is None (and there is one): TRL's unscorable completion, whose reward is NaN."""
+    return bool(terms) and all(v is None for v in terms.values())
+
+
 def weighted_sum(terms: dict, weights: dict) -> float:
-    """sum of weight x term over the terms that apply (None: skipped, as TRL's nansum); weight 1 if unnamed."""
+    """sum of weight x term over the terms that apply (None: skipped, as TRL's nansum); weight 1 if
+    unnamed; NaN where none applies (unscorable)."""
+    if unscorable(terms):
+        return math.nan
     return sum(weights.get(k, 1.0) * v for k, v in terms.items() if v is not None)
 
 

@@ -23,7 +23,7 @@ class Trajectory:
     prompt_ids: list[int]
     completion_ids: list[int]     # sampled and injected, up to and including the stop token
     loss_mask: list[int]          # 1 on sampled tokens, 0 on injected ones
-    sampler_logprobs: list[float]
+    sampler_logprobs: list[float]  # of the distribution sampled (the kept set under top_p/top_k/min_p)
     finish_reason: str            # stop | length | turns
     num_turns: int
     text: str = ""                # the whole decoded completion, observations included
@@ -32,6 +32,7 @@ class Trajectory:
     rewards: dict = field(default_factory=dict)            # named terms from env.reward
     reward: float = 0.0           # their weighted sum
     answered: bool = False        # cut at the token limit after it answered (assign_rewards(): env.answered)
+    kept_thresholds: list[float] = field(default_factory=list)  # per token, the kept set (sampling.py); [] = all
 
 
 def render_prompt(tokenizer, messages: list[dict] | str, **chat_kwargs) -> list[int]:
@@ -146,14 +147,14 @@ class _ToolState:
 
 def sampling_params(env, tokenizer, G: int, temperature: float, max_tokens: int, seed: int,
                     top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-                    max_turns: int = 0, max_turn_tokens: int = 0) -> SamplingParams:
+                    max_turns: int = 0, max_turn_tokens: int = 0, kept_set: bool = True) -> SamplingParams:
     """max_turns: assistant turns per episode for a tool env; 0 = the env's own max_turns.
     max_turn_tokens: tokens one assistant turn may sample; 0 = only max_tokens bounds it."""
     tool_stops = list(getattr(env, "stop_strings", []))
     return SamplingParams(n=G, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                           max_tokens=max_tokens, seed=seed, tool_stop_strings=tool_stops,
                           max_turns=(max_turns or getattr(env, "max_turns", 1)) if tool_stops else 1,
-                          max_turn_tokens=max_turn_tokens)
+                          max_turn_tokens=max_turn_tokens, kept_set=kept_set)
 
 
 def rollout(sampler: Sampler, tokenizer, env, examples: list[dict], params: SamplingParams,
@@ -182,6 +183,7 @@ def rollout(sampler: Sampler, tokenizer, env, examples: list[dict], params: Samp
             example=examples[i // G], prompt_index=prompt_offset + i // G, prompt_ids=prompts[i // G],
             completion_ids=list(c.token_ids), loss_mask=list(c.loss_mask), sampler_logprobs=list(c.logprobs),
             finish_reason=c.finish_reason, num_turns=c.num_turns,
+            kept_thresholds=list(c.thresholds) if any(h > float("-inf") for h in c.thresholds) else [],
             text=tokenizer.decode(c.token_ids, skip_special_tokens=True),
             turns=turns, observations=st.observations))
     return trajectories

@@ -20,6 +20,7 @@ class SamplingParams:
     max_turns: int = 8              # assistant turns; one more tool call ends the row with "turns"
     max_turn_tokens: int = 0        # tokens one assistant turn may sample (ends the row: "length"); 0 = no limit
     seed: int | None = None         # None = drawn from torch's global generator
+    kept_set: bool = True           # filtered: log-probs over the kept set, renormalised (False: the full vocabulary)
 
     def __post_init__(self):
         checks = [(self.n >= 1, "n >= 1"), (self.temperature >= 0, "temperature >= 0"),
@@ -37,10 +38,12 @@ class Completion:
     sample_index: int
     token_ids: list[int] = field(default_factory=list)  # after the prompt: sampled and injected
     loss_mask: list[int] = field(default_factory=list)  # 1 on sampled tokens, 0 on injected ones
-    logprobs: list[float] = field(default_factory=list)  # log softmax(logits / T), 0 on injected
+    logprobs: list[float] = field(default_factory=list)  # log softmax(logits / T) over the kept set, 0 on injected
     finish_reason: str = ""         # "stop" | "length" | "turns" | "error" (bad request or tool failure)
     num_turns: int = 1
     error: str | None = None
+    # per token, the kept set's threshold on logits / T (grpo/sampling.py); -inf: the whole vocabulary
+    thresholds: list[float] = field(default_factory=list)
 
 
 class Row(Completion):  # a request in flight: a Completion plus where it lives
@@ -81,4 +84,4 @@ def turn_limit(call: Call, s: Row) -> int:
 
 def public(s: Row) -> Completion:
     return Completion(s.prompt_index, s.sample_index, s.token_ids, s.loss_mask, s.logprobs, s.finish_reason,
-                      s.num_turns, s.error)
+                      s.num_turns, s.error, s.thresholds)

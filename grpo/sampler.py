@@ -99,7 +99,8 @@ class Sampler:
         self.state = DecodeState(slots, self.window, self.model.args.vocab_size, self.device)
         pin = self.device.type == "cuda"  # page-locked: the copies back overlap the next window
         self.host_out = [[torch.empty(slots, self.window, dtype=t.dtype, pin_memory=pin)
-                          for t in (self.state.out_tok, self.state.out_lp, self.state.out_ok)] for _ in range(2)]
+                          for t in (self.state.out_tok, self.state.out_lp, self.state.out_ok, self.state.out_thr)]
+                         for _ in range(2)]
 
     def release(self, weights: bool = True):
         """Free the KV cache, the graphs that read it and the resident decode weights (a second copy
@@ -238,15 +239,19 @@ class Sampler:
         st, p = self.state, call.params
         keys = to_device([s.key for s in seqs], self.device)
         steps = to_device([len(s.token_ids) for s in seqs], self.device)
-        tok, lp = sample(logits, keys, steps, p.temperature, p.top_k, p.top_p, p.min_p)
-        tok, lp = tok.tolist(), lp.tolist()  # host sync
-        go = [s for s, t, l in zip(seqs, tok, lp) if not self._accept(call, s, [t], [l])]
-        if go:
-            idx = to_device([s.slot for s in go], self.device)
-            new = to_device([[s.token_ids[-1], len(s.prompt) + len(s.token_ids) - 1, len(s.token_ids),
-                              turn_limit(call, s), s.key] for s in go], self.device)
-            st.tok[idx], st.pos[idx], st.ntok[idx], st.max_tokens[idx], st.key[idx] = new.T
-            st.active[idx] = True
+        tok, lp, thr = sample(logits, keys, steps, p.temperature, p.top_k, p.top_p, p.min_p, p.kept_set, True)
+        tok, lp, thr = tok.tolist(), lp.tolist(), thr.tolist()  # host sync
+        go = [not self._accept(call, s, [t], [l], [h]) for s, t, l, h in zip(seqs, tok, lp, thr)]
+        # every row's state, not only those that go on: a decode step computes inactive slots too and
+        # writes their k, v at their `pos`. A row whose first token was a tool call kept the slot's stale
+        # pos, and the writes there overwrote its prompt's keys (its next tokens drew from a corrupted
+        # cache: seen as a sampler-trainer gap of ~3 nats on the tokens after its observation). At its
+        # own next position they write the very key and value that resume() writes there anyway.
+        idx = to_device([s.slot for s in seqs], self.device)
+        new = to_device([[s.token_ids[-1], len(s.prompt) + len(s.token_ids) - 1, len(s.token_ids),
+                          turn_limit(call, s), s.key] for s in seqs], self.device)
+        st.tok[idx], st.pos[idx], st.ntok[idx], st.max_tokens[idx], st.key[idx] = new.T
+        st.active[idx] = to_device(go, self.device, torch.bool)
 
     # ------------------------------------------------------------------------- 3. decode
 
@@ -273,7 +278,7 @@ class Sampler:
                 decode_step(self.weights, self.cache, st, call.params, num_slots, cache_len, column)
         # the window's outputs to host memory (asynchronous on CUDA), with who was in each slot
         out = self.host_out[call.launched % 2]
-        for host, dev in zip(out, (st.out_tok, st.out_lp, st.out_ok)):
+        for host, dev in zip(out, (st.out_tok, st.out_lp, st.out_ok, st.out_thr)):
             host[:num_slots].copy_(dev[:num_slots], non_blocking=True)
         done = torch.cuda.Event() if self.device.type == "cuda" else None
         if done is not None:
@@ -295,12 +300,12 @@ class Sampler:
             done.synchronize()  # host sync: once per window
         # a row's accepted tokens are a prefix of the window (once retired on device it stays
         # retired), so a row takes its first `ok` columns at once
-        toks, lps, oks = (t[:num_slots].tolist() for t in out)
+        toks, lps, oks, thrs = (t[:num_slots].tolist() for t in out)
         stopped = []
         for slot, s, epoch in rows:
             k = sum(oks[slot])
             self.rows_live += k
-            if k and s.epoch == epoch and self._accept(call, s, toks[slot][:k], lps[slot][:k]):
+            if k and s.epoch == epoch and self._accept(call, s, toks[slot][:k], lps[slot][:k], thrs[slot][:k]):
                 stopped.append(s.slot)
         if stopped:  # stop strings are found here, not on device: retire those rows there too
             self.state.active[to_device(stopped, self.device)] = False
@@ -346,7 +351,7 @@ class Sampler:
 
     # ------------------------------------------------------------------------- 4. finish
 
-    def _accept(self, call: Call, s: Row, toks: list[int], lps: list[float]) -> bool:
+    def _accept(self, call: Call, s: Row, toks: list[int], lps: list[float], thrs: list[float]) -> bool:
         """Append a row's sampled tokens (one window's, in order); True when the row stops decoding
         (finished, or in a tool call). The device retires a row at a stop id and at max_tokens, so
         only the last token can end it that way; a stop string can end it earlier, found at the
@@ -355,11 +360,12 @@ class Sampler:
         s.token_ids += toks
         s.loss_mask += [1] * len(toks)
         s.logprobs += lps
+        s.thresholds += thrs
         is_tool = is_stop = False
         found = find_stop_string(self.tokenizer, call, s, start) if call.tail else None  # grpo/stops.py
         if found:
             j, is_tool, is_stop = found
-            del s.token_ids[j + 1:], s.loss_mask[j + 1:], s.logprobs[j + 1:]  # the tokens after it are dropped
+            del s.token_ids[j + 1:], s.loss_mask[j + 1:], s.logprobs[j + 1:], s.thresholds[j + 1:]  # dropped
         last = s.token_ids[-1]
         is_tool, is_stop = is_tool or last in call.tool_stops, is_stop or last in call.stops
         # the turn's own limit ends a turn that is not a tool call; a call that closes on it still runs

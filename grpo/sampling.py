@@ -19,6 +19,16 @@ No generator state is carried: a request draws the same tokens in any batch, slo
 and the whole step stays on device with no host sync. On CUDA with no filter set, the same
 rule runs as one fused Triton pass over the logits (grpo.kernels.fused_sample: the same
 tokens, without the (B, V) int64 noise buffer).
+
+The log-prob reported with a token is of the distribution it was drawn from: softmax(logits / T)
+renormalised over the kept set when a filter is set (the ratio of an unchanged policy is then 1;
+scoring the full vocabulary instead biases it below 1: a mean ratio of ~0.9 at top_p 0.8, reported
+for other trainers). Every kept set is a top set of z = logits / T (ties at its edge all kept), so one
+number per token defines it: the threshold, midway between the smallest kept z and the largest
+dropped one, returned with `return_threshold` and recorded by the sampler. The trainer scores
+{v : z_v >= threshold} plus the sampled token with its own logits (grpo.kernels.linear_logprobs'
+`threshold`): 4 bytes a token instead of the kept ids, and the midpoint keeps the set the same
+under the two sides' rounding unless a logit lies within it of the gap's middle.
 """
 import math
 
@@ -56,9 +66,11 @@ def filter_mask(logp: Tensor, top_k: int, top_p: float, min_p: float) -> Tensor:
         if top_k > 0:
             srt = srt.masked_fill(torch.arange(srt.shape[-1], device=srt.device) >= top_k, float("-inf"))
         p = srt.softmax(-1)
-        # keep a token if the mass strictly before it is below top_p (so the crossing one stays)
+        # keep a token if the mass strictly before it is below top_p (so the crossing one stays),
+        # and every token tied with the last kept one: the kept set is {logp >= its smallest}
         keep_sorted = (p.cumsum(-1) - p < top_p) & (srt > float("-inf"))
-        keep = keep.scatter(-1, idx, keep_sorted)
+        last = srt.masked_fill(~keep_sorted, float("inf")).amin(-1, keepdim=True)  # (B, 1)
+        keep = logp >= last
     elif top_k > 0 and top_k < logp.shape[-1]:
         kth = logp.topk(top_k, -1).values[:, -1:]  # (B, 1); ties at the k-th value all stay
         keep = logp >= kth
@@ -67,22 +79,41 @@ def filter_mask(logp: Tensor, top_k: int, top_p: float, min_p: float) -> Tensor:
     return keep
 
 
-def sample(logits: Tensor, key: Tensor, step: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
-           min_p: float = 0.0) -> tuple[Tensor, Tensor]:
-    """logits (B, V), request keys (B,), completion positions (B,) -> tokens (B,) int64,
-    logprobs (B,) fp32.
+def kept_threshold(z: Tensor, keep: Tensor) -> Tensor:
+    """(B, V) z and a top-set mask -> (B,) fp32: midway between the smallest kept z and the largest
+    dropped one (-inf when nothing is dropped), so that {z >= threshold} is the kept set."""
+    lo = z.masked_fill(~keep, float("inf")).amin(-1)
+    hi = z.masked_fill(keep, float("-inf")).amax(-1)
+    return torch.where(hi > float("-inf"), lo + (hi - lo) / 2, float("-inf"))
 
-    The logprob is of the chosen token under softmax(logits / temperature) before any
-    filtering: the quantity the trainer recomputes (every log-prob in the loss is of the
-    temperature-scaled full distribution, never the top-k/top-p filtered one). Greedy
-    (temperature 0) reports the temperature-1 logprob."""
+
+def kept_logprobs(z: Tensor, tokens: Tensor, threshold: Tensor) -> Tensor:
+    """(B, V) z, (B,) tokens and thresholds -> (B,) log-probs of the tokens over {z >= threshold}
+    plus the token itself, renormalised: the rule the trainer applies (linear_logprobs' threshold)."""
+    out = (z < threshold[:, None]) & (torch.arange(z.shape[-1], device=z.device) != tokens[:, None])
+    return z.gather(-1, tokens[:, None])[:, 0] - z.masked_fill(out, float("-inf")).logsumexp(-1)
+
+
+def sample(logits: Tensor, key: Tensor, step: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+           min_p: float = 0.0, kept_set: bool = True, return_threshold: bool = False):
+    """logits (B, V), request keys (B,), completion positions (B,) -> tokens (B,) int64,
+    logprobs (B,) fp32 (and thresholds (B,) fp32 if `return_threshold`).
+
+    The logprob is of the chosen token under softmax(logits / temperature), renormalised over the
+    kept set when top-k/top-p/min-p filter the vocabulary (the distribution it was drawn from; the
+    threshold says which set, -inf for the whole vocabulary). `kept_set=False`: the full
+    vocabulary's log-prob whatever the filters (TRL's rule; the threshold is then -inf). Greedy
+    (temperature 0) reports the temperature-1 logprob over the full vocabulary."""
     filtered = top_k > 0 or top_p < 1.0 or min_p > 0.0
+    full = lambda tokens: torch.full(tokens.shape, float("-inf"), device=tokens.device)  # noqa: E731
     if not filtered and _fused(logits):
-        return kernels.fused_sample(logits, key, step, temperature, backend="triton")
+        tokens, lp = kernels.fused_sample(logits, key, step, temperature, backend="triton")
+        return (tokens, lp, full(tokens)) if return_threshold else (tokens, lp)
     logits = logits.float()
     if temperature == 0.0:
         tokens = logits.argmax(-1)
-        return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+        lp = logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+        return (tokens, lp, full(tokens)) if return_threshold else (tokens, lp)
     z = logits / temperature  # (B, V) fp32
     keep = filter_mask(z, top_k, top_p, min_p) if filtered else None
     # CPU: the race a few rows at a time (~4 MiB of int64), so the hash's passes stay in cache
@@ -90,7 +121,12 @@ def sample(logits: Tensor, key: Tensor, step: Tensor, temperature: float, top_k:
     n = len(z) if kernels.gpu(z) else max(1, (1 << 19) // z.shape[-1])
     pieces = [slice(r, r + n) for r in range(0, len(z), n)]
     tokens = torch.cat([_race(z[r], key[r], step[r], None if keep is None else keep[r]) for r in pieces])
-    return tokens, z.gather(-1, tokens[:, None])[:, 0] - z.logsumexp(-1)
+    if keep is None or not kept_set:
+        lp, threshold = z.gather(-1, tokens[:, None])[:, 0] - z.logsumexp(-1), full(tokens)
+    else:
+        threshold = kept_threshold(z, keep)
+        lp = kept_logprobs(z, tokens, threshold)
+    return (tokens, lp, threshold) if return_threshold else (tokens, lp)
 
 
 HEAD_CHUNK = 2048  # LM-head rows per step of sample_hidden's loop: a (48 x 2048) fp32 block stays in cache
@@ -98,7 +134,7 @@ HEAD_CHUNK = 2048  # LM-head rows per step of sample_hidden's loop: a (48 x 2048
 
 def sample_hidden(hidden: Tensor, weight: Tensor, key: Tensor, step: Tensor, temperature: float, top_k: int = 0,
                   top_p: float = 1.0, min_p: float = 0.0, chunk: int = HEAD_CHUNK,
-                  packed: list | None = None) -> tuple[Tensor, Tensor]:
+                  packed: list | None = None, kept_set: bool = True, return_threshold: bool = False):
     """sample(hidden @ weight.T, ...) from the last hidden states (B, H) and the LM head (V, H): the
     same tokens. On a CPU with no filter set the vocabulary goes `chunk` rows at a time, each chunk's
     logits, noise, race and log-sum-exp computed while its (B, chunk) block is in cache, so no (B, V)
@@ -110,7 +146,8 @@ def sample_hidden(hidden: Tensor, weight: Tensor, key: Tensor, step: Tensor, tem
     assert packed is None or chunk == HEAD_CHUNK, "packed LM-head blocks are HEAD_CHUNK rows each"
     filtered = top_k > 0 or top_p < 1.0 or min_p > 0.0
     if filtered or kernels.gpu(hidden):  # fp32 logits (V of them a row) from the LM head's dtype
-        return sample(lm_logits(hidden, weight), key, step, temperature, top_k, top_p, min_p)
+        return sample(lm_logits(hidden, weight), key, step, temperature, top_k, top_p, min_p, kept_set,
+                      return_threshold)
     hidden, V = hidden.to(weight.dtype), weight.shape[0]
     if temperature > 0.0:  # the noise's inputs once a step, not once a chunk: the seeds' and the vocabulary's bits
         seed32, weyl = int32_bits(noise_seed(key, step)), weyl_bits(0, V, hidden.device)
@@ -129,7 +166,8 @@ def sample_hidden(hidden: Tensor, weight: Tensor, key: Tensor, step: Tensor, tem
         lse.append(z.logsumexp(-1))
     c = torch.stack(best, -1).argmax(-1, keepdim=True)  # (B, 1): the winning chunk
     tokens = torch.stack(where, -1).gather(-1, c)[:, 0]
-    return tokens, torch.stack(picked, -1).gather(-1, c)[:, 0] - torch.stack(lse, -1).logsumexp(-1)
+    lp = torch.stack(picked, -1).gather(-1, c)[:, 0] - torch.stack(lse, -1).logsumexp(-1)
+    return (tokens, lp, torch.full_like(lp, float("-inf"))) if return_threshold else (tokens, lp)
 
 
 def _fused(logits: Tensor) -> bool:

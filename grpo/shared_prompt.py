@@ -67,6 +67,12 @@ def shared_prompt_batch(rows: list[list], device) -> dict:
             mask[n, 0, :, Pm:] = causal    # its own segment, causally (padded queries read its first token)
             s, n = s + C + 1, n + 1
     out = dict(input_ids=input_ids, position_ids=position_ids, labels=labels, index=index)
+    if any(t.kept_thresholds for r in rows for t in r):  # each token's kept set, as grpo/update.py's collate
+        out["thresholds"] = torch.full((R * L,), float("-inf"))
+        for n, t in enumerate(t for r in rows for t in r):
+            P, C = len(t.prompt_ids), len(t.kept_thresholds)
+            out["thresholds"][index[n, P - 1:P - 1 + C]] = torch.tensor(t.kept_thresholds)
+        out["thresholds"] = out["thresholds"].view(R, L)
     return {k: v.to(device) for k, v in out.items()} | {
         "layout": SharedPrompts(prompt_at, segment_at, segment_row, mask).to(device)}
 

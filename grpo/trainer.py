@@ -31,14 +31,15 @@ from grpo.cpu import measure, set_autocast, set_threads, trim
 from grpo.eval import evaluate, run_eval_settings, summarize
 from grpo.fallback import kernels_of
 from grpo.kv_cache import KVCache
-from grpo.lora import (BaseModel, adapter_settings, add_lora, cast_base, load_adapter, read_adapter, settings_of,
-                       trainable)
+from grpo.lora import (BaseModel, adapter_settings, adapters, add_lora, cast_base, load_adapter, read_adapter,
+                       settings_of, trainable)
 from grpo.loss import group_advantages, overlong_penalty
 from grpo.memory import GIB, GPU_MEMORY_GIB, Plan, memory_of_cpu, memory_plan, model_config, size, what_fits
 from grpo.metrics import Logger, credit_metrics, rollout_records, step_metrics
 from grpo.model import ModelArgs, Transformer, _local_or_hub
 from grpo.preflight import preflight
 from grpo.report import check_reporters, open_trackers, reporters, write_summary
+from grpo.rewards import unscorable
 from grpo.rollout import assign_rewards, rollout, sampling_params
 from grpo.sampler import Sampler
 from grpo.sft import warm_start
@@ -117,6 +118,7 @@ def grpo_step(run: Run, step: int) -> tuple[list, torch.Tensor, torch.Tensor, di
     if run.device.type == "cpu":
         trim()  # the update's freed activations back to the OS (the allocator kept GBs of them)
     t2 = time.time()
+    track_gap(run.results, update)
     metrics = step_metrics(trajs, rewards, advantages, flat_groups(rewards.tolist(), cfg.num_generations), update,
                            t1 - t0, t2 - t1 - t_credit, run.scheduler.get_last_lr()[0])
     metrics |= credit_metrics(run.credit, t1 - t0, t_credit)
@@ -163,8 +165,10 @@ def scored_rollouts(sampler, tokenizer, env, params, chat_kwargs: dict, weights:
 
 def final_rewards(trajs: list, cfg: Config) -> torch.Tensor:
     """(N,) the rewards advantages come from: the env's weighted terms, plus DAPO's overlong
-    penalty when configured (it can make a group of equal env rewards informative)."""
-    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    penalty when configured (it can make a group of equal env rewards informative). NaN where every
+    term is None (unscorable): group_advantages leaves it out of its group and gives it 0, as TRL."""
+    rewards = torch.tensor([math.nan if unscorable(getattr(t, "rewards", None)) else t.reward for t in trajs],
+                           dtype=torch.float32)
     if cfg.overlong_buffer > 0:
         lengths = torch.tensor([len(t.completion_ids) for t in trajs], dtype=torch.float32)
         rewards = rewards + overlong_penalty(lengths, cfg.max_completion_length, cfg.overlong_buffer)
@@ -172,10 +176,12 @@ def final_rewards(trajs: list, cfg: Config) -> torch.Tensor:
 
 
 def flat_groups(rewards, G: int) -> list[bool]:
-    """Per group of G consecutive rewards: are they all equal? A flat group has zero advantage
-    (exactly: grpo.loss.group_advantages) and teaches nothing."""
+    """Per group of G consecutive rewards: are its scorable (not NaN) rewards all equal, or fewer
+    than 2, or is one infinite? Such a group has zero advantage (exactly: grpo.loss.group_advantages)
+    and teaches nothing."""
     rewards = [float(r) for r in rewards]
-    return [len(set(rewards[i:i + G])) == 1 for i in range(0, len(rewards), G)]
+    scorable = [[r for r in rewards[i:i + G] if not math.isnan(r)] for i in range(0, len(rewards), G)]
+    return [len(set(g)) <= 1 or any(math.isinf(r) for r in g) for g in scorable]
 
 
 def refill(trajs: list, share: int, G: int, step: int, cfg: Config, sample, examples: list) -> list:
@@ -218,9 +224,10 @@ def check_inputs(cfg: Config, env, train_examples: list, sft_examples: list):
     check_reporters(cfg.report_to)
     if not train_examples:
         raise ValueError("no training examples: the dataset is empty")
-    if (cfg.prompts_per_step // world) % cfg.steps_per_generation:
-        raise ValueError(f"steps_per_generation={cfg.steps_per_generation} must divide the prompts each rank "
-                         f"samples ({cfg.prompts_per_step} / {world}): each optimizer step takes whole groups")
+    if (cfg.prompts_per_step // world) % cfg.optimizer_steps():
+        raise ValueError(f"steps_per_generation / gradient_accumulation_steps = {cfg.optimizer_steps()} optimizer "
+                         f"steps must divide the prompts each rank samples ({cfg.prompts_per_step} / {world}): "
+                         "each optimizer step takes whole groups")
     if cfg.prompts_per_step % world:
         raise ValueError(f"prompts_per_step={cfg.prompts_per_step} must be a multiple of the world size "
                          f"{world} (each rank samples prompts_per_step / world size prompts)")
@@ -279,6 +286,14 @@ def build(cfg: Config, device, extra: list = ()) -> tuple:
         n = sum(p.numel() for p in trainable(model))
         dist.print0(f"LoRA: r {cfg.lora_r}, alpha {cfg.lora_alpha} on {cfg.lora_target_modules}: {n / 1e6:.2f}M "
                     f"trainable parameters ({n / sum(p.numel() for p in model.parameters()):.2%})")
+        if cfg.disable_dropout and cfg.lora_dropout:  # the sampler never drops: a dropped forward scores another policy
+            for m in adapters(model):
+                m.dropout = 0.0
+            dist.print0(f"LoRA: lora_dropout {cfg.lora_dropout} not applied (disable_dropout; --disable_dropout false "
+                        "applies it)")
+        elif cfg.lora_dropout:
+            dist.print0(f"LoRA: lora_dropout {cfg.lora_dropout} in the update's forward; old log-probs from a no-grad "
+                        "pass without it (the ratio carries dropout's noise)")
     model.activation_checkpointing = cfg.gradient_checkpointing
     # the sampler and the evals run this same model; rank 0's measurement decides for every rank
     rates = lambda: dist.broadcast(measure(model.args.dim, model.args.ffn_dim) if dist.is_main() else None)  # noqa: E731
@@ -297,7 +312,7 @@ def build(cfg: Config, device, extra: list = ()) -> tuple:
         dist.shard(ref_model, compute_dtype)
     optimizer = torch.optim.AdamW(trainable(model), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                   eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
-    total_steps = cfg.max_steps * cfg.num_iterations * cfg.steps_per_generation  # optimizer steps
+    total_steps = cfg.max_steps * cfg.num_iterations * cfg.optimizer_steps()  # optimizer steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
     # the KV cache takes the dtype of the weights it reads (bf16 under FSDP on GPU); sized per
     # call (rollouts and evals, whose few-shot prompts may be longer), so check the budget now
@@ -457,7 +472,8 @@ def _train(run: Run) -> dict:
         run_eval(run, "after", steps_done)
         if export_dir:  # merged weights (transformers loads them); under LoRA also the adapters (PEFT loads them)
             export(run.model, export_dir, adapter_dir=os.path.join(cfg.output_dir, "adapter") if cfg.use_peft else None,
-                   base_model=cfg.model_path)
+                   base_model=cfg.model_path,
+                   dtype=None if cfg.export_dtype == "auto" else getattr(torch, cfg.export_dtype))
     if dist.is_main():  # before -> after with intervals, the paired gain, the export: printed and summary.json
         write_summary(cfg.output_dir, results, steps_done, time.time() - run.t_run, export_dir)
     run.ckpt.close()
@@ -501,7 +517,8 @@ def start_run(cfg: Config, env, train_examples: list, eval_examples, reward_weig
         if plan:
             plan.eval_q = eval_q
     params = sampling_params(env, tokenizer, cfg.num_generations, cfg.temperature, cfg.max_completion_length,
-                             cfg.seed, cfg.top_p, cfg.top_k, cfg.min_p, cfg.max_turns)
+                             cfg.seed, cfg.top_p, cfg.top_k, cfg.min_p, cfg.max_turns,
+                             kept_set=cfg.logprobs_kept_set)
     rollouts = functools.partial(scored_rollouts, sampler, tokenizer, env, params,
                                  dict(enable_thinking=cfg.enable_thinking), reward_weights)
     return Run(cfg=cfg, env=env, eval_env=eval_env or env, train_examples=train_examples,
@@ -573,6 +590,15 @@ def rl_time_budget(run: Run, t_start: float) -> float | None:
         dist.print0(f"RL: {budget_s / 60:.1f} min of the budget left (the last evals planned at {last_eval / 60:.1f} "
                     f"min); at least {min(run.budget.min_rl_steps, run.cfg.max_steps - run.start)} steps (min_rl_steps)")
     return budget_s
+
+
+def track_gap(results: dict, update: dict):
+    """The run's sampler-trainer gap, |old log-prob - the sampler's| over every sampled token so far
+    (mean and max), kept with the eval results: a checkpoint holds it, and summary.json reports it."""
+    g = results.setdefault("sampler_gap", {"mean": 0.0, "max": 0.0, "tokens": 0.0})
+    n = update["tokens"]
+    g["mean"] = (g["mean"] * g["tokens"] + update["sampler_gap"] * n) / max(g["tokens"] + n, 1.0)
+    g["max"], g["tokens"] = max(g["max"], update["sampler_gap_max"]), g["tokens"] + n
 
 
 def log_step(run: Run, steps_done: int, metrics: dict, seconds: float, bar, batch: tuple):

@@ -4,8 +4,10 @@
 1. Old log-probs come from one no-grad pass before the mu updates; with mu = 1 they equal the
    current log-probs detached (rho = 1) and that pass is skipped.
 2. Log-probs come from the model's `labels=` path (fused LM head: no logits tensor).
-3. All loss normalizers (sequences, tokens) are counted over the whole optimizer step, every
-   micro-batch and every rank, so accumulation and world size never change the gradient.
+3. Loss normalizers are counted over every micro-batch and every rank, so accumulation and
+   world size never change the gradient: sequences over the optimizer step, and tokens (DAPO) as
+   TRL counts them, over the whole batch of rollouts divided by its S optimizer steps, the same
+   divisor for each (a step's own count would weigh a token more in a step of short completions).
 4. A sequence whose advantages are all zero has zero loss and zero gradient (without a KL
    term, and not under BNPO): it is left out of the forward and backward, and still counted.
 5. share_prompt: the sequences of one prompt share one row, the prompt computed once
@@ -19,6 +21,7 @@ import torch
 
 from grpo import dist
 from grpo.config import Config
+from grpo.lora import has_dropout
 from grpo.loss import LossOptions, policy_loss
 from grpo.progress import bar
 from grpo.shared_prompt import prompt_rows, shared_prompt_batch
@@ -56,6 +59,11 @@ def collate(trajs: list, device) -> dict:
         sampler_logprobs[b, P - 1:P + C - 1] = torch.tensor(t.sampler_logprobs)
     labels[loss_mask == 0] = -100  # injected tokens are never scored
     out = dict(input_ids=input_ids, labels=labels, loss_mask=loss_mask, sampler_logprobs=sampler_logprobs)
+    if any(t.kept_thresholds for t in trajs):  # sampled with top_p/top_k/min_p: score each token's kept set
+        out["thresholds"] = torch.full((B, T), float("-inf"))  # (B, T) on logits / T; -inf = the vocabulary
+        for b, t in enumerate(trajs):
+            P, C = len(t.prompt_ids), len(t.kept_thresholds)
+            out["thresholds"][b, P - 1:P + C - 1] = torch.tensor(t.kept_thresholds)
     return {k: v.to(device) for k, v in out.items()}
 
 
@@ -64,9 +72,10 @@ def sequence_logprobs(model, b: dict, temperature: float, return_entropy: bool =
     or from its shared-prompt rows (b["prompt_rows"]) gathered back into that layout."""
     shared = b.get("prompt_rows")
     if shared is None:
-        return model(b["input_ids"], labels=b["labels"], temperature=temperature, return_entropy=return_entropy)
+        return model(b["input_ids"], labels=b["labels"], temperature=temperature, return_entropy=return_entropy,
+                     thresholds=b.get("thresholds"))
     out = model(shared["input_ids"], shared["position_ids"], labels=shared["labels"], temperature=temperature,
-                return_entropy=return_entropy, shared=shared["layout"])
+                return_entropy=return_entropy, shared=shared["layout"], thresholds=shared.get("thresholds"))
     unpack = lambda x: torch.cat([x.reshape(-1), x.new_zeros(1)])[shared["index"]]  # noqa: E731
     return tuple(unpack(x) for x in out) if return_entropy else unpack(out)
 
@@ -143,7 +152,9 @@ def loss_options(cfg: Config) -> LossOptions:
     return LossOptions(loss_type=cfg.loss_type, eps_low=cfg.epsilon, eps_high=cfg.clip_high(),
                        delta=cfg.delta or None, dual_clip=cfg.dual_clip or None, beta=cfg.beta,
                        tis_cap=cfg.tis_cap or None, max_completion_length=cfg.max_completion_length,
-                       importance_sampling_level=getattr(cfg, "importance_sampling_level", "token"))
+                       importance_sampling_level=getattr(cfg, "importance_sampling_level", "token"),
+                       use_bias_correction_kl=cfg.use_bias_correction_kl, sapo_temperature_pos=cfg.sapo_temperature_pos,
+                       sapo_temperature_neg=cfg.sapo_temperature_neg)
 
 
 def progress_bar(total: int):
@@ -180,31 +191,36 @@ def optimizer_step(model, optimizer, scheduler, cfg: Config) -> tuple[float, boo
 
 def policy_update(model, ref_model, optimizer, scheduler, trajs: list, advantages: torch.Tensor, cfg: Config,
                   device, opts: LossOptions | None = None) -> dict:
-    """mu x S optimizer steps over one batch of trajectories: S = steps_per_generation mini-batches
-    of whole groups (TRL's name), each an optimizer step, mu passes over them. With mu > 1 or
-    S > 1 the old log-probs are the rollout policy's, computed once before any step. Returns the
-    update's metrics over the global batch: per-token means (ratio, clip and IS rates, kl,
-    entropy, sampler_gap), the loss, the mean grad norm, skipped updates, and counts (tokens,
-    sequences trained on)."""
+    """mu x S optimizer steps over one batch of trajectories: S = cfg.optimizer_steps() mini-batches
+    of whole groups (TRL's steps_per_generation / gradient_accumulation_steps), each an optimizer
+    step, mu passes over them. With mu > 1 or S > 1 the old log-probs are the rollout policy's,
+    computed once before any step. Returns the update's metrics over the global batch: per-token
+    means (ratio, clip and IS rates, kl, entropy, sampler_gap), the loss, the mean grad norm,
+    skipped updates, and counts (tokens, sequences trained on)."""
     opts = opts or loss_options(cfg)
-    world, S, G = dist.world_size(), cfg.steps_per_generation, cfg.num_generations
+    world, S, G = dist.world_size(), cfg.optimizer_steps(), cfg.num_generations
     groups = len(trajs) // G
     assert S == 1 or groups * G == len(trajs) and groups % S == 0, \
-        f"{len(trajs)} sequences on this rank cannot split into steps_per_generation={S} sets of whole groups"
-    steps = []  # per mini-batch: its micro-batches and its normalizers (every sequence, all ranks)
+        f"{len(trajs)} sequences on this rank cannot split into {S} optimizer steps of whole groups"
+    # TRL's DAPO divisor: the batch's loss tokens over all ranks / S (grpo_trainer.py, _compute_loss:
+    # num_items_in_batch / num_processes x gradient_accumulation_steps / steps_per_generation, per rank)
+    num_tokens = dist.all_sum(float(sum(sum(t.loss_mask) for t in trajs if not masked_out(t, cfg)))) / S
+    steps = []  # per mini-batch: its micro-batches and its normalizers (all ranks)
     for c in range(S):
         rows = list(range(c * groups // S * G, (c + 1) * groups // S * G)) if S > 1 else list(range(len(trajs)))
         sub, adv = [trajs[i] for i in rows], advantages[rows]
         num_sequences = dist.all_sum(float(len(sub)))
-        num_tokens = dist.all_sum(float(sum(sum(t.loss_mask) for t in sub if not masked_out(t, cfg))))
         steps.append((update_batches(sub, adv, cfg, device), num_sequences, num_tokens))
-    from_rollout = cfg.num_iterations > 1 or S > 1  # else old = the current policy, detached (rho = 1)
+    # else old = the current policy, detached (rho = 1). Dropout in the policy's forward (lora_dropout with
+    # --disable_dropout false): the old log-probs as the sampler ran them, without it, from one no-grad
+    # pass, so that TIS and sampler_gap compare like with like; the ratio then carries dropout's noise
+    from_rollout = cfg.num_iterations > 1 or S > 1 or has_dropout(model)
     training = model.training
     model.eval()  # the old policy and the reference as the sampler ran them: no dropout (LoRA's lora_dropout)
     old = [batch_logprobs(model, b, cfg.temperature) for b, _, _ in steps] if from_rollout else None
     ref = [batch_logprobs(ref_model, b, cfg.temperature) for b, _, _ in steps] if ref_model is not None else None
     model.train(training)
-    sums, grad_norm, skipped = {}, 0.0, 0
+    sums, grad_norm, skipped, gap_max = {}, 0.0, 0, torch.zeros((), device=device)
     total_mbs = cfg.num_iterations * sum(len(b) for b, _, _ in steps)
     bar, t0, done_tokens = progress_bar(total_mbs), time.time(), 0
     for it in range(cfg.num_iterations):
@@ -225,6 +241,7 @@ def policy_update(model, ref_model, optimizer, scheduler, trajs: list, advantage
                 if it == 0:  # what the update trains on, counted once (not per iteration)
                     m["entropy"] = (entropy.detach() * b["loss_mask"]).sum()
                     m["sequences"] = (b["loss_mask"].sum(1) > 0).sum().float()
+                gap_max = torch.maximum(gap_max, m.pop("sampler_gap_max").float())
                 for key, v in m.items():
                     sums[key] = sums.get(key, 0.0) + v.float()          # on device: no sync per micro-batch
             norm, ok = optimizer_step(model, optimizer, scheduler, cfg)
@@ -240,5 +257,6 @@ def policy_update(model, ref_model, optimizer, scheduler, trajs: list, advantage
             # each rank's loss is scaled by world size (FSDP averages gradients): the mean is the global loss
             "loss": total["loss"] / (cfg.num_iterations * S) / world,  # the mean over the optimizer steps
             "grad_norm": grad_norm, "skipped_updates": skipped, "sequences": total["sequences"],
-            "tokens": per_token_iter / cfg.num_iterations, "num_tokens": num_tokens}
+            "tokens": per_token_iter / cfg.num_iterations, "num_tokens": num_tokens,
+            "sampler_gap_max": dist.all_max_floats([gap_max.item()])[0]}  # host sync: once a step
     return out

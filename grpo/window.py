@@ -23,6 +23,7 @@ class DecodeState:
         self.is_stop = torch.zeros(vocab, dtype=torch.bool, device=device)  # stop and tool-stop ids
         self.out_tok = torch.zeros(slots, window, dtype=torch.int64, device=device)  # (slots, window)
         self.out_lp = torch.zeros(slots, window, device=device)
+        self.out_thr = torch.zeros(slots, window, device=device)  # the kept sets' thresholds (grpo/sampling.py)
         self.out_ok = torch.zeros(slots, window, dtype=torch.bool, device=device)
 
 
@@ -34,9 +35,10 @@ def decode_step(weights: DecodeWeights, cache: KVCache, state: DecodeState, para
     st, p, rows = state, params, slice(0, num_slots)
     active, pos = st.active[rows], st.pos[rows]
     y = decode_hidden(weights, cache, st.tok[rows], pos, num_slots, cache_len)  # (num_slots, H)
-    tok, lp = sample_hidden(y, weights.lm_head, st.key[rows], st.ntok[rows], p.temperature, p.top_k, p.top_p,
-                            p.min_p, packed=weights.head)
+    tok, lp, thr = sample_hidden(y, weights.lm_head, st.key[rows], st.ntok[rows], p.temperature, p.top_k, p.top_p,
+                                 p.min_p, packed=weights.head, kept_set=p.kept_set, return_threshold=True)
     st.out_tok[rows, column], st.out_lp[rows, column], st.out_ok[rows, column] = tok, lp, active
+    st.out_thr[rows, column] = thr
     st.tok[rows] = torch.where(active, tok, st.tok[rows])
     st.pos[rows] += active
     st.ntok[rows] += active

@@ -5,7 +5,9 @@ grpo.loss.group_advantages (it runs this kernel for CUDA rewards).
     A_i = (r_i - mean_group(r)) / (std + 1e-4)    std unbiased, of the group or of the batch
     A_i = r_i - mean_group(r)                      (scale "none", Dr. GRPO)
 A group whose rewards are all equal gets exactly 0: its mean is not always exactly
-representable (0.1 x 8), and r - mean would leave a tiny advantage of one sign.
+representable (0.1 x 8), and r - mean would leave a tiny advantage of one sign. As TRL's
+GRPOTrainer: a NaN reward (unscorable) is left out of the group's mean and std and gets 0; a group
+with fewer than 2 scorable rewards, or with an infinite one, gets 0 everywhere.
 """
 import torch
 from torch import Tensor
@@ -24,21 +26,26 @@ if triton is not None:
                                  SCALE: tl.constexpr, BLOCK_G: tl.constexpr):
         # SCALE: 0 none, 1 group std, 2 batch std
         offs = tl.program_id(0) * G + tl.arange(0, BLOCK_G)
-        ok = tl.arange(0, BLOCK_G) < G
-        r = tl.load(r_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        lane = tl.arange(0, BLOCK_G) < G
+        r = tl.load(r_ptr + offs, mask=lane, other=0.0).to(tl.float32)
+        ok = lane & (r == r)                                    # scorable: NaN is not equal to itself
+        n = tl.sum(ok.to(tl.float32), axis=0)
         flat = tl.max(tl.where(ok, r, float("-inf")), axis=0) == tl.min(tl.where(ok, r, float("inf")), axis=0)
-        centered = tl.where(ok, r - tl.sum(r, axis=0) / G, 0.0)
+        has_inf = tl.max((ok & (tl.abs(r) == float("inf"))).to(tl.int32), axis=0) > 0
+        zero = flat | (n < 2.0) | has_inf                       # the group teaches nothing
+        mean = tl.sum(tl.where(ok, r, 0.0), axis=0) / tl.maximum(n, 1.0)
+        centered = tl.where(zero, 0.0, tl.where(ok, r - mean, 0.0))
         if SCALE == 1:
-            std = tl.sqrt(tl.sum(centered * centered, axis=0) / (G - 1))   # unbiased
+            std = tl.sqrt(tl.sum(centered * centered, axis=0) / tl.maximum(n - 1.0, 1.0))   # unbiased
             centered = centered / (std + 1e-4)
         if SCALE == 2:
             centered = centered / (batch_std + 1e-4)
-        tl.store(out_ptr + offs, tl.where(flat, 0.0, centered), mask=ok)
+        tl.store(out_ptr + offs, centered, mask=lane)
 
 
 def group_advantages(rewards: Tensor, G: int, scale: str = "group", batch_std: float = 0.0) -> Tensor:
     """(B*G,) rewards, consecutive groups of G -> (B*G,) fp32 advantages. `batch_std`: the
-    unbiased std of every raw reward of the global batch, for scale="batch"."""
+    unbiased std of every finite raw reward of the global batch, for scale="batch"."""
     assert triton is not None, "triton is not importable: use grpo.loss.group_advantages"
     assert rewards.dim() == 1 and rewards.numel() % G == 0, f"{rewards.shape=} not (B*{G},)"
     assert scale in SCALES, f"{scale=} not in {list(SCALES)}"

@@ -2,6 +2,12 @@
 
     logprobs[n] = z[n, labels[n]] - logsumexp(z[n]),   z = hidden @ weight.T / T
 
+or, given a threshold per token (the sampler's kept set under top-k/top-p/min-p, grpo/sampling.py),
+the log-sum-exp over that set only, renormalised: K_n = {v : z[n, v] >= threshold[n]} plus the label,
+    logprobs[n] = z[n, labels[n]] - logsumexp(z[n, K_n])
+(a threshold of -inf keeps the whole vocabulary). The mask is applied chunk by chunk, in the forward
+and in the backward's recompute alike, so the logits still never exist.
+
 The naive path (kernels/reference.py) materializes z and its log-softmax, two (N, V) fp32
 tensors: 2.5 GB at N=2048 tokens and Qwen's V=151936, and 40 GB at N=32k. Here the vocabulary
 is walked in chunks with an online logsumexp (as in flash-attention), keeping only per-token
@@ -44,16 +50,18 @@ from .target import gpu, sm_count, use_triton
 if triton is not None:
     @triton.jit
     def _logprobs_fwd_kernel(
-        h_ptr, w_ptr, labels_ptr,                # (N, H), (V, H), (N,)
+        h_ptr, w_ptr, labels_ptr, thr_ptr,       # (N, H), (V, H), (N,), (N,) kept-set thresholds (if KEPT)
         lse_ptr, tgt_ptr, ez_ptr,                # (S, N) fp32 partial stats, one row per vocab split
         N, V, H, v_per_split, inv_T, stride_h, stride_w,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-        UPCAST: tl.constexpr,
+        UPCAST: tl.constexpr, KEPT: tl.constexpr,
     ):
         # program (i, s): tokens [i*BLOCK_N, +BLOCK_N) against vocab split s
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
+        if KEPT:
+            thr = tl.load(thr_ptr + rows, mask=row_ok, other=float("-inf"))
         v_start = tl.program_id(1) * v_per_split
         v_end = tl.minimum(v_start + v_per_split, V)
 
@@ -76,24 +84,29 @@ if triton is not None:
                     b = b.to(tl.float32)
                 # ieee: fp32 inputs stay fp32 (no tf32 rounding); bf16 inputs are exact either way
                 acc = tl.dot(a, b, acc, input_precision="ieee")
-            z = tl.where(col_ok[None, :], acc * inv_T, float("-inf"))                # (BLOCK_N, BLOCK_V)
+            z = acc * inv_T                                                          # (BLOCK_N, BLOCK_V)
+            tgt += tl.sum(tl.where(cols[None, :] == labels[:, None], z, 0.0), axis=1)
+            counted = col_ok[None, :]
+            if KEPT:  # the sampler's kept set (the label always counts)
+                counted = counted & ((z >= thr[:, None]) | (cols[None, :] == labels[:, None]))
+            z = tl.where(counted, z, float("-inf"))
             m_new = tl.maximum(m, tl.max(z, axis=1))
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing counted yet (kept sets): exp(-inf) = 0
             scale = tl.exp(m - m_new)                        # rescale old sums to the new max
             p = tl.exp(z - m_new[:, None])                   # 0 on padded columns
             s = s * scale + tl.sum(p, axis=1)
-            t = t * scale + tl.sum(p * tl.where(col_ok[None, :], z, 0.0), axis=1)
+            t = t * scale + tl.sum(p * tl.where(counted, z, 0.0), axis=1)
             m = m_new
-            tgt += tl.sum(tl.where(cols[None, :] == labels[:, None], z, 0.0), axis=1)
         out = tl.program_id(1) * N + rows
         tl.store(lse_ptr + out, m + tl.log(s), mask=row_ok)
         tl.store(tgt_ptr + out, tgt, mask=row_ok)
-        tl.store(ez_ptr + out, t / s, mask=row_ok)            # E_p[z] within the split
+        tl.store(ez_ptr + out, tl.where(s > 0, t / s, 0.0), mask=row_ok)  # E_p[z] within the split
 
     @triton.jit
     def _dlogits_kernel(
-        z_ptr, lse_ptr, labels_ptr, g_ptr,       # (N, C) logits / T of one vocab chunk, overwritten by dz
+        z_ptr, lse_ptr, labels_ptr, g_ptr, thr_ptr,  # (N, C) logits / T of one vocab chunk, overwritten by dz
         C, v0, stride_z,
-        BLOCK: tl.constexpr,
+        BLOCK: tl.constexpr, KEPT: tl.constexpr,
     ):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -103,6 +116,8 @@ if triton is not None:
         label = tl.load(labels_ptr + row)
         g = tl.load(g_ptr + row)
         p = tl.exp(z.to(tl.float32) - lse)                   # softmax probabilities of this chunk
+        if KEPT:  # outside the kept set: probability 0
+            p = tl.where((z.to(tl.float32) >= tl.load(thr_ptr + row)) | (cols + v0 == label), p, 0.0)
         dz = (tl.where(cols + v0 == label, 1.0, 0.0) - p) * g
         tl.store(z_ptr + row * stride_z + cols, dz.to(z.dtype), mask=ok)
 
@@ -139,8 +154,19 @@ def _chunk_size(N: int, V: int, on_gpu: bool) -> int:
     return min(V, max(256, budget // max(N, 1) // 256 * 256))
 
 
-def _forward_torch(hidden, weight, labels, temperature, chunk, want_entropy):
-    """(N, H), (V, H), (N,) -> lse (N,), target logit (N,), entropy (N,) or None; stats fp32+."""
+def kept(z: Tensor, labels: Tensor, threshold: Tensor | None, v0: int) -> Tensor:
+    """In place: z (N, C) logits / T of columns [v0, v0 + C) with -inf outside each row's kept set
+    (z >= threshold, or the label's column). threshold None: z unchanged."""
+    if threshold is None:
+        return z
+    out = z < threshold[:, None].to(z.dtype)                                  # (N, C)
+    out &= torch.arange(v0, v0 + z.shape[1], device=z.device) != labels[:, None]  # the label always counts
+    return z.masked_fill_(out, float("-inf"))
+
+
+def _forward_torch(hidden, weight, labels, temperature, chunk, want_entropy, threshold=None):
+    """(N, H), (V, H), (N,) -> lse (N,), target logit (N,), entropy (N,) or None; stats fp32+.
+    threshold (N,) or None: the lse and entropy over each row's kept set."""
     N, V = hidden.shape[0], weight.shape[0]
     dt = _compute_dtype(hidden)
     sdt = torch.promote_types(dt, torch.float32)            # dtype of the statistics
@@ -150,9 +176,12 @@ def _forward_torch(hidden, weight, labels, temperature, chunk, want_entropy):
     ez = torch.zeros(N, dtype=sdt, device=hidden.device)    # E_p[z], renormalized as lse grows
     for v0 in range(0, V, chunk):
         z = scaled_logits(h, weight[v0:v0 + chunk].to(dt), 1.0 / temperature).to(sdt)  # (N, C) logits / T
+        z = kept(z, labels, threshold, v0)  # -inf outside the kept set (the label's logit stays)
         lse_new = torch.logaddexp(lse, z.logsumexp(-1))
-        if want_entropy:
-            ez = ez * torch.exp(lse - lse_new) + (torch.exp(z - lse_new[:, None]) * z).sum(-1)
+        if want_entropy:  # where: a kept set's chunk may hold nothing (-inf - -inf, exp(-inf) * -inf are nan)
+            p = torch.exp(z - lse_new[:, None])
+            ez = torch.where(lse_new > float("-inf"), ez * torch.exp(lse - lse_new), 0.0) + \
+                torch.where(p > 0, p * z, 0.0).sum(-1)
         lse = lse_new
         y = labels - v0                                       # label's column in this chunk
         hit = (y >= 0) & (y < z.shape[1])
@@ -160,7 +189,7 @@ def _forward_torch(hidden, weight, labels, temperature, chunk, want_entropy):
     return lse, tgt, (lse - ez) if want_entropy else None
 
 
-def _forward_triton(hidden, weight, labels, temperature, want_entropy):
+def _forward_triton(hidden, weight, labels, temperature, want_entropy, threshold=None):
     N, H = hidden.shape
     V = weight.shape[0]
     if gpu(hidden):
@@ -181,10 +210,10 @@ def _forward_triton(hidden, weight, labels, temperature, want_entropy):
     splits = triton.cdiv(V, v_per_split)                      # every split non-empty
     stats = torch.empty(3, splits, N, dtype=torch.float32, device=hidden.device)
     _logprobs_fwd_kernel[(n_blocks, splits)](
-        hidden, weight, labels, stats[0], stats[1], stats[2],
+        hidden, weight, labels, labels if threshold is None else threshold, stats[0], stats[1], stats[2],
         N, V, H, v_per_split, 1.0 / temperature, hidden.stride(0), weight.stride(0),
         BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H,
-        UPCAST=not gpu(hidden),
+        UPCAST=not gpu(hidden), KEPT=threshold is not None,
         num_warps=warps, num_stages=stages, enable_fp_fusion=True,  # FMA, explicitly: Triton 3.10 flips the default
     )
     lse_s, tgt_s, ez_s = stats                                 # (S, N) each
@@ -193,9 +222,11 @@ def _forward_triton(hidden, weight, labels, temperature, want_entropy):
     return lse, tgt_s.sum(0), (lse - ez) if want_entropy else None
 
 
-def _dlogits_torch(z, lse, labels, g, v0):
+def _dlogits_torch(z, lse, labels, g, v0, threshold=None):
     """In place: z (N, C) logits / T of columns [v0, v0 + C) -> dz = (onehot - softmax) * g.
-    Three passes over (N, C) and no second buffer: this is most of the non-matmul time on CPU."""
+    Three passes over (N, C) and no second buffer: this is most of the non-matmul time on CPU.
+    threshold: the softmax over each row's kept set (0 outside it)."""
+    z = kept(z, labels, threshold, v0)
     y = labels - v0
     hit = (y >= 0) & (y < z.shape[1])
     dz = z.sub_(lse[:, None].to(z.dtype)).exp_().mul_(-g.to(z.dtype)[:, None])   # -p * g
@@ -203,15 +234,17 @@ def _dlogits_torch(z, lse, labels, g, v0):
     return dz.scatter_add_(1, y.clamp(0, z.shape[1] - 1)[:, None], onehot_g)
 
 
-def _dlogits_triton(z, lse, labels, g, v0):
+def _dlogits_triton(z, lse, labels, g, v0, threshold=None):
     N, C = z.shape
     BLOCK = 1024 if gpu(z) else 64
-    _dlogits_kernel[(N, triton.cdiv(C, BLOCK))](z, lse, labels, g, C, v0, z.stride(0), BLOCK=BLOCK,
+    _dlogits_kernel[(N, triton.cdiv(C, BLOCK))](z, lse, labels, g, labels if threshold is None else threshold,
+                                                 C, v0, z.stride(0), BLOCK=BLOCK, KEPT=threshold is not None,
                                                  enable_fp_fusion=True)
     return z
 
 
-def _backward(hidden, weight, labels, lse, grad, temperature, chunk, dlogits, need_h, need_w, grad_dtype):
+def _backward(hidden, weight, labels, lse, grad, temperature, chunk, dlogits, need_h, need_w, grad_dtype,
+              threshold=None):
     """Recompute one vocab chunk of logits at a time; each grad_weight row is written once.
     The recompute is the forward's (its softmax must match the forward's lse); the two gradient
     matmuls take `grad_dtype` inputs (None: the forward's)."""
@@ -227,7 +260,7 @@ def _backward(hidden, weight, labels, lse, grad, temperature, chunk, dlogits, ne
     for v0 in range(0, V, chunk):
         w = weight[v0:v0 + chunk].to(dt)                      # (C, H)
         z = scaled_logits(h, w, 1.0 / temperature)                  # (N, C) fp32+: the forward's logits / T
-        dz = dlogits(z, lse, labels, g, v0).to(gdt)           # (N, C), in the gradient matmuls' dtype
+        dz = dlogits(z, lse, labels, g, v0, threshold).to(gdt)           # (N, C), in the gradient matmuls' dtype
         if need_h:
             grad_h += dz @ w.to(gdt)
         if need_w:
@@ -239,13 +272,14 @@ def _backward(hidden, weight, labels, lse, grad, temperature, chunk, dlogits, ne
 
 class LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, backend, return_entropy, chunk, lead, grad_dtype):
+    def forward(ctx, hidden, weight, labels, temperature, backend, return_entropy, chunk, lead, grad_dtype,
+                threshold):
         if backend == "triton":
-            lse, tgt, entropy = _forward_triton(hidden, weight, labels, temperature, return_entropy)
+            lse, tgt, entropy = _forward_triton(hidden, weight, labels, temperature, return_entropy, threshold)
         else:
-            lse, tgt, entropy = _forward_torch(hidden, weight, labels, temperature, chunk, return_entropy)
+            lse, tgt, entropy = _forward_torch(hidden, weight, labels, temperature, chunk, return_entropy, threshold)
         logprobs = torch.where(labels >= 0, tgt - lse, 0.0)
-        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.save_for_backward(hidden, weight, labels, lse, threshold)
         ctx.temperature, ctx.backend, ctx.chunk, ctx.grad_dtype = temperature, backend, chunk, grad_dtype
         if entropy is None:
             entropy = lse.new_empty(0)
@@ -255,18 +289,19 @@ class LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, _grad_entropy):
-        hidden, weight, labels, lse = ctx.saved_tensors
+        hidden, weight, labels, lse, threshold = ctx.saved_tensors
         grad_logprobs = grad_logprobs.reshape(-1)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dlogits = _dlogits_triton if ctx.backend == "triton" else _dlogits_torch
         grad_h, grad_w = _backward(hidden, weight, labels, lse, grad_logprobs, ctx.temperature,
-                                   ctx.chunk, dlogits, need_h, need_w, ctx.grad_dtype)
-        return grad_h, grad_w, None, None, None, None, None, None, None
+                                   ctx.chunk, dlogits, need_h, need_w, ctx.grad_dtype, threshold)
+        return grad_h, grad_w, None, None, None, None, None, None, None, None
 
 
 def linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float = 1.0,
                     backend: str | None = None, return_entropy: bool = False,
-                    chunk_size: int | None = None, grad_dtype: torch.dtype | None = None):
+                    chunk_size: int | None = None, grad_dtype: torch.dtype | None = None,
+                    threshold: Tensor | None = None):
     """log softmax(hidden @ weight.T / temperature)[labels], without the logits.
 
     hidden (..., H), weight (V, H), labels (...) int64 -> logprobs (...) fp32
@@ -274,7 +309,9 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature:
     entropy 0, no gradient, and no LM-head work (prompt tokens are ~half of a GRPO batch). backend: "triton" | "torch" | None (triton on CUDA when importable).
     chunk_size: vocab columns per backward (and torch forward) chunk; None picks one.
     grad_dtype: the input dtype of the backward's two gradient matmuls (dz @ W, dz.T @ hidden);
-    None = the forward's. The CPU trainer under autocast_bf16 passes bf16: the forward and the
+    None = the forward's. threshold (...) fp32 or None: each token's log-prob (and entropy) over its
+    kept set {v : z_v >= threshold} plus the label, renormalised (-inf: the whole vocabulary); the
+    sampler records it when top-k/top-p/min-p filter the vocabulary (grpo/sampling.py). The CPU trainer under autocast_bf16 passes bf16: the forward and the
     recompute stay fp32 (log-probs exact, matching the sampler's); the two matmuls run at bf16's
     rate, with bf16's rounding of the gradients (normwise ~3e-3), as the blocks' own matmuls have
     under autocast (the backward at 9,600 tokens of SmolLM2: 5.4 s instead of 9.6).
@@ -286,6 +323,9 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature:
         f"{hidden.shape=} {weight.shape=} {labels.shape=}"
     hidden = hidden.reshape(-1, H)                            # (N, H)
     labels = labels.reshape(-1)                               # (N,)
+    if threshold is not None:
+        assert threshold.shape == lead, f"{threshold.shape=} != {labels.shape=}"
+        threshold = threshold.reshape(-1).float()            # (N,)
     keep = labels >= 0
     if not bool(keep.all()):  # host sync: prompt and padding rows skip the LM head altogether
         idx = keep.nonzero().squeeze(1)                       # (M,)
@@ -293,12 +333,13 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature:
             zero = (hidden[:, 0] * 0 + weight[0, 0] * 0).float().reshape(lead)
             return (zero, zero.detach()) if return_entropy else zero
         out = linear_logprobs(hidden[idx], weight, labels[idx], temperature, backend, return_entropy, chunk_size,
-                              grad_dtype)
+                              grad_dtype, None if threshold is None else threshold[idx])
         lp, ent = out if return_entropy else (out, None)
         place = lambda x: torch.zeros(len(labels), dtype=x.dtype, device=x.device).index_put((idx,), x).reshape(lead)
         return (place(lp), place(ent)) if return_entropy else place(lp)
     hidden, labels = hidden.contiguous(), labels.contiguous()
+    threshold = None if threshold is None else threshold.contiguous()
     chunk = chunk_size or _chunk_size(hidden.shape[0], V, gpu(hidden))
     logprobs, entropy = LinearLogprobs.apply(hidden, weight.contiguous(), labels, float(temperature),
-                                             backend, return_entropy, chunk, tuple(lead), grad_dtype)
+                                             backend, return_entropy, chunk, tuple(lead), grad_dtype, threshold)
     return (logprobs, entropy) if return_entropy else logprobs

@@ -9,11 +9,16 @@ import torch
 from torch import Tensor
 
 
-def linear_logprobs_ref(hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
+def linear_logprobs_ref(hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float = 1.0,
+                        threshold: Tensor | None = None) -> Tensor:
     """(..., H), (V, H), (...) -> (...) log-probs of labels; labels < 0 give 0. Computed in fp32
-    (fp64 for fp64 inputs) from the upcast inputs."""
+    (fp64 for fp64 inputs) from the upcast inputs. threshold (...): renormalised over each token's
+    kept set, the logits / T at or above it and the label."""
     dt = torch.promote_types(hidden.dtype, torch.float32)
     logits = hidden.to(dt) @ weight.to(dt).T / temperature      # (..., V): the full logits
+    if threshold is not None:
+        label = torch.nn.functional.one_hot(labels.clamp(min=0), logits.shape[-1]).bool()
+        logits = logits.masked_fill((logits < threshold[..., None].to(dt)) & ~label, float("-inf"))
     logprobs = logits.log_softmax(-1)                          # (..., V): and a second copy
     picked = logprobs.gather(-1, labels.clamp(min=0)[..., None])[..., 0]
     return torch.where(labels >= 0, picked, 0.0)

@@ -28,17 +28,32 @@ def _no_flat_zero(rewards, G, scale="group", batch_rewards=None, backend=None):
 
 
 def _no_clean(logprobs, old_logprobs, advantages, loss_mask, *, eps_low=0.2, eps_high=0.2, delta=None,
-              dual_clip=None, ref_logprobs=None, beta=0.0, sampler_logprobs=None, tis_cap=None):
+              dual_clip=None, ref_logprobs=None, beta=0.0, sampler_logprobs=None, tis_cap=None,
+              surrogate="clip", tau_pos=1.0, tau_neg=1.05, kl_ratio=False):
     """token_loss without zeroing the padding before its exps (padding may hold inf: 0 x inf = nan)."""
     m = loss_mask.bool()
     f = lambda x: None if x is None else x.float()  # noqa: E731
-    lp, old, ref, smp = f(logprobs), f(old_logprobs), f(ref_logprobs), f(sampler_logprobs)
-    loss = grpo.loss.clipped_surrogate(lp, old, advantages.float(), eps_low, eps_high, delta, dual_clip)
+    lp, old, ref, smp, A = f(logprobs), f(old_logprobs), f(ref_logprobs), f(sampler_logprobs), advantages.float()
+    if surrogate == "cispo":
+        loss = grpo.loss.cispo_surrogate(lp, old, A, eps_high)
+    elif surrogate == "sapo":
+        loss = grpo.loss.sapo_surrogate(lp, old, A, tau_pos, tau_neg)
+    else:
+        loss = grpo.loss.clipped_surrogate(lp, old, A, eps_low, eps_high, delta, dual_clip)
     if smp is not None and tis_cap is not None:
         loss = grpo.loss.tis_weight(old, smp, tis_cap) * loss
     if ref is not None and beta > 0:
-        loss = loss + beta * grpo.loss.kl_k3(lp, ref)
+        kl = grpo.loss.kl_k3_corrected(lp, ref, torch.exp(lp - old)) if kl_ratio else grpo.loss.kl_k3(lp, ref)
+        loss = loss + beta * kl
     return torch.where(m, loss, 0.0)
+
+
+def _advantages_of(transform):
+    """group_advantages on transformed rewards (and batch rewards): an option of its input taken out."""
+    def patched(rewards, G, scale="group", batch_rewards=None, backend=None):
+        return original("group_advantages")(transform(rewards), G, scale,
+                                            None if batch_rewards is None else transform(batch_rewards), backend)
+    return patched
 
 
 BY_NAME = {  # name: (function in grpo.loss, what replaces it)
@@ -72,6 +87,17 @@ BY_NAME = {  # name: (function in grpo.loss, what replaces it)
     # GSPO's ratio without its gradient through the mean (a detached sequence ratio trains nothing)
     "gspo_ratio_gradient": ("sequence_ratio_logprobs", lambda logprobs, old_logprobs, loss_mask:
                             original("sequence_ratio_logprobs")(logprobs, old_logprobs, loss_mask).detach()),
+    # TRL's cases (tests/test_trl_loss.py): an unscorable reward counted as 0, an infinite one kept huge
+    "unscorable_left_out": ("group_advantages", _advantages_of(lambda r: torch.nan_to_num(r, nan=0.0))),
+    "infinite_group_zero": ("group_advantages", _advantages_of(lambda r: torch.where(r.isinf(), r.sign() * 1e6, r))),
+    "cispo_cap": ("cispo_surrogate", lambda lp, old, A, cap: original("cispo_surrogate")(lp, old, A, INF)),
+    "cispo_weight_detached": ("cispo_surrogate", lambda lp, old, A, cap:  # the weight differentiated too
+                              -torch.exp(lp - old).clamp(max=cap) * A * lp),
+    "sapo_gate": ("sapo_surrogate", lambda lp, old, A, tau_pos=1.0, tau_neg=1.05: -torch.exp(lp - old) * A),
+    "sapo_temperature_neg": ("sapo_surrogate", lambda lp, old, A, tau_pos=1.0, tau_neg=1.05:
+                             original("sapo_surrogate")(lp, old, A, tau_pos, tau_pos)),
+    "kl_bias_correction": ("kl_k3_corrected", lambda lp, ref, rho: grpo.loss.kl_k3(lp, ref)),
+    "kl_ratio_gradient": ("kl_k3_corrected", lambda lp, ref, rho: original("kl_k3_corrected")(lp, ref, rho.detach())),
 }
 
 

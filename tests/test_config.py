@@ -124,7 +124,7 @@ def test_parse_args_overrides_yaml_and_help(tmp_path):
     out = subprocess.run([sys.executable, "-c", "from grpo.config import *; parse_args(Config, ['--help'])"],
                          capture_output=True, text=True)
     assert out.returncode == 0 and "--num_generations (int, default 8)" in out.stdout
-    assert "G: completions per prompt" in out.stdout and "{grpo | bnpo | dr_grpo | dapo}" in out.stdout
+    assert "G: completions per prompt" in out.stdout and "{grpo | bnpo | dr_grpo | dapo | cispo | sapo}" in out.stdout
     # from the real command line: one line, no traceback
     out = subprocess.run([sys.executable, "-c", "from grpo.config import *; parse_args(Config)", "--lr=1"],
                          capture_output=True, text=True)
@@ -134,7 +134,7 @@ def test_parse_args_overrides_yaml_and_help(tmp_path):
 @pytest.mark.parametrize("argv,message", [
     (["--per_device_train_batch_size=4"], "use --prompts_per_step"),
     (["--generation_batch_size", "8"], "use --prompts_per_step"),
-    (["--gradient_accumulation_steps=2"], "--micro_batch_tokens"),
+    (["--vllm_importance_sampling_clip_max=3"], "use --tis_cap"),
     (["--use_vllm"], "not needed: the sampler runs on the training weights"),
     (["--peft_config=x"], r"GRPOTrainer\(peft_config=peft.LoraConfig"),
     (["--use_dora"], "LoRA only"),
@@ -163,7 +163,7 @@ def test_yaml_errors_name_the_file_and_key(tmp_path):
     with pytest.raises(ValueError, match=rf"--config {bad}: key 'max_steps'='many': expected int"):
         parse_args(Config, ["--config", str(bad)])
     bad.write_text("use_vllm: true\n")
-    with pytest.raises(ValueError, match=rf"--config {bad}: key 'use_vllm' is a TRL GRPOConfig option"):
+    with pytest.raises(ValueError, match=rf"--config {bad}: key 'use_vllm' is a TRL option \(GRPOConfig, ModelConfig\)"):
         parse_args(Config, ["--config", str(bad)])
 
 

@@ -16,8 +16,8 @@ peft = pytest.importorskip("peft")  # the test extra installs it; the package ne
 
 ATOL = 1e-4  # fp32, two implementations: op order only (as tests/test_model.py)
 CASES = [("qwen2", {}), ("qwen3", {}), ("llama", {})]
-SETTINGS = [LoraSettings(r=4, alpha=8, dropout=0.0), LoraSettings(r=8, alpha=4, dropout=0.0, rslora=True,
-                                                                    targets=("q_proj", "v_proj", "down_proj"))]
+SETTINGS = [LoraSettings(r=4, alpha=8, dropout=0.0, targets=lora.TARGETS),
+            LoraSettings(r=8, alpha=4, dropout=0.0, rslora=True, targets=("q_proj", "v_proj", "down_proj"))]
 
 
 def randomize(model, seed: int = 1, std: float = 0.1):
@@ -57,7 +57,8 @@ def test_logits_match_peft_and_the_exports_load(tiny_dir, tmp_path, family, over
 
 def test_adapted_model_starts_equal_to_the_base_and_only_adapters_get_gradients(tiny_dir):
     path, _ = tiny_dir("qwen2")
-    base, model = Transformer.from_pretrained(path), add_lora(Transformer.from_pretrained(path), LoraSettings(dropout=0.1))
+    base, model = Transformer.from_pretrained(path), add_lora(Transformer.from_pretrained(path),
+                                                                      LoraSettings(dropout=0.1, targets=lora.TARGETS))
     ids = torch.randint(0, 131, (2, 9))
     assert torch.equal(model.eval()(ids), base.eval()(ids))  # B = 0: exactly the base, not approximately
     assert len(lora.adapters(model)) == 2 * 7 and model.lora.targets == lora.TARGETS
@@ -269,7 +270,8 @@ def test_dropout_is_on_the_adapters_input_in_training_only_and_a_bf16_base_runs_
 
 def test_a_bf16_base_under_autocast_computes_what_autocast_did_and_merges_in_fp32(tiny_dir):
     """grpo.lora.cast_base (a CPU under autocast_bf16): the same matmul inputs as autocast's own cast
-    of the fp32 base, so the same logits, bitwise; and the merged export keeps s B A in fp32."""
+    of the fp32 base, so the same logits, bitwise; and a merge asked for in fp32 keeps s B A whole
+    (the default, the base's bf16: tests/test_trl_config.py)."""
     path, _ = tiny_dir("qwen2")
     fp32, bf16 = adapted(path, SETTINGS[0]), adapted(path, SETTINGS[0])
     lora.cast_base(bf16, torch.bfloat16)
@@ -278,7 +280,7 @@ def test_a_bf16_base_under_autocast_computes_what_autocast_did_and_merges_in_fp3
     ids = torch.randint(0, 131, (2, 9))
     with torch.no_grad():
         assert torch.equal(fp32.eval()(ids), bf16.eval()(ids))
-    merged = lora.merged_state(bf16.state_dict(), SETTINGS[0])
+    merged = lora.merged_state(bf16.state_dict(), SETTINGS[0], torch.float32)
     w = "layers.0.self_attn.q_proj.weight"
     assert merged[w].dtype == torch.float32
     expected = bf16.state_dict()[w].float() + SETTINGS[0].scale * (bf16.layers[0].self_attn.q_proj.lora_B

@@ -14,7 +14,7 @@ import torch
 
 from grpo.config import Config
 from grpo.decode import DecodeWeights
-from grpo.lora import LoraSettings, add_lora, trainable
+from grpo.lora import TARGETS, LoraSettings, add_lora, trainable
 from grpo.memory import FAST_MICRO_BATCH, GEN_BATCHES, GIB, GPU_MEMORY_GIB, KNOWN, MICRO_BATCHES, counts, memory_plan, size
 from grpo.model import ModelArgs, Transformer
 from grpo.sampler import Sampler, SamplingParams
@@ -69,8 +69,9 @@ def test_counted_terms_are_the_bytes_the_code_allocates(family, tiny_dir):
     cast = memory_plan(model.args, Config(**{**vars(cfg), "autocast_bf16": "true"}), 1, "cpu", 64)
     assert terms(cast, "rollouts")["decode copy of the weights"] == nbytes(copy)
     # LoRA: the adapters of all seven linear layers, fp32, and their AdamW states
-    add_lora(model, LoraSettings(r=4))
-    lora = memory_plan(model.args, Config(**{**vars(cfg), "use_peft": True, "lora_r": 4}), 1, "cpu", 64)
+    add_lora(model, LoraSettings(r=4, targets=TARGETS))
+    lora_cfg = Config(**{**vars(cfg), "use_peft": True, "lora_r": 4, "lora_target_modules": "all-linear"})
+    lora = memory_plan(model.args, lora_cfg, 1, "cpu", 64)
     assert terms(lora, "update")["LoRA adapters, fp32 master"] == nbytes(trainable(model))
     assert terms(lora, "update")["AdamW's two states, fp32"] == 2 * nbytes(trainable(model))
 

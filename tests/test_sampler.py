@@ -1,6 +1,7 @@
 """grpo.sampler against references: transformers' greedy generate, the model's own full
 forward (log-probs, multi-turn caches), exact filter masks and their sampled frequencies;
 plus batch independence of seeded sampling, stops, tools and bad input."""
+import math
 import dataclasses
 import threading
 import types
@@ -34,12 +35,14 @@ def hf_greedy(smollm2_path, smol):
                 for p in smol[2]]
 
 
-def full_logprobs(model, prompt, completion, temperature):
-    """The trainer's quantity, from scratch: log softmax(logits / T) of each completion token."""
+def full_logprobs(model, prompt, completion, temperature, top_k=0, top_p=1.0, min_p=0.0):
+    """The trainer's quantity, from scratch: log softmax(logits / T) of each completion token, over
+    the kept set of the filters (filter_mask: the rule itself, not the sampler's recorded threshold)."""
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
-        logp = (model(ids)[0, len(prompt) - 1:-1] / temperature).log_softmax(-1)
-    return logp.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        z = model(ids)[0, len(prompt) - 1:-1] / temperature
+    z = z.masked_fill(~filter_mask(z, top_k, top_p, min_p), float("-inf"))
+    return z.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
 # ----------------------------------------------------------------------------- SmolLM2
@@ -62,9 +65,13 @@ def test_logprobs_equal_full_forward(smol, temperature):
     out = Sampler(model).generate(prompts[1:4], SamplingParams(n=2, temperature=temperature, top_k=50, max_tokens=16,
                                                                seed=3))
     for c in out:
-        expected = full_logprobs(model, prompts[1 + c.prompt_index], c.token_ids, temperature)
-        # fp32, cache vs full forward differ only in op order: within 1e-4
+        expected = full_logprobs(model, prompts[1 + c.prompt_index], c.token_ids, temperature, top_k=50)
+        # fp32, cache vs full forward differ only in op order: within 1e-4. The log-probs are top-50's,
+        # renormalised: above the full vocabulary's, by the mass outside the kept set
         torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
+        whole = full_logprobs(model, prompts[1 + c.prompt_index], c.token_ids, temperature)
+        assert (torch.tensor(c.logprobs) >= whole - 1e-4).all() and (torch.tensor(c.logprobs) - whole).mean() > 1e-4
+        assert all(math.isfinite(h) for h in c.thresholds) and len(c.thresholds) == len(c.token_ids)
 
 
 def test_stop_string_spanning_tokens(smol, hf_greedy):
@@ -321,9 +328,10 @@ def test_filter_masks_exact():
     logp = logits.log_softmax(-1)
     p = logp.exp()[0]
     assert filter_mask(logp, 2, 1.0, 0.0)[0].tolist() == [True, False, True, False, True, False]  # tie at the 2nd: both
-    mass = p[0]  # top-p 0.6: token 0 alone holds p[0] < 0.6, so the next (token 2) crosses and stays
-    assert mass < 0.6 < mass + p[2]
-    assert filter_mask(logp, 0, 0.6, 0.0)[0].tolist() == [True, False, True, False, False, False]
+    mass = p[0]  # top-p 0.6: token 0 alone holds p[0] < 0.6, so the next (token 2) crosses and stays, and
+    assert mass < 0.6 < mass + p[2]  # token 4, tied with it: a kept set is every token at or above its edge
+    assert filter_mask(logp, 0, 0.6, 0.0)[0].tolist() == [True, False, True, False, True, False]
+    assert filter_mask(logp, 0, 0.5, 0.0)[0].tolist() == [True, False, False, False, False, False]
     assert filter_mask(logp, 0, 1.0, 0.3)[0].tolist() == (p >= 0.3 * p.max()).tolist()
     assert filter_mask(logp, 1, 0.5, 0.0)[0].tolist() == [True] + [False] * 5
 
@@ -342,7 +350,7 @@ def test_sampled_frequencies_follow_filtered_distribution(top_k, top_p, min_p):
     assert (counts[~keep] == 0).all(), "a filtered token was sampled"
     chi2 = ((counts - N * expected)[keep] ** 2 / (N * expected[keep])).sum()
     assert chi2 < 30, f"chi2={chi2:.1f} over {int(keep.sum())} bins"  # dof <= 11: p < 1e-3 for a true match
-    torch.testing.assert_close(logprobs, logp[tokens])  # log-probs before filtering
+    torch.testing.assert_close(logprobs, expected.log()[tokens])  # log-probs of the kept set, renormalised
 
 
 def test_choice_stable_under_logit_noise():

@@ -3,6 +3,7 @@ dataset, TRL's calling convention (batched, dataset-form prompts and completions
 keyword lists, None skipped), --reward_funcs names, the command line's one-line errors and TRL
 names, --help, the end-of-run summary, the config history, progress bars and the trackers."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -14,8 +15,9 @@ import pytest
 from grpo.api import GRPOTrainer
 from grpo.config import Config
 from grpo.cli.reward_funcs import import_functions
-from grpo.rewards import RewardFunctionsEnv
+from grpo.rewards import RewardFunctionsEnv, weighted_sum
 from grpo.rollout import render_prompt, assign_rewards
+from grpo.trainer import final_rewards
 from toy import make_toy_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,6 +94,46 @@ def test_the_weighted_sum_skips_none_and_calls_once_per_batch():
     assign_rewards(env, trajs, {"a": 2.0, "b": 5.0})
     assert calls == [2]
     assert [t.reward for t in trajs] == [2.0, 0.0] and trajs[1].rewards == {"a": None, "b": None}
+    # every term None: unscorable, NaN (as TRL), not the 0 of an empty sum
+    rewards = final_rewards(trajs, Config())
+    assert rewards[0] == 2.0 and math.isnan(rewards[1]) and math.isnan(weighted_sum(trajs[1].rewards, {}))
+
+
+def test_unscorable_and_infinite_rewards_in_a_step(toy, tmp_path, one_thread):
+    """TRL's cases in a step: a completion every reward function returns None for gets advantage 0,
+    its group's others those of the group without it; a group holding an infinite reward gets 0,
+    and the optimizer step still updates the weights (it was skipped: the group's advantages were
+    NaN). Both are counted in the step's metrics."""
+    from transformers import AutoTokenizer
+    from grpo.loss import group_advantages
+    from grpo.metrics import step_metrics
+    from grpo.model import Transformer
+    from grpo.rollout import rollout, sampling_params
+    from grpo.sampler import Sampler
+    from grpo.trainer import advantages_of, flat_groups
+    from grpo.update import policy_update
+    import torch
+
+    def score(prompts, completions, completion_ids, **kw):  # None for row 1, inf for row 6
+        return [None if i == 1 else math.inf if i == 6 else len(ids) + 0.1 * i for i, ids in enumerate(completion_ids)]
+    env = RewardFunctionsEnv({"score": score}, raw_text=True)
+    cfg = small(tmp_path / "run", max_grad_norm=0.0)
+    model, tok = Transformer.from_pretrained(toy), AutoTokenizer.from_pretrained(toy)
+    params = sampling_params(env, tok, 4, 1.0, cfg.max_completion_length, seed=0)
+    trajs = assign_rewards(env, rollout(Sampler(model, tok, gen_batch=8), tok, env, [{"prompt": "w1 w2"},
+                                                                                     {"prompt": "w3 w4"}], params))
+    rewards = final_rewards(trajs, cfg)
+    advantages = advantages_of(rewards, cfg)
+    assert math.isnan(rewards[1]) and advantages[1] == 0 and (advantages[4:] == 0).all()
+    torch.testing.assert_close(advantages[[0, 2, 3]], group_advantages(rewards[[0, 2, 3]], 3))
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    update = policy_update(model, None, optimizer, scheduler, trajs, advantages, cfg, "cpu")
+    assert update["skipped_updates"] == 0 and math.isfinite(update["grad_norm"]) and update["grad_norm"] > 0
+    assert any(not torch.equal(p, p0) for p, p0 in zip(model.parameters(), before))
+    m = step_metrics(trajs, rewards, advantages, flat_groups(rewards.tolist(), 4), update, 1.0, 1.0, 1.0)
+    assert m["reward/unscorable"] == 1 and m["reward/infinite_groups"] == 1 and m["flat_groups"] == 0.5
 
 
 def test_standard_prompts_are_text_as_trl_gives_them(toy):
