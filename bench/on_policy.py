@@ -6,7 +6,7 @@
 Table 1, decode with LoRA adapters against without, at the same rows and tokens: in fp32 (decode's
 weights packed for oneDNN, the adapters merged into them once a call) and under autocast_bf16 (a bf16
 copy, the adapters applied unmerged: two small GEMMs more per adapted GEMM). Sampler.generate at T 1
-with no stop; best of --reps.
+with no stop; best of --reps, the three models taking turns in each.
 Table 2, the importance ratio of an unchanged policy: rollouts at T 1 under top-p / top-k / min-p, then
 the update's old log-probs over the same tokens, scored over the sampler's kept set (ours) and over the
 full vocabulary (TRL's rule): mean ratio exp(old - sampler), the share of tokens outside [0.9, 1.1],
@@ -48,16 +48,20 @@ def model_with(adapters: str, autocast: bool) -> Transformer:
     return model
 
 
-def decode_seconds(model, prompts, n: int, new: int, reps: int) -> float:
-    sampler = Sampler(model)
+def decode_seconds(models: list, prompts, n: int, new: int, reps: int) -> list[float]:
+    """Best-of-reps seconds of one generate() call per model, the models taking turns within each rep (a
+    shared machine's load then falls on all of them alike)."""
+    samplers = [Sampler(m) for m in models]
     params = SamplingParams(n=n, temperature=1.0, max_tokens=new, stop_token_ids=[], seed=0)
-    sampler.generate(prompts, params)  # warm: the cache, packs, autocast's casts
-    times = []
+    for s in samplers:
+        s.generate(prompts, params)  # warm: the cache, packs, autocast's casts
+    times = [[] for _ in samplers]
     for _ in range(reps):
-        t = time.perf_counter()
-        sampler.generate(prompts, params)
-        times.append(time.perf_counter() - t)
-    return min(times)
+        for s, ts in zip(samplers, times):
+            t = time.perf_counter()
+            s.generate(prompts, params)
+            ts.append(time.perf_counter() - t)
+    return [min(ts) for ts in times]
 
 
 def ratio_rows(tokenizer, prompts, n: int, new: int) -> list[dict]:
@@ -90,7 +94,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--n", type=int, default=6, help="samples per prompt")
     ap.add_argument("--new", type=int, default=64, help="tokens each row decodes")
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     if args.quick:
@@ -103,11 +107,12 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(local_path())
     prompts = prompts_of(tokenizer, args.prompts)
     rows = []
+    tokens = len(prompts) * args.n * args.new
     for autocast in (False, True):
-        base = decode_seconds(model_with("none", autocast), prompts, args.n, args.new, args.reps)
-        for adapters in ("q_proj,v_proj", "all-linear"):
-            t = decode_seconds(model_with(adapters, autocast), prompts, args.n, args.new, args.reps)
-            tokens = len(prompts) * args.n * args.new
+        variants = ("none", "q_proj,v_proj", "all-linear")
+        base, *others = decode_seconds([model_with(v, autocast) for v in variants], prompts, args.n, args.new,
+                                       args.reps)
+        for adapters, t in zip(variants[1:], others):
             rows.append({"matmuls": "bf16 (autocast)" if autocast else "fp32", "adapters (r 16)": adapters,
                          "rows": len(prompts) * args.n, "tok/s without": f"{tokens / base:.0f}",
                          "tok/s with": f"{tokens / t:.0f}", "with / without time": f"{t / base:.2f}x"})
