@@ -30,7 +30,8 @@ from torch import Tensor, nn
 
 # the linear layers of a block, in PEFT's names (transformers' module names)
 ATTENTION, MLP = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
-TARGETS = ATTENTION + MLP
+LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")  # Qwen3.5's Gated DeltaNet
+TARGETS = ATTENTION + MLP + LINEAR_ATTENTION
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # no target_modules (TRL's ModelConfig default, None): PEFT's per-architecture default
 # (peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING), the same for every
@@ -127,9 +128,11 @@ def cast_base(model, dtype: torch.dtype):
 
 
 def block_linears(model):
-    """(parent module, name) of each of the seven linear layers of every block."""
+    """(parent module, name) of each linear layer of every block: attention's four (a Qwen3.5 linear
+    layer's five instead) and the MLP's three."""
     for block in model.layers:
-        for parent, names in ((block.self_attn, ATTENTION), (block.mlp, MLP)):
+        mixer = (block.self_attn, ATTENTION) if hasattr(block, "self_attn") else (block.linear_attn, LINEAR_ATTENTION)
+        for parent, names in (mixer, (block.mlp, MLP)):
             for name in names:
                 yield parent, name
 

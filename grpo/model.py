@@ -4,6 +4,7 @@ The three families differ in three switches, read from a Hugging Face config.jso
   - Qwen2/2.5: bias on the q/k/v projections;
   - Qwen3: RMSNorm on each head of q and k before rotary, explicit head_dim;
   - Llama (SmolLM2, Llama 3): optional llama3 rope scaling, often tied embeddings.
+Qwen3.5's hybrid models (Gated DeltaNet and gated-attention layers) take grpo/qwen35.py's blocks.
 Parameter names equal transformers' (minus the "model." prefix), so a checkpoint loads by
 name and `save_pretrained` writes a folder that transformers loads back.
 
@@ -57,13 +58,25 @@ class ModelArgs:
     qkv_bias: bool              # Qwen2/2.5
     qk_norm: bool               # Qwen3
     tie_embeddings: bool
+    # Qwen3.5's hybrid models (grpo/qwen35.py): each layer's "linear_attention" | "full_attention",
+    # the rotated channels of a head (0 = all), and the linear layers' shapes (grpo.deltanet.LinearArgs)
+    layer_types: tuple | None = None
+    rotary_dim: int = 0
+    linear: object = None
+
+    @property
+    def hybrid(self) -> bool:  # Gated DeltaNet layers: a recurrent state per row beside the KV cache
+        return self.layer_types is not None
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelArgs":
         """Read a transformers config.json; anything we would silently get wrong is an error."""
         mt = cfg.get("model_type")
+        if mt in ("qwen3_5", "qwen3_5_text"):  # Qwen3.5's hybrid models (grpo/qwen35.py)
+            from grpo.qwen35 import hybrid_args
+            return hybrid_args(cfg, cls)
         if mt not in SUPPORTED:
-            raise ValueError(f"unsupported model_type {mt!r}: grpo supports {SUPPORTED}")
+            raise ValueError(f"unsupported model_type {mt!r}: grpo supports {SUPPORTED + ('qwen3_5',)}")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}: only silu (SwiGLU)")
         if cfg.get("mlp_bias"):
@@ -97,9 +110,9 @@ class ModelArgs:
 
 # ----------------------------------------------------------------------------- rotary
 
-def rope_inv_freq(args: ModelArgs, device=None) -> Tensor:  # (D/2,) fp32
-    inv_freq = 1.0 / args.rope_theta ** (
-        torch.arange(0, args.head_dim, 2, device=device, dtype=torch.float32) / args.head_dim)
+def rope_inv_freq(args: ModelArgs, device=None) -> Tensor:  # (D/2,) fp32, or (rotary_dim/2,) where partial
+    D = args.rotary_dim or args.head_dim
+    inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, D, 2, device=device, dtype=torch.float32) / D)
     s = args.rope_scaling
     # llama3: long wavelengths divided by `factor`, short kept, a smooth ramp between (Llama 3.1 report)
     if s:
@@ -333,9 +346,13 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = dict(config)  # the HF config.json, written back by save_pretrained
         self.args = args = ModelArgs.from_hf(config)
+        block, norm = Block, RMSNorm
+        if args.hybrid:  # Qwen3.5: Gated DeltaNet and gated-attention blocks, (1 + w) norms (grpo/qwen35.py)
+            from grpo.qwen35 import CenteredRMSNorm, HybridBlock, text_config
+            self.config, block, norm = text_config(self.config), HybridBlock, CenteredRMSNorm
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.layers = nn.ModuleList(block(args, i) for i in range(args.n_layers))
+        self.norm = norm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -435,10 +452,11 @@ class Transformer(nn.Module):
                                  f"{type(e).__name__}: {str(e)[:200]})") from None
             with f:
                 for key in f.keys():
-                    name = key.removeprefix("model.")
+                    name = key.removeprefix("model.").removeprefix("language_model.")  # Qwen3.5's VLM nests it
                     if name not in expected:
-                        if name == "lm_head.weight" and model.args.tie_embeddings or "rotary_emb" in name:
-                            continue  # a tied copy, or a buffer we recompute
+                        if (name == "lm_head.weight" and model.args.tie_embeddings or "rotary_emb" in name
+                                or name.startswith(("visual.", "mtp."))):
+                            continue  # a tied copy, a buffer we recompute, a VLM's vision tower or MTP head
                         raise ValueError(f"{file.name}: unexpected weight {key!r} "
                                          f"for a {model.args.model_type} model")
                     t = f.get_tensor(key)

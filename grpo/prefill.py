@@ -17,7 +17,8 @@ def admit(sampler, call: Call):
     document is prefilled once, up to its longest new prompt; each new row forks its prompt's
     KV from a row of its document whose cache holds it (a live one, or the one just prefilled)."""
     held = {}  # document -> (prompt length, slot) of its live row with the longest prompt
-    for s in call.live.values():
+    # (none for a hybrid model: a live row's linear state has moved past its prompt, so prefill again)
+    for s in ([] if sampler.model.args.hybrid else call.live.values()):
         if len(s.prompt) > held.get(s.doc, (0, -1))[0]:
             held[s.doc] = (len(s.prompt), s.slot)
     free, new = sampler.free_slots(call), []
@@ -119,7 +120,7 @@ def resume(sampler, call: Call):
     start = to_device([p for _, _, p in rows], dev)
     slots = to_device([s.slot for s, _, _ in rows], dev)
     positions = start[:, None] + torch.arange(T, device=dev)
-    if dev.type == "cpu":  # through the decode weights: oneDNN's packed GEMMs where decode packs them
+    if dev.type == "cpu" and not sampler.model.args.hybrid:  # through the decode weights: oneDNN's packed GEMMs where decode packs them
         logits = extend(sampler.weights, sampler.cache, ids, positions, valid, slots)  # (B, V)
     else:
         sampler.cache.rows(slots, start, T, max(p for _, _, p in rows) + T, valid)

@@ -34,7 +34,9 @@ from torch import Tensor
 
 from grpo.cpu import trim
 from grpo.decode import DecodeWeights
+from grpo.hybrid_cache import HybridCache
 from grpo.kv_cache import KVCache, to_device
+from grpo.model_decode import ModelDecode
 from grpo.prefill import admit, resume
 from grpo.progress import Progress
 from grpo.rows import Call, Completion, Row, SamplingParams, public, turn_limit
@@ -71,7 +73,11 @@ class Sampler:
         if kv_budget_bytes is None:  # CUDA: half of what is free; CPU: 2 GiB (pages are touched only as used)
             kv_budget_bytes = torch.cuda.mem_get_info(p.device)[0] // 2 if p.is_cuda else 2 << 30
         self.kv_budget_bytes, self.window = kv_budget_bytes, sync_every or (8 if p.is_cuda else 1)
-        self.use_graphs = cuda_graphs and p.is_cuda
+        # a hybrid model (Qwen3.5: Gated DeltaNet layers) keeps a linear state per row beside the KV cache,
+        # and decodes eagerly through its own forward (grpo/model_decode.py), not DecodeWeights
+        hybrid = model.args.hybrid
+        self.cache_type, self.decode_type = (HybridCache, ModelDecode) if hybrid else (KVCache, DecodeWeights)
+        self.use_graphs = cuda_graphs and p.is_cuda and not hybrid
         self.buckets = self.use_graphs if buckets is None else buckets
         self.pipeline = self.use_graphs if pipeline is None else pipeline
         self.pool = cf.ThreadPoolExecutor(tool_workers)
@@ -80,7 +86,7 @@ class Sampler:
         # decode work since construction: steps, and rows x steps decoded (a graphed window decodes
         # its bucket) against the rows x steps that drew a token (rows decoding, not in a tool call)
         self.decode_steps = self.rows_decoded = self.rows_live = 0
-        self.weights = DecodeWeights(model)  # refreshed at the start of every call
+        self.weights = self.decode_type(model)  # refreshed at the start of every call
         self.graphs, self.graph_pool = {}, None  # (batch bucket, cache bucket, sampling) -> one window's graph
         self._string_end = {}  # stop strings -> (V,) bool: tokens that can complete one of them
         self.cache = None
@@ -91,11 +97,11 @@ class Sampler:
         """A cache of rows of max_seq_len: gen_batch slots (within the budget), or with eager decode
         (no graphs to keep) only the `rows` this call has, so that a 48-row call holds 48 rows."""
         wanted = self.gen_batch if self.use_graphs or rows is None else rows  # rows: at most gen_batch
-        slots = min(wanted, self.kv_budget_bytes // KVCache.slot_bytes(self.model.args, max_seq_len, self.dtype))
+        slots = min(wanted, self.kv_budget_bytes // self.cache_type.slot_bytes(self.model.args, max_seq_len, self.dtype))
         if slots < 1:
             raise ValueError(f"kv_budget_bytes={self.kv_budget_bytes} holds no row of {max_seq_len} tokens")
         self.release(weights=False)  # the graphs read the old cache and state
-        self.cache = KVCache(self.model.args, slots, max_seq_len, self.dtype, self.device)
+        self.cache = self.cache_type(self.model.args, slots, max_seq_len, self.dtype, self.device)
         self.state = DecodeState(slots, self.window, self.model.args.vocab_size, self.device)
         pin = self.device.type == "cuda"  # page-locked: the copies back overlap the next window
         self.host_out = [[torch.empty(slots, self.window, dtype=t.dtype, pin_memory=pin)
@@ -137,7 +143,8 @@ class Sampler:
                 if not 0 < c <= len(x):
                     raise ValueError(f"sequence {i}: cut {c} outside [1, {len(x)}]")
                 prompts.append(list(x[:c]))
-                docs.append(i)
+                # a hybrid model's linear state cannot be cut back to a shorter prefix: one document a cut
+                docs.append(len(docs) if self.model.args.hybrid else i)
         return self._run(self._start(prompts, params, None, prompt_ids, progress, docs))
 
     def _run(self, call: Call) -> list[Completion]:
@@ -175,7 +182,7 @@ class Sampler:
         if len(prompt_ids) != len(prompts):
             raise ValueError(f"{len(prompt_ids)=} != {len(prompts)=}")
         seed = p.seed if p.seed is not None else int(torch.randint(2**31, ()))
-        fits = self.kv_budget_bytes // KVCache.slot_bytes(self.model.args, 1, self.dtype)  # the longest row it holds
+        fits = self.kv_budget_bytes // self.cache_type.slot_bytes(self.model.args, 1, self.dtype)  # the longest row it holds
         need = min(self.max_positions, fits, max((len(x) for x in prompts), default=0) + p.max_tokens)
         rows = max(1, min(self.gen_batch, len(prompts) * p.n))  # a rank's share may be empty: one slot
         if self.cache is None or (self.fixed_len is None and self.cache.max_seq_len < need) or (
@@ -183,7 +190,7 @@ class Sampler:
             # sized to this call; grown only if a later one needs more
             self._allocate(self.fixed_len or min(-(-need // 64) * 64, fits), rows)
         if self.weights is None or not self.weights.matches(self.model):  # released, or autocast_bf16 switched
-            self.weights, self.graphs, self.graph_pool = DecodeWeights(self.model), {}, None
+            self.weights, self.graphs, self.graph_pool = self.decode_type(self.model), {}, None
         self.weights.refresh(self.model)  # this call samples from the weights as they are now
         S, V, n = self.cache.max_seq_len, self.model.args.vocab_size, p.n
         stops = set(self.model.eos_token_ids() if p.stop_token_ids is None else p.stop_token_ids)

@@ -7,6 +7,7 @@ import torch
 
 from grpo.decode import DecodeWeights, decode_hidden
 from grpo.kv_cache import KVCache
+from grpo.model_decode import ModelDecode
 from grpo.rows import SamplingParams
 from grpo.sampling import sample_hidden
 
@@ -34,7 +35,10 @@ def decode_step(weights: DecodeWeights, cache: KVCache, state: DecodeState, para
     rows that hit a stop id or their max_tokens. No host sync."""
     st, p, rows = state, params, slice(0, num_slots)
     active, pos = st.active[rows], st.pos[rows]
-    y = decode_hidden(weights, cache, st.tok[rows], pos, num_slots, cache_len)  # (num_slots, H)
+    if isinstance(weights, ModelDecode):  # a hybrid model: its own forward; inactive rows hold their state
+        y = weights.hidden(cache, st.tok[rows], pos, num_slots, cache_len, active)  # (num_slots, H)
+    else:
+        y = decode_hidden(weights, cache, st.tok[rows], pos, num_slots, cache_len)  # (num_slots, H)
     tok, lp, thr = sample_hidden(y, weights.lm_head, st.key[rows], st.ntok[rows], p.temperature, p.top_k, p.top_p,
                                  p.min_p, packed=weights.head, kept_set=p.kept_set, return_threshold=True)
     st.out_tok[rows, column], st.out_lp[rows, column], st.out_ok[rows, column] = tok, lp, active
