@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo.env import as_env
 from grpo import dist
 from grpo.cpu import trim
 
@@ -212,7 +213,7 @@ def make_plan(budget: RunBudget, cfg, model, sampler, tokenizer, env, eval_examp
     from grpo.rollout import render_prompt
     from grpo.sft import gold_trajectory
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
-    kw = {**getattr(env, "chat_kwargs", {}), "enable_thinking": cfg.enable_thinking}
+    kw = {**as_env(env).chat_kwargs, "enable_thinking": cfg.enable_thinking}
     prompts = [render_prompt(tokenizer, env.prompt(ex), **kw) for ex in (list(eval_examples) or sft_examples)[:16]]
     gold = [gold_trajectory(tokenizer, env, ex, model.eos_token_ids()[0], kw)
             for ex in sft_examples[:32]] if cfg.sft_steps else []

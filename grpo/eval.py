@@ -9,6 +9,7 @@ import sys
 
 import torch
 
+from grpo.env import as_env
 from grpo.rollout import assign_rewards, rollout, sampling_params
 
 
@@ -63,12 +64,12 @@ def evaluate(model, tokenizer, env, examples: list[dict], n: int = 1, temperatur
     if failed:  # a refused prompt would silently score 0: an accuracy must not hide that
         raise RuntimeError(f"eval: {len(failed)} of {len(trajs)} completions failed in the sampler "
                            f"(e.g. a prompt longer than the KV cache allows); see the messages above")
-    records, term = [], getattr(env, "score_term", "correct")
+    records, term = [], as_env(env).score_term
     for q, ex in enumerate(examples):
         for t in trajs[q * n:(q + 1) * n]:
             records.append({"question": ex.get("question", ex.get("prompt", "")),
                             "answer": str(ex.get("answer")), "completion": t.text,
-                            "extracted": env.extract(t) if hasattr(env, "extract") else None,
+                            "extracted": as_env(env).extract(t),
                             "correct": t.rewards.get(term) or 0.0, "rewards": t.rewards,
                             "finish_reason": t.finish_reason, "turns": t.num_turns})
     return summarize(records, n) | {"records": records}

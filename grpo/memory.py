@@ -4,13 +4,17 @@
     print(plan.table()); plan.fits; plan.peak
     python -m grpo.plan recipes/calculator_qwen25_3b.py --gpus 8 --gpu "RTX 6000 Ada"   # grpo/plan.py
 
-A run has three phases, and each rank's memory peaks in one of them:
+A run's memory peaks in one of its phases:
+- load: each rank reads the whole model before sharding it (and with beta > 0 the reference after it);
 - rollouts: the sampler over the gathered weights (FSDP's unsharded compute-dtype copy), its resident
   decode copy (grpo/decode.py) and its KV cache, sized for the step's rows;
 - eval: the same with the eval's rows and lengths (an eval's completions may be longer);
-- update: gradients, the activations of one packed micro-batch and the fused log-prob's vocabulary chunk.
-Through all three: the sharded master weights and AdamW's two states (and the KL reference's weights
-when beta > 0); with keep_kv_cache on a GPU, the KV cache and the decode copy stay through the update.
+- update: gradients, the activations of one packed micro-batch and the fused log-prob's vocabulary chunk;
+- step: the optimizer step after the last backward: the gradients, and AdamW's temporary (on CUDA its
+  default foreach implementation holds sqrt(exp_avg_sq) for every trained parameter at once).
+Through all of them: the sharded master weights and AdamW's two states (and the KL reference's weights,
+in the compute dtype, when beta > 0); with keep_kv_cache on a GPU, the KV cache and the decode copy stay
+through the update and the step.
 
 Every term is a named line whose formula is in the comment where it is computed. What the plan does
 not see: the allocator's fragmentation (a stated margin: 10% on a GPU), the CUDA context (a stated
@@ -19,6 +23,7 @@ Activations are counted per token and layer from the tensors autograd keeps in g
 (tests/test_memory.py measures them).
 """
 import dataclasses
+import itertools
 import json
 import os
 from dataclasses import dataclass, field
@@ -42,6 +47,12 @@ KNOWN = {
                                                 tie_word_embeddings=True, rope_theta=1e5),
 }
 KNOWN["Qwen/Qwen3-4B"] = KNOWN["Qwen/Qwen3-4B-Instruct-2507"]
+# Qwen3.5's hybrid model (its VLM checkpoint's text_config): 18 Gated DeltaNet and 6 attention layers
+KNOWN["Qwen/Qwen3.5-0.8B"] = dict(
+    model_type="qwen3_5_text", vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+    num_attention_heads=8, num_key_value_heads=2, head_dim=256, full_attention_interval=4, linear_num_key_heads=16,
+    linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25))
 # the GPUs a plan knows by name: what each reports as its memory (nvidia-smi's total, GiB)
 GPU_MEMORY_GIB = {"B200": 179.0, "H200": 140.4, "H100": 79.6, "A100-80": 80.0, "A100-40": 40.0,
                   "RTX 6000 Ada": 48.0, "L40S": 45.0, "L4": 22.5}
@@ -65,6 +76,8 @@ def model_config(model_path: str) -> dict:
 def counts(args) -> dict:
     """Parameters by part: one block's linear weights, its biases and norms, the root (embedding, LM head
     when untied, final norm), the whole model, and the LoRA adapters of all seven linear layers per rank r=1."""
+    if args.hybrid:  # Qwen3.5: two kinds of layer
+        return hybrid_counts(args)
     H, F, L, qd, kd = args.dim, args.ffn_dim, args.n_layers, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     linear = H * qd + 2 * H * kd + qd * H + 3 * H * F        # q, k, v, o, gate, up, down
     small = 2 * H + (qd + 2 * kd) * args.qkv_bias + 2 * args.head_dim * args.qk_norm
@@ -87,11 +100,53 @@ def act_bytes_per_token(args, c: int, lora_dropout: bool = False, lean_mlp: bool
     MLP's lean backward is off (under CPU autocast, or a LoRA down projection) silu(gate) and the product
     too (4F); fp32 statistics (each norm's rsqrt, attention's log-sum-exp per head). Under LoRA dropout
     each adapted layer keeps its dropped-out input and mask: 5H + qd + F channels, c + 1 bytes."""
+    if args.hybrid:  # Qwen3.5: the mean over its two kinds of layer (LoRA dropout's inputs not counted)
+        return hybrid_act_bytes(args, c, lean_mlp)
     H, F, qd, kd = args.dim, args.ffn_dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     norms = 2 * H * 2 * c + (qd + kd) * c * args.qk_norm
     rest = c * ((qd + 2 * kd) + 2 * qd + (2 if lean_mlp else 4) * F)
     stats = 4 * (2 + args.n_heads + (args.n_heads + args.n_kv_heads) * args.qk_norm)
     return norms + rest + stats + (5 * H + qd + F) * (c + 1) * lora_dropout
+
+
+def hybrid_counts(args) -> dict:
+    """counts() of a Qwen3.5 hybrid model (grpo/qwen35.py): attention layers whose q_proj is twice as wide
+    (the output gate), linear layers with five projections, a depthwise conv and per-head parameters
+    (grpo/deltanet.py). `linear` is the mean over layers; `block` the larger kind (FSDP gathers whole blocks)."""
+    H, F, L, V, la = args.dim, args.ffn_dim, args.n_layers, args.vocab_size, args.linear
+    qd, kd, C, vd, Hv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, la.conv_dim, la.v_heads * la.v_dim, la.v_heads
+    n_attn = args.layer_types.count("full_attention")
+    n_lin = L - n_attn
+    attn, lin = 3 * H * qd + 2 * H * kd, H * C + 2 * H * vd + 2 * H * Hv  # q (with gate), k, v, o; qkv, z, out, b, a
+    small_attn, small_lin = 2 * H + 2 * args.head_dim, 2 * H + C * la.conv_kernel + 2 * Hv + la.v_dim
+    linear = n_attn * attn + n_lin * lin + 3 * L * H * F
+    root = V * H * (1 if args.tie_embeddings else 2) + H
+    lora = (n_attn * ((H + 2 * qd) + 2 * (H + kd) + (qd + H)) + n_lin * ((H + C) + 2 * (H + vd) + 2 * (H + Hv))
+            + L * (2 * (H + F) + (F + H)))  # r x (in + out) of every linear layer, r = 1
+    block = max(attn + small_attn, lin + small_lin) + 3 * H * F
+    return dict(linear=linear // L, block=block, root=root, total=linear + n_attn * small_attn + n_lin * small_lin + root,
+                lora=lora)
+
+
+def hybrid_act_bytes(args, c: int, lean_mlp: bool = True) -> int:
+    """act_bytes_per_token of a Qwen3.5 hybrid model: the mean over its layers of what autograd keeps a token.
+    Both kinds: two (1 + w) RMSNorms (input, its fp32 product, the linears' input: 3H each and a statistic) and
+    the MLP (2F, or 4F without the lean backward). An attention layer: q_proj's output with the gate (2qd), q and
+    k before and after their norms (qd + 2kd + kd), SDPA's q, k, v and output (2qd + 2kd), the gate's sigmoid and
+    the gated output twice (3qd); statistics per head. A linear layer (grpo/deltanet.py's chunked form, C_c = its
+    chunk size): the conv's input and output and SiLU's (3C), the gated norm's five (Hv, Dv) tensors and
+    out_proj's input (6 vd), and in fp32 for each value head the chunk's five (C_c x C_c) matrices (5 C_c a token),
+    nine Dk- and four Dv-wide tensors, four scalars and a state per chunk (Dk Dv / C_c). Measured in
+    tests/test_qwen35.py; the rule's part (fp32 whatever c) is most of it at Qwen3.5's shapes."""
+    H, F, L, la = args.dim, args.ffn_dim, args.n_layers, args.linear
+    qd, kd, C, vd, Hv, Cc = (args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, la.conv_dim,
+                             la.v_heads * la.v_dim, la.v_heads, 64)
+    both = 2 * (3 * H * c + 4) + (2 if lean_mlp else 4) * F * c
+    attn = c * (8 * qd + 4 * kd) + 4 * (2 * args.n_heads + args.n_kv_heads)
+    rule = 4 * Hv * (5 * Cc + 9 * la.k_dim + 4 * la.v_dim + 4) + 4 * Hv * la.k_dim * la.v_dim // Cc
+    lin = c * (3 * C + 6 * vd) + 4 * (4 * Hv + 2 * la.k_heads) + rule
+    n_attn = args.layer_types.count("full_attention")
+    return both + (n_attn * attn + (L - n_attn) * lin) // L
 
 
 @dataclass
@@ -157,8 +212,13 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
         trained = n["total"]
         state.append(("master weights, fp32, sharded", 4 * trained // W, "4 x parameters / ranks"))
     state.append(("AdamW's two states, fp32", 8 * trained // W, "2 x 4 x trained parameters / ranks"))
-    if cfg.beta > 0 and not cfg.use_peft:  # under LoRA the reference is the base with adapters off
-        state.append(("KL reference, fp32, sharded", 4 * n["total"] // W, "4 x parameters / ranks"))
+    # the KL reference (beta > 0) is frozen: it is loaded in the dtype its forward computes in (bf16 on a GPU,
+    # FSDP's param_dtype), not as fp32 master weights; one CPU process, with no FSDP to cast it, keeps fp32.
+    # Under LoRA the reference is the base with the adapters off: nothing more
+    ref = c if fsdp else 4
+    if cfg.beta > 0 and not cfg.use_peft:
+        state.append((f"KL reference, {'bf16' if ref == 2 else 'fp32'}, sharded", ref * n["total"] // W,
+                      f"{ref} x parameters / ranks"))
     memory = int((memory_gib or 0) * GIB) or _default_memory(device, W)
     fixed = [("CUDA context", int(CUDA_CONTEXT), "stated")] if gpu else [
         ("runtime (Python, torch, transformers)", int(CPU_RUNTIME), "stated: measured resident size")]
@@ -171,6 +231,8 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
     bias = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim * args.qkv_bias  # stored with the matmuls
     rest = V * H * c if packed else L * (n["block"] - n["linear"] - bias) * c + n["root"] * c
     decode_copy = L * (n["linear"] + bias) * mm + rest
+    if args.hybrid:  # no copy: a hybrid model decodes through its own forward (grpo/model_decode.py)
+        decode_copy = 0
     gathered = c * n["total"] if fsdp else 0                      # FSDP's unsharded compute-dtype weights
     kv_bytes = c                                                  # the cache takes the sampler weights' dtype
 
@@ -221,9 +283,32 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
         update += [t for t in sampling(rows, cfg.max_prompt_length + cfg.max_completion_length)
                    if t[0] in ("KV cache", "decode copy of the weights", "sampler workspace")]
     phases["update"] = fixed + state + update + casts + extra
-    # before sharding, each rank loads the whole model in fp32 (its compute dtype under LoRA), then the reference
+    # the optimizer step, after the last micro-batch's backward (its activations freed): the gradients and
+    # AdamW's temporary. On CUDA AdamW's default (foreach) holds sqrt(exp_avg_sq) of every trained parameter
+    # at once (torch.optim.adam._multi_tensor_adam's exp_avg_sq_sqrt): 4 bytes a trained parameter, measured
+    # 77.7 GiB against a plan without it of 72.1 (the 3B calculator full fine-tune, one H100). Counted, not
+    # avoided: fused=True would not hold it and foreach=False would hold one tensor's worth, but the trainer
+    # keeps torch's default, the implementation its GPU runs were measured with (fused under FSDP2's DTensor
+    # parameters has not run on a GPU here). On a CPU AdamW runs per tensor (no foreach there):
+    # sqrt(exp_avg_sq) and its quotient, two temporaries the size of the largest trained tensor
+    if gpu:
+        temp, formula = 4 * trained // W, "4 x trained parameters / ranks (foreach: all tensors at once)"
+    else:
+        largest = (max(H, args.ffn_dim, args.n_heads * args.head_dim) * cfg.lora_r if cfg.use_peft
+                   else max(V * H, H * args.ffn_dim))
+        temp, formula = 2 * 4 * largest, "2 x 4 x the largest trained tensor (per-tensor AdamW)"
+    step = [("gradients, fp32, sharded", 4 * trained // W, "4 x trained parameters / ranks"),
+            ("AdamW's step temporary, fp32", temp, formula)]
+    if gpu and cfg.keep_kv_cache:
+        step += [t for t in update if t[0] in ("KV cache", "decode copy of the weights", "sampler workspace")]
+    phases["step"] = fixed + state + step + casts + extra
+    # before sharding, each rank loads the whole model in fp32 (its compute dtype under LoRA); then, with
+    # beta > 0, the reference whole in its dtype beside the policy's shards: the larger of the two moments
     load = [("the whole model as loaded, before sharding", (c if cfg.use_peft else 4) * n["total"],
              "bytes x parameters, on every rank")]
+    if cfg.beta > 0 and not cfg.use_peft and 4 * n["total"] // W + ref * n["total"] > load[0][1]:
+        load = [("master weights, fp32, sharded", 4 * n["total"] // W, "4 x parameters / ranks"),
+                ("the KL reference as loaded, before sharding", ref * n["total"], f"{ref} x parameters, on every rank")]
     phases = {"load": fixed + load + extra, **phases}
     if not gpu:
         notes.append("CPU: the sampler's cache and decode copy are freed after each rollout (release())")
@@ -239,9 +324,11 @@ def slot_bytes(args, length: int, c: int) -> tuple[int, int]:
     """(positions, bytes) of one sampler row of `length` tokens: rounded up to 64 positions as the sampler
     sizes it (Sampler._start), k and v of every layer at c bytes (KVCache.slot_bytes)."""
     import torch
+    from grpo.hybrid_cache import HybridCache
     from grpo.kv_cache import KVCache
     S = -(-length // 64) * 64
-    return S, KVCache.slot_bytes(args, S, torch.bfloat16 if c == 2 else torch.float32)
+    cache = HybridCache if args.hybrid else KVCache  # a hybrid model's rows also hold the linear layers' state
+    return S, cache.slot_bytes(args, S, torch.bfloat16 if c == 2 else torch.float32)
 
 
 def frozen_copy_terms(args, c: int, slots: int, length: int, budget: int) -> list:
@@ -330,24 +417,66 @@ def size(args, cfg, world: int, device: str, memory_gib: float | None, extra: li
 
 def what_fits(args, cfg, world: int, device: str, memory_gib: float | None, extra: list = ()) -> list[tuple[str, int, bool]]:
     """Changes that lower the peak, each with its new peak and whether it fits: more GPUs, gradient
-    checkpointing, a smaller micro-batch or gen_batch, LoRA, and keep_kv_cache false."""
-    tries = []
-    longest = cfg.max_prompt_length + cfg.max_completion_length
-    if device == "cuda" and world < 8:
-        tries.append((f"{min(8, 2 * world)} GPUs", cfg, min(8, 2 * world)))
-    if not cfg.gradient_checkpointing:
-        tries.append(("--gradient_checkpointing true", dataclasses.replace(cfg, gradient_checkpointing=True), world))
-    if cfg.micro_batch_tokens // 2 >= longest:  # a sequence must fit one micro-batch
-        tries.append((f"--micro_batch_tokens {cfg.micro_batch_tokens // 2}",
-                      dataclasses.replace(cfg, micro_batch_tokens=cfg.micro_batch_tokens // 2), world))
-    if cfg.gen_batch > 1:
-        tries.append((f"--gen_batch {cfg.gen_batch // 2}", dataclasses.replace(cfg, gen_batch=cfg.gen_batch // 2), world))
-    if not cfg.use_peft:
-        tries.append(("--use_peft (LoRA r 16)", dataclasses.replace(cfg, use_peft=True, lora_r=16), world))
-    if device == "cuda" and cfg.keep_kv_cache:
-        tries.append(("--keep_kv_cache false", dataclasses.replace(cfg, keep_kv_cache=False), world))
-    out = []
-    for what, c, w in tries:
+    checkpointing, a smaller micro-batch or gen_batch, LoRA, and keep_kv_cache false. A change that does not
+    lower the peak is never offered. Where no change alone fits, the combinations that fit follow ("a + b"),
+    of as few changes as any fitting one needs, the lowest peaks first (at most MAX_COMBINATIONS)."""
+    peak = memory_plan(args, cfg, world, device, memory_gib, extra).peak[1]
+    singles = []
+    for what, group, change in changes(cfg, world, device):
+        c, w = change(cfg, world)
         p = memory_plan(args, c, w, device, memory_gib, extra)
-        out.append((what, p.peak[1], p.fits))
+        if p.peak[1] < peak:
+            singles.append((what, group, change, p.peak[1], p.fits))
+    out = [(what, p, fits) for what, _, _, p, fits in singles]
+    if any(fits for *_, fits in out):
+        return out
+    for k in range(2, len(singles) + 1):
+        found = []
+        for combo in itertools.combinations(singles, k):
+            if len({group for _, group, *_ in combo}) < k:
+                continue  # two GPU counts
+            c, w = cfg, world
+            for _, _, change, _, _ in combo:
+                c, w = change(c, w)
+            p = memory_plan(args, c, w, device, memory_gib, extra)
+            if p.fits:
+                found.append((" + ".join(what for what, *_ in combo), p.peak[1], True))
+        if found:
+            return out + sorted(found, key=lambda x: x[1])[:MAX_COMBINATIONS]
+    return out
+
+
+def fixes_text(fixes: list) -> str:
+    """what_fits' answer as lines: the changes alone, then the combinations that fit where none alone does."""
+    line = lambda what, peak, fits: f"  {what}: peak {peak / GIB:.1f} GiB{'  fits' if fits else ''}"  # noqa: E731
+    alone, together = [f for f in fixes if " + " not in f[0]], [f for f in fixes if " + " in f[0]]
+    lines = ["what would fit (each change alone):"] + [line(*f) for f in alone]
+    if together:
+        lines += ["...or together (no change alone fits):"] + [line(*f) for f in together]
+    elif not any(fits for *_, fits in alone):
+        lines.append("  none of these fits, alone or together: a GPU with more memory")
+    return "\n".join(lines)
+
+
+MAX_COMBINATIONS = 5
+
+
+def changes(cfg, world: int, device: str) -> list[tuple[str, str, object]]:
+    """(flag, group, change): each change maps (cfg, world) to the changed pair, so that changes compose; a
+    combination takes at most one change of a group (the GPU counts)."""
+    longest = cfg.max_prompt_length + cfg.max_completion_length
+    replace = lambda **kw: lambda c, w: (dataclasses.replace(c, **kw), w)  # noqa: E731
+    out = [(f"{n} GPUs", "gpus", lambda c, w, n=n: (c, n)) for n in (2 * world, 4 * world, 8 * world)
+           if device == "cuda" and n <= 8]
+    if not cfg.gradient_checkpointing:
+        out.append(("--gradient_checkpointing true", "ckpt", replace(gradient_checkpointing=True)))
+    if cfg.micro_batch_tokens // 2 >= longest:  # a sequence must fit one micro-batch
+        out.append((f"--micro_batch_tokens {cfg.micro_batch_tokens // 2}", "micro",
+                    replace(micro_batch_tokens=cfg.micro_batch_tokens // 2)))
+    if cfg.gen_batch > 1:
+        out.append((f"--gen_batch {cfg.gen_batch // 2}", "gen", replace(gen_batch=cfg.gen_batch // 2)))
+    if not cfg.use_peft:
+        out.append(("--use_peft (LoRA r 16)", "lora", replace(use_peft=True, lora_r=16)))
+    if device == "cuda" and cfg.keep_kv_cache:
+        out.append(("--keep_kv_cache false", "kv", replace(keep_kv_cache=False)))
     return out

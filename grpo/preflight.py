@@ -1,14 +1,16 @@
-"""--preflight: before step 1, one synthetic step at the rollouts' and the update's largest sizes, its
-measured peaks beside the memory plan's.
+"""--preflight: before step 1, one synthetic step at the rollouts', the update's and the optimizer step's
+largest sizes, its measured peaks beside the memory plan's.
 
 The rollouts: a step's rows on this rank, every prompt max_prompt_length random tokens, each row sampling
 max_completion_length tokens (no stop) with the run's sampling settings. The update: the largest
 micro-batch, as many rows of max_prompt_length + max_completion_length tokens as micro_batch_tokens
-holds, through the log-probs (with entropy) and backward, as the update runs them. Nothing is kept: no
-optimizer step, gradients dropped, the random state restored. A run that would run out of memory in
-these two phases does so here, in minutes, not hours in. Not run: the eval (whose rows may be longer:
-the plan's eval phase covers it), the KL reference's and the old policy's log-prob passes, and a
-recipe's own models (ProcessGRPO's continuations).
+holds, through the log-probs (with entropy) and backward, as the update runs them. The step: the
+optimizer's step on those gradients, as the run's steps allocate (AdamW's states are created here, and
+its temporary), taken at learning rate 0 so that no weight moves. Nothing is kept: the weights as they
+were, the optimizer's state and the gradients dropped, the random state restored. A run that would run
+out of memory in these three phases does so here, in minutes, not hours in. Not run: the eval (whose
+rows may be longer: the plan's eval phase covers it), the KL reference's and the old policy's log-prob
+passes, and a recipe's own models (ProcessGRPO's continuations).
 
 Measured: on CUDA the caching allocator's peak (torch.cuda.max_memory_allocated: the tensors, without
 the CUDA context or fragmentation, so the plan's terms are compared without those two); on a CPU the
@@ -17,6 +19,7 @@ peak resident size (VmHWM, reset through /proc/self/clear_refs), the whole proce
 import torch
 
 from grpo import dist
+from grpo.cpu import trim
 from grpo.memory import GIB, Plan
 from grpo.sampler import SamplingParams
 
@@ -51,8 +54,24 @@ def planned(plan: Plan, phase: str, optimizer_state: bool) -> int:
     return sum(b for name, b, _ in plan.phases[phase] if name not in skip)
 
 
+@torch.no_grad()
+def optimizer_step_at_lr_0(optimizer):
+    """One optimizer.step() that moves no weight, then its state dropped: AdamW at lr 0 decays by 1 - 0 x wd
+    and adds -0 x exp_avg / denom, so each weight keeps its value (a -0.0 may become +0.0)."""
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    try:
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
+        optimizer.state.clear()  # no moments of a synthetic step's gradients in the run
+
+
 def preflight(cfg, model, sampler, optimizer, device, plan: Plan) -> dict:
-    """-> {phase: (planned bytes, measured bytes)} for the rollouts and the update, printed on rank 0."""
+    """-> {phase: (planned bytes, measured bytes)} for the rollouts, the update and the optimizer step,
+    printed on rank 0."""
     V, G = model.args.vocab_size, cfg.num_generations
     rows = max(1, cfg.prompts_per_step * G // dist.world_size())
     g = torch.Generator().manual_seed(cfg.seed)
@@ -75,13 +94,18 @@ def preflight(cfg, model, sampler, optimizer, device, plan: Plan) -> dict:
     logprobs, _ = model(ids, labels=ids, temperature=cfg.temperature, return_entropy=True)  # entropy: no gradient
     logprobs.float().sum().backward()
     measured["update"] = peak_bytes(device)
+    del logprobs
+    if device.type == "cpu":
+        trim()  # the update's freed activations back to the OS, as a CPU step does after its update
+    reset_peak(device)
+    optimizer_step_at_lr_0(optimizer)
+    measured["step"] = peak_bytes(device)
     optimizer.zero_grad(set_to_none=True)
     model.train(training)
     torch.set_rng_state(rng[0])
     if rng[1] is not None:
         torch.cuda.set_rng_state(rng[1], device)
-    state = bool(optimizer.state)
-    out = {phase: (planned(plan, phase, state), measured[phase]) for phase in measured}
+    out = {phase: (planned(plan, phase, phase == "step"), measured[phase]) for phase in measured}
     for phase, (want, got) in out.items():
         dist.print0(f"preflight {phase}: measured {got / GIB:.2f} GiB, planned {want / GIB:.2f} GiB "
                     f"({got / max(want, 1):.0%} of the plan)")

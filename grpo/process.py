@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grpo.env import as_env
 from grpo.rollout import Trajectory
 from grpo.sampler import SamplingParams
 
@@ -131,7 +132,7 @@ class ProcessCredit:
     def __post_init__(self):
         if self.mode not in ("process", "outcome", "shuffled"):
             raise ValueError(f"mode={self.mode!r}: process | outcome | shuffled")
-        self.term = getattr(self.env, "score_term", "correct")   # the reward term that means "solved"
+        self.term = as_env(self.env).score_term   # the reward term that means "solved"
 
     def memory_terms(self, cfg) -> list:
         """What the frozen copy and its sampler hold through the run, for the trainer's memory plan."""

@@ -19,30 +19,30 @@ the functions score. `--reward_funcs` names become functions in grpo/cli/reward_
 import math
 from concurrent.futures import ThreadPoolExecutor
 
+from grpo.env import Env, as_env
+
 
 def is_conversational(prompt) -> bool:
     """TRL's test: a list of {"role", "content"} messages (not text)."""
     return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) and "role" in m for m in prompt)
 
 
-class RewardFunctionsEnv:
+class RewardFunctionsEnv(Env):
     """A single-turn env (or `base`'s multi-turn one) scored by TRL-style reward functions.
 
     prompt(example): a conversational `prompt` column as given; else the `question` text as the
     user message after `system_prompt` (the recipe's question/answer data); or, with
     raw_text=True (TRL's standard form, as GRPOTrainer takes it), the `prompt` text as is,
     without a chat template."""
-    stop_strings: list = []
-    max_turns = 1
-    observation_role = "user"
-
     def __init__(self, funcs: dict, system_prompt: str = "", raw_text: bool = False, base=None):
-        self.funcs, self.system_prompt, self.raw_text, self.base = funcs, system_prompt, raw_text, base
-        self.score_term = next(iter(funcs), None) or getattr(base, "score_term", "correct")  # what grpo.eval reports
-        for name in ("stop_strings", "max_turns", "observation_role", "chat_kwargs", "step", "gold_messages",
-                     "extract", "answered"):
-            if hasattr(base, name):  # the base env's tool protocol, as its own
-                setattr(self, name, getattr(base, name))
+        self.funcs, self.system_prompt, self.raw_text = funcs, system_prompt, raw_text
+        self.base = None if base is None else as_env(base, rewards=False)
+        self.score_term = next(iter(funcs), None) or (self.base or Env).score_term  # what grpo.eval reports
+        if self.base is not None:  # the base env's tool protocol, as its own
+            b = self.base
+            self.stop_strings, self.max_turns, self.observation_role, self.chat_kwargs = (
+                b.stop_strings, b.max_turns, b.observation_role, b.chat_kwargs)
+            self.step, self.gold_messages, self.extract, self.answered = b.step, b.gold_messages, b.extract, b.answered
 
     def prompt(self, example: dict):
         if self.base is not None:
@@ -61,7 +61,7 @@ class RewardFunctionsEnv:
     def reward_batch(self, examples: list, trajectories: list) -> list[dict]:
         """One call per function for the whole batch; -> a dict of terms per trajectory (None: not
         applicable), the base env's own terms first."""
-        if hasattr(self.base, "reward"):  # concurrently, as assign_rewards() calls env.reward (a term may wait on HTTP)
+        if self.base is not None:  # concurrently, as assign_rewards() calls env.reward (a term may wait on HTTP)
             with ThreadPoolExecutor(16) as pool:
                 out = [dict(r) for r in pool.map(self.base.reward, examples, trajectories)]
         else:

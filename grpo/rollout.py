@@ -13,6 +13,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from grpo.env import as_env
 from grpo.sampler import Sampler, SamplingParams
 
 
@@ -150,10 +151,11 @@ def sampling_params(env, tokenizer, G: int, temperature: float, max_tokens: int,
                     max_turns: int = 0, max_turn_tokens: int = 0, kept_set: bool = True) -> SamplingParams:
     """max_turns: assistant turns per episode for a tool env; 0 = the env's own max_turns.
     max_turn_tokens: tokens one assistant turn may sample; 0 = only max_tokens bounds it."""
-    tool_stops = list(getattr(env, "stop_strings", []))
+    env = as_env(env, rewards=False)
+    tool_stops = list(env.stop_strings)
     return SamplingParams(n=G, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                           max_tokens=max_tokens, seed=seed, tool_stop_strings=tool_stops,
-                          max_turns=(max_turns or getattr(env, "max_turns", 1)) if tool_stops else 1,
+                          max_turns=(max_turns or env.max_turns) if tool_stops else 1,
                           max_turn_tokens=max_turn_tokens, kept_set=kept_set)
 
 
@@ -163,7 +165,8 @@ def rollout(sampler: Sampler, tokenizer, env, examples: list[dict], params: Samp
     """len(examples) * params.n trajectories, in prompt order (G consecutive per prompt).
     `prompt_offset` is the global index of examples[0]: it seeds the sampler, so a prompt's
     samples do not depend on the rank or the batch it lands in."""
-    chat_kwargs = {**getattr(env, "chat_kwargs", {}), **(chat_kwargs or {})}  # e.g. the env's tools
+    env = as_env(env, rewards=False)  # rollouts need its prompts and its tool; assign_rewards() its rewards
+    chat_kwargs = {**env.chat_kwargs, **(chat_kwargs or {})}  # e.g. the env's tools
     messages = [env.prompt(ex) for ex in examples]
     prompts = [render_prompt(tokenizer, m, **chat_kwargs) for m in messages]
     G = params.n
@@ -195,8 +198,8 @@ def assign_rewards(env, trajectories: list[Trajectory], weights: dict[str, float
     env.reward_batch(examples, trajectories) call where the env has it (TRL-style batched reward
     functions: grpo.rewards); then the weighted sum. Terms missing from `weights` weigh 1; a term
     that is None (not applicable) is left out of the sum."""
-    weights = weights or {}
-    if hasattr(env, "reward_batch"):
+    weights, env = weights or {}, as_env(env)
+    if env.reward_batch is not None:
         terms = env.reward_batch([t.example for t in trajectories], trajectories) if trajectories else []
     else:
         with ThreadPoolExecutor(workers) as pool:
@@ -204,6 +207,6 @@ def assign_rewards(env, trajectories: list[Trajectory], weights: dict[str, float
     for t, r in zip(trajectories, terms):
         t.rewards = {k: None if v is None else float(v) for k, v in r.items()}
         # cut after it answered (the env says so; an env without `answered` never does)
-        t.answered = t.finish_reason == "length" and hasattr(env, "answered") and bool(env.answered(t))
+        t.answered = t.finish_reason == "length" and bool(env.answered(t))
         t.reward = sum(weights.get(k, 1.0) * v for k, v in t.rewards.items() if v is not None)
     return trajectories

@@ -12,6 +12,7 @@ import random
 import torch
 from tqdm import tqdm
 
+from grpo.env import as_env
 from grpo import dist
 from grpo.config import Config
 from grpo.lora import trainable
@@ -25,7 +26,7 @@ def gold_trajectory(tokenizer, env, example: dict, eos_id: int,
     turns (mask 1), template-made observation tokens between them (mask 0), the final EOS.
     Used by the supervised warm-start; env.gold_messages(example) gives the turns. A turn with
     `"learn": False` (e.g. a mistaken tool call before its correction) is context, mask 0."""
-    chat_kwargs = {**getattr(env, "chat_kwargs", {}), **(chat_kwargs or {})}  # e.g. the env's tools
+    chat_kwargs = {**as_env(env).chat_kwargs, **(chat_kwargs or {})}  # e.g. the env's tools
     messages = env.prompt(example)
     prompt = render_prompt(tokenizer, messages, **chat_kwargs)
     gold = env.gold_messages(example)  # [assistant, observation, assistant, ...]

@@ -23,6 +23,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from grpo.env import as_env
 from grpo import dist
 from grpo.budget import RunBudget, TimePlan, make_plan, rl_budget, stop_reason
 from grpo.checkpoint import Checkpointer, export, note_run, open_run_dir, refuse_used_dir, run_meta
@@ -34,7 +35,8 @@ from grpo.kv_cache import KVCache
 from grpo.lora import (BaseModel, adapter_settings, adapters, add_lora, cast_base, load_adapter, read_adapter,
                        settings_of, trainable)
 from grpo.loss import group_advantages, overlong_penalty
-from grpo.memory import GIB, GPU_MEMORY_GIB, Plan, memory_of_cpu, memory_plan, model_config, size, what_fits
+from grpo.memory import (GIB, GPU_MEMORY_GIB, Plan, fixes_text, memory_of_cpu, memory_plan, model_config, size,
+                         what_fits)
 from grpo.metrics import Logger, credit_metrics, rollout_records, step_metrics
 from grpo.model import ModelArgs, Transformer, _local_or_hub
 from grpo.preflight import preflight
@@ -103,6 +105,8 @@ def grpo_step(run: Run, step: int) -> tuple[list, torch.Tensor, torch.Tensor, di
         # to keep (the next call allocates and packs the weights again: ~0.3 s for SmolLM2 at one thread)
         if run.device.type != "cuda" or not cfg.keep_kv_cache:
             run.sampler.release()
+    if dist.all_sum(float(sum(t.finish_reason != "error" for t in trajs))) == 0:  # every rank's every row
+        raise RuntimeError(f"step {step}: every rollout failed, nothing to train on: {rollout_failures(trajs)}")
     t1 = time.time()
     # 2. rewards -> advantages (-> per-token credit: a sequence is left out only if all its tokens get 0)
     rewards = final_rewards(trajs, cfg).to(run.device)
@@ -123,6 +127,18 @@ def grpo_step(run: Run, step: int) -> tuple[list, torch.Tensor, torch.Tensor, di
                            t1 - t0, t2 - t1 - t_credit, run.scheduler.get_last_lr()[0])
     metrics |= credit_metrics(run.credit, t1 - t0, t_credit)
     return trajs, rewards, advantages, metrics, t2 - t0
+
+
+def rollout_failures(trajs: list) -> str:
+    """Why a step's rows all failed (finish_reason "error"), in one line: empty prompts, or the errors
+    grpo.rollout printed for each row (a tool call that raised, a prompt the sampler refused)."""
+    empty = sum(not t.prompt_ids for t in trajs)
+    if empty == len(trajs):
+        return (f"every row's prompt encodes to no tokens ({empty} rows: the env's prompt() and the chat template give "
+                "an empty prompt: check the dataset's question field and the template)")
+    return (f"{len(trajs)} rows ended in an error ({empty} of them on an empty prompt); each row's error, a "
+            "tool call that raised or a prompt the sampler refused, is printed above as 'rollout: completion "
+            "N failed'")
 
 
 def rank_share(cfg: Config) -> int:
@@ -238,7 +254,7 @@ def check_inputs(cfg: Config, env, train_examples: list, sft_examples: list):
         cfg.lora_r, cfg.lora_alpha, cfg.use_rslora = lora.r, lora.alpha, lora.rslora
         cfg.lora_target_modules = ",".join(lora.targets)
     if cfg.sft_steps > 0:
-        if not hasattr(env, "gold_messages"):
+        if as_env(env).gold_messages is None:
             raise ValueError(f"sft_steps={cfg.sft_steps}: the warm-start needs env.gold_messages(example), "
                              f"which {type(env).__name__} does not have")
         if cfg.sft_batch % world or len(sft_examples) < cfg.sft_batch:
@@ -305,8 +321,10 @@ def build(cfg: Config, device, extra: list = ()) -> tuple:
     ref_model = None
     if cfg.beta > 0 and cfg.use_peft:  # the reference is the frozen base: the same model, adapters off
         ref_model = BaseModel(model)
-    elif cfg.beta > 0:
-        ref_model = Transformer.from_pretrained(path, dtype=torch.float32, device=device)
+    elif cfg.beta > 0:  # frozen: loaded in the dtype FSDP computes it in (bf16 on a GPU), not as fp32 master
+        # weights (a 3B reference: 6 GB, not 12); one CPU process, which nothing casts, keeps fp32
+        ref_dtype = compute_dtype if dist.is_dist() or torch.cuda.is_available() else torch.float32
+        ref_model = Transformer.from_pretrained(path, dtype=ref_dtype, device=device)
         ref_model.eval().requires_grad_(False)
         ref_model.autocast_bf16 = model.autocast_bf16
         dist.shard(ref_model, compute_dtype)
@@ -365,10 +383,8 @@ def check_memory(cfg: Config, path, device, extra: list = ()):
     plan = plan_run(cfg, args, device, extra)
     dist.print0(plan.summary())
     if not plan.fits and cfg.plan_memory:
-        fixes = "\n".join(f"  {what}: peak {peak / 2**30:.1f} GiB{'  fits' if fits else ''}"
-                          for what, peak, fits in what_fits(args, cfg, plan.world, device.type, plan.memory / 2**30, extra))
-        raise ValueError(f"{plan.table()}\nwhat would fit (each change alone):\n{fixes}\n"
-                         "(--plan_memory false starts anyway)")
+        fixes = fixes_text(what_fits(args, cfg, plan.world, device.type, plan.memory / 2**30, extra))
+        raise ValueError(f"{plan.table()}\n{fixes}\n(--plan_memory false starts anyway)")
 
 
 def resume(ckpt: Checkpointer, model, optimizer, scheduler, cfg: Config) -> dict | None:

@@ -45,7 +45,7 @@ def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
 def collate(trajs: list, device) -> dict:
     """Right-padded rows; position t scores token t+1, so completion token j of a sequence with
     prompt length P is the label at position P-1+j. Returns (B, T) tensors."""
-    T = max(len(t.prompt_ids) + len(t.completion_ids) for t in trajs)
+    T = max(1, *(len(t.prompt_ids) + len(t.completion_ids) for t in trajs))  # 1: rows of a failed, empty prompt
     B = len(trajs)
     input_ids = torch.zeros(B, T, dtype=torch.long)
     labels = torch.full((B, T), -100, dtype=torch.long)

@@ -114,14 +114,17 @@ def reaches(path: Path, folder: Path) -> list[str]:
                 if isinstance(target, ast.Name):
                     assigned.setdefault(target.id, []).append(node.value)
 
+    memo = {}  # name -> its strings, once: a file that reassigns names (bench/gpu_check.py) made the walk exponential
+
     def strings(expr, seen=()) -> set[str]:
         out = set()
         for n in ast.walk(expr):
             if isinstance(n, ast.Constant) and isinstance(n.value, str):
                 out.add(n.value)
             elif isinstance(n, ast.Name) and n.id in assigned and n.id not in seen:
-                for value in assigned[n.id]:
-                    out |= strings(value, (*seen, n.id))
+                if n.id not in memo:
+                    memo[n.id] = set().union(*(strings(value, (*seen, n.id)) for value in assigned[n.id]))
+                out |= memo[n.id]
         return out
 
     def into(text: str, by_name: bool) -> bool:  # a path into the folder, or (by_name) one of its modules

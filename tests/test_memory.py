@@ -224,20 +224,22 @@ def test_preflight_runs_a_worst_case_step_and_keeps_nothing(tmp_path, capsys):
     trainer.record_run(cfg)  # the run folder build() notes its choices in
     _, model, _, optimizer, _, sampler = trainer.build(cfg, cpu)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    rng = torch.get_rng_state()
+    rng, lrs = torch.get_rng_state(), [g["lr"] for g in optimizer.param_groups]
     calls = []
     real = sampler.generate
     sampler.generate = lambda prompts, p, **kw: calls.append((len(prompts), len(prompts[0]), p.n, p.max_tokens,
                                                              p.stop_token_ids)) or real(prompts, p, **kw)
     out = preflight(cfg, model, sampler, optimizer, cpu, trainer.plan_run(cfg, model.args, cpu))
     assert calls == [(2, 16, 4, 8, [])]  # every row: a full prompt, the whole completion, no stop
-    assert set(out) == {"rollouts", "update"} and all(got > 0 and want > 0 for want, got in out.values())
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # no step taken
+    assert set(out) == {"rollouts", "update", "step"} and all(got > 0 and want > 0 for want, got in out.values())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # a step at lr 0: no weight moved
+    assert [g["lr"] for g in optimizer.param_groups] == lrs  # and the run's rates back
     assert all(p.grad is None for p in model.parameters()) and not optimizer.state
     assert sampler.cache is None  # released, as a CPU step releases it
     assert torch.equal(torch.get_rng_state(), rng)  # a run with --preflight draws what one without it draws
     text = capsys.readouterr().out
     assert "preflight rollouts: measured" in text and "preflight update: measured" in text, text
+    assert "preflight step: measured" in text, text
 
 
 def test_train_runs_the_preflight_when_asked(tmp_path, monkeypatch):
@@ -253,7 +255,102 @@ def test_train_runs_the_preflight_when_asked(tmp_path, monkeypatch):
     assert len(seen) == 1 and seen[0][1] > 0
 
 
-def test_readme_table_is_the_plans():
-    """README's table of the recipes' planned peaks is what `python -m grpo.plan --table` prints now."""
+def test_the_docs_table_is_the_plans():
+    """docs/gpu.md's table of the recipes' planned peaks is what `python -m grpo.plan --table` prints now."""
     from grpo.cli.plan import gpu_table
-    assert gpu_table(str(ROOT / "recipes")) in (ROOT / "README.md").read_text()
+    assert gpu_table(str(ROOT / "recipes")) in (ROOT / "docs" / "gpu.md").read_text()
+
+
+def test_the_optimizer_step_is_planned_and_the_3b_on_one_h100_fits_with_it(capsys):
+    """AdamW's foreach step on CUDA holds an fp32 temporary the size of the trained parameters beside the
+    gradients and its states (77.7 GiB measured for this run against a plan of 72.1 without it); the KL
+    reference is held in the compute dtype. The 3B calculator full fine-tune on one H100 fits with both."""
+    from grpo.cli.plan import main, plan_for
+    plan, args, cfg, _ = plan_for(str(ROOT / "recipes" / "calculator_qwen25_3b.py"), 1, "H100")
+    step, n = terms(plan, "step"), counts(args)["total"]
+    assert cfg.beta > 0 and not cfg.use_peft
+    assert step["AdamW's step temporary, fp32"] == step["gradients, fp32, sharded"] == 4 * n
+    assert step["KL reference, bf16, sharded"] == 2 * n  # not 4 x parameters: a frozen copy in bf16
+    assert plan.fits and plan.peak[0] == "step", plan.summary()
+    lora = memory_plan(args, dataclasses.replace(cfg, use_peft=True), 1, "cuda", GPU_MEMORY_GIB["H100"])
+    assert terms(lora, "step")["AdamW's step temporary, fp32"] == terms(lora, "step")["LoRA adapters, fp32 master"]
+    main(["recipes/calculator_qwen25_3b.py", "--gpus", "1", "--gpu", "H100"])
+    out = capsys.readouterr().out
+    assert "| step | AdamW's step temporary, fp32 |" in out and "fits, with" in out, out
+
+
+def test_a_run_that_cannot_fit_is_offered_only_changes_that_lower_its_peak():
+    """Each change alone lowers the peak; where none alone fits, combinations that fit follow."""
+    from grpo.cli.plan import plan_for
+    from grpo.memory import fixes_text, what_fits
+    recipe = str(ROOT / "recipes" / "calculator_qwen25_3b.py")
+    flags = ["--gradient_checkpointing", "false", "--micro_batch_tokens", "65536"]
+    plan, args, cfg, extra = plan_for(recipe, 1, "L4", flags=flags)
+    fixes = what_fits(args, cfg, 1, "cuda", GPU_MEMORY_GIB["L4"], extra)
+    alone = [f for f in fixes if " + " not in f[0]]
+    assert alone and all(peak < plan.peak[1] and not fits for _, peak, fits in alone)
+    assert "--use_peft (LoRA r 16)" not in [f[0] for f in alone]  # LoRA's MLP keeps more activations here: higher
+    together = [f for f in fixes if " + " in f[0]]
+    assert together and all(fits and peak <= GPU_MEMORY_GIB["L4"] * GIB for _, peak, fits in together)
+    assert "...or together (no change alone fits):" in fixes_text(fixes)
+    plan, args, cfg, extra = plan_for(recipe, 1, "L4")  # LoRA alone fits this one: no combinations
+    fixes = what_fits(args, cfg, 1, "cuda", GPU_MEMORY_GIB["L4"], extra)
+    assert any(fits for _, _, fits in fixes) and not any(" + " in what for what, _, _ in fixes)
+
+
+def test_a_gpu_profile_on_a_cpu_plan_is_said_to_be_ignored(capsys):
+    from grpo.cli.plan import main
+    main(["recipes/calculator_smollm2_cpu.py", "--cpu", "--profile", "H100"])
+    out = capsys.readouterr().out
+    assert out.startswith("--profile H100: ignored on a CPU") and "memory plan: peak" in out, out[:500]
+
+# ----------------------------------------------------------------------------- a step with nothing to train on
+
+
+class _EmptyPrompts:
+    """Every prompt a raw text that encodes to no tokens."""
+    stop_strings: list = []
+    max_turns = 1
+    observation_role = "user"
+
+    def prompt(self, example):
+        return ""
+
+    def reward(self, example, trajectory):
+        return {"correct": 0.0}
+
+
+class _FailingTools(_EmptyPrompts):
+    """Every row's first word is a tool call ("w" starts every word), and every tool call raises."""
+    stop_strings = ["w"]
+    max_turns = 3
+
+    def prompt(self, example):
+        return [{"role": "user", "content": example["question"]}]
+
+    def step(self, text):
+        raise RuntimeError("the tool is down")
+
+
+@pytest.mark.parametrize("env, reason", [(_EmptyPrompts(), "prompt encodes to no tokens"),
+                                         (_FailingTools(), "rows ended in an error")])
+def test_a_step_whose_rollouts_all_fail_stops_with_their_reason(tmp_path, env, reason):
+    """Not a reshape error deep in the update: the step says the rollouts failed, and why."""
+    from grpo import trainer
+    from toy import make_toy_dir
+    examples = [{"question": f"w{i} w{i + 1}", "answer": ""} for i in range(8)]
+    cfg = Config(model_path=make_toy_dir(tmp_path / "toy"), output_dir=str(tmp_path / "run"), max_steps=1,
+                 prompts_per_step=2, num_generations=2, max_prompt_length=16, max_completion_length=6,
+                 micro_batch_tokens=64, gen_batch=8, eval_limit=0, save_steps=0, export=False)
+    with pytest.raises(RuntimeError, match=f"step 0: every rollout failed, nothing to train on: .*{reason}"):
+        trainer.train(cfg, env, examples, [])
+
+
+def test_a_row_of_an_empty_prompt_collates_to_one_masked_token():
+    """A rank whose rows all failed on empty prompts still runs the micro-batches the others pair with."""
+    from grpo.rollout import Trajectory
+    from grpo.update import collate
+    t = Trajectory(example={}, prompt_index=0, prompt_ids=[], completion_ids=[], loss_mask=[], sampler_logprobs=[],
+                   finish_reason="error", num_turns=1)
+    b = collate([t, t], torch.device("cpu"))
+    assert b["input_ids"].shape == (2, 1) and (b["labels"] == -100).all() and b["loss_mask"].sum() == 0

@@ -92,13 +92,22 @@ def test_an_interpreter_under_tmp_keeps_its_packages(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
     site = subprocess.run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    (tmp_path / "venv" / site.split(str(venv) + "/", 1)[1] / "probe_in_venv.py").write_text("X = 41\n")
+    site = tmp_path / "venv" / site.split(str(venv) + "/", 1)[1]
+    (site / "probe_in_venv.py").write_text("X = 41\n")
+    # --system-site-packages shows the base interpreter's packages, not those of a virtual environment this
+    # suite may run in (the README's): its site folders, .pth files included (grpo's editable install), too
+    (site / "outer_env.pth").write_text(f"import site; list(map(site.addsitedir, {sitepackages()!r}))\n")
     (tmp_path / "outside.txt").write_text("the trainer's")
     code = (f"import os\nimport probe_in_venv\nprint(probe_in_venv.X + 1, os.path.exists({str(tmp_path / 'outside.txt')!r}))")
     script = IMPORT + (f"with Sandbox(workers=1, allow_missing={not SECCOMP}) as box:\n"
                        f"    print(box.run({code!r}), end='')\n")
     r = subprocess.run([venv / "bin" / "python", "-c", script], capture_output=True, text=True, timeout=120)
     assert r.stdout.splitlines()[-1:] == ["42 False"], (r.stdout, r.stderr[-2000:])  # after the start line
+
+
+def sitepackages() -> list[str]:
+    import site
+    return [p for p in site.getsitepackages() if os.path.isdir(p)]
 
 
 def test_run_code_default_pool(monkeypatch):
@@ -600,8 +609,9 @@ def test_one_call_cannot_take_the_processes_of_another(sb):
 
 
 @needs_ns
+@pytest.mark.parametrize("view", [True, False], ids=["allow-list view", "deny-list view"])
 @pytest.mark.parametrize("on_path", ["a folder under home", "home and a folder under it"])
-def test_home_hidden_even_on_sys_path(on_path, monkeypatch):
+def test_home_hidden_even_on_sys_path(on_path, view, monkeypatch):
     home = os.path.expanduser("~")
     if home in ("/", "/tmp") or not os.access(home, os.W_OK):
         pytest.skip(f"no home of this user's to hide: {home}")
@@ -613,12 +623,13 @@ def test_home_hidden_even_on_sys_path(on_path, monkeypatch):
         os.chmod(os.path.join(folder, "token"), 0o644)
         monkeypatch.setattr(sys, "path", [home, folder] if on_path.startswith("home") else
                             [folder, *sys.path])
+        monkeypatch.setattr(sandbox, "VIEW", view)
         with Sandbox(workers=1, memory_mb=1024, allow_missing=not SECCOMP) as box:
-            out = box.run(f"import os\nprint('home:', os.listdir({home!r}))\n"
+            out = box.run(f"import os\nprint('home:', os.listdir({home!r}) if os.path.isdir({home!r}) else [])\n"
                           f"print(open({os.path.join(folder, 'token')!r}).read())")
     finally:
         shutil.rmtree(folder)
-    listed = out.splitlines()[0]  # the empty tmpfs, with at most the Python install's folders
+    listed = out.splitlines()[0]  # not there, or an empty folder with at most the Python install's folders
     assert listed.startswith("home: [") and os.path.basename(folder) not in listed, out
     assert SECRET not in out and "FileNotFoundError" in out, out
 
@@ -700,8 +711,8 @@ def test_a_mount_left_writable_or_a_folder_left_visible_is_a_missing_layer(monke
 
     monkeypatch.setattr(sandbox, "_mount", mount)
     monkeypatch.setattr(sandbox, "_cover", lambda path, options, keep: path != str(tmp_path))
-    monkeypatch.setattr(sandbox, "_private_dev", lambda: ([], []))  # its mounts are mocked: leave the real /dev be
-    report, missing = sandbox._private_view([str(tmp_path), "/dev/shm"], [])
+    monkeypatch.setattr(sandbox, "_private_dev", lambda dev: ([], []))  # its mounts are mocked: leave /dev be
+    report, missing = sandbox._deny_list_view([str(tmp_path), "/dev/shm"], [])
     assert any(m.startswith("read-only '/'") for m in missing), missing
     assert any(m.startswith(f"hiding {tmp_path}") for m in missing), missing
     assert "/" in calls and "covered: /dev/shm" in report
@@ -724,10 +735,11 @@ def test_home_and_named_caches_hidden_at_their_real_paths(how, monkeypatch):
         os.symlink(real, link)
         monkeypatch.setenv({"symlinked home": "HOME", "HF_HOME": "HF_HOME", "XDG_CACHE_HOME": "XDG_CACHE_HOME"}[how],
                            link)
-        assert real in sandbox.hidden_folders()
+        assert real in sandbox.hidden_paths()
+        monkeypatch.setattr(sandbox, "VIEW", False)  # the fallback's deny-list (the allow-list shows none of them)
         with Sandbox(workers=1, memory_mb=1024, allow_missing=not SECCOMP) as box:
             out = box.run(f"print(open({os.path.join(real, 'sub', 'token')!r}).read())\n")
-            assert "hiding" not in box.isolation, box.isolation
+            assert "hiding" not in box.isolation and "the deny-list view" in box.isolation, box.isolation
     finally:
         shutil.rmtree(base)
     assert SECRET not in out and "FileNotFoundError" in out, out

@@ -259,10 +259,10 @@ def test_report_to_trackio_offline(toy, tmp_path):
 # ----------------------------------------------------------------------------- the README, as written
 
 def readme_task() -> tuple[dict, str]:
-    """The README's "Your own task": its files ({name: text}, from the blocks after `<!-- file: NAME -->`)
-    and its commands (the bash block after `<!-- run -->`)."""
+    """docs/your_task.md's "Your own task" (the README points there): its files ({name: text}, from the
+    blocks after `<!-- file: NAME -->`) and its commands (the bash block after `<!-- run -->`)."""
     import re
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "your_task.md").read_text()
     section = text.split("## Your own task", 1)[1].split("\n## ", 1)[0]
     files = dict(re.findall(r"<!-- file: (\S+) -->\n```\w*\n(.*?)```", section, re.S))
     commands = re.search(r"<!-- run -->\n```bash\n(.*?)```", section, re.S).group(1)

@@ -3,12 +3,13 @@
     python -m grpo.plan recipes/calculator_qwen25_3b.py --gpus 8 --gpu "RTX 6000 Ada"
     python -m grpo.plan recipes/retool_qwen3_4b.py --gpus 8 --gpu H200 --micro_batch_tokens 8704
     python -m grpo.plan recipes/calculator_smollm2_cpu.py --cpu --memory_gb 8
-    python -m grpo.plan --table         # every GPU recipe on 1 and 8 of each GPU below (README's table)
+    python -m grpo.plan --table         # every GPU recipe on 1 and 8 of each GPU below (docs/gpu.md's table)
 
 --gpu names a GPU (its memory, and the sizes a run there would take from the plan where the recipe
 and the flags leave them);
 --memory_gb sets the memory instead; any other flag is the recipe's own. Prints the table of each
-phase's terms, the peak against the card, and, where it does not fit, what would, each with its peak.
+phase's terms, the peak against the card, and, where it does not fit, the changes that lower the peak,
+each with its peak, and where none alone fits, the combinations that do.
 """
 import argparse
 import dataclasses
@@ -17,7 +18,7 @@ import os
 import sys
 
 from grpo.config import Config, parse_args, required_fields
-from grpo.memory import GIB, GPU_MEMORY_GIB, memory_plan, model_config, size, what_fits
+from grpo.memory import GIB, GPU_MEMORY_GIB, fixes_text, memory_plan, model_config, size, what_fits
 from grpo.model import ModelArgs
 
 
@@ -77,7 +78,7 @@ GPU_RECIPES = ["calculator_qwen25_05b.py", "calculator_qwen25_3b.py", "gsm8k_qwe
 
 
 def gpu_table(folder: str = "recipes") -> str:
-    """The README's table: each GPU recipe's planned peak per rank on 1 / 8 of each GPU, sized as a run there
+    """docs/gpu.md's table: each GPU recipe's planned peak per rank on 1 / 8 of each GPU, sized as a run there
     sizes itself."""
     lines = ["| recipe | " + " | ".join(GPU_MEMORY_GIB) + " |", "|---|" + "---|" * len(GPU_MEMORY_GIB)]
     for recipe in GPU_RECIPES:
@@ -90,7 +91,7 @@ def gpu_table(folder: str = "recipes") -> str:
 
 
 def main(argv: list[str]):
-    if argv == ["--table"]:  # every GPU recipe on every GPU: the README's table
+    if argv == ["--table"]:  # every GPU recipe on every GPU: docs/gpu.md's table
         print(gpu_table())
         return
     ap = argparse.ArgumentParser(prog="python -m grpo.plan", description=__doc__.split("\n")[0])
@@ -100,6 +101,12 @@ def main(argv: list[str]):
     ap.add_argument("--memory_gb", type=float, default=None, help="memory per rank in GiB, instead of --gpu's")
     ap.add_argument("--cpu", action="store_true", help="a CPU run (memory: this machine's RAM / ranks)")
     known, flags = ap.parse_known_args(argv)
+    profile = next((f.split("=", 1)[1] if "=" in f else flags[i + 1] if i + 1 < len(flags) else ""
+                    for i, f in enumerate(flags) if f == "--profile" or f.startswith("--profile=")), None)
+    if known.cpu and profile not in (None, "cpu"):  # a CPU run sizes nothing from the plan
+        print(f"--profile {profile}: ignored on a CPU (a CPU run takes the recipe's sizes; --memory_gb sets the memory)")
+        flags = [f for i, f in enumerate(flags) if not (f == "--profile" or f.startswith("--profile=")
+                                                         or i > 0 and flags[i - 1] == "--profile")]
     try:
         plan, args, cfg, extra = plan_for(known.recipe, known.gpus, known.gpu, known.memory_gb, known.cpu, flags)
     except ValueError as e:
@@ -112,6 +119,5 @@ def main(argv: list[str]):
     for note in plan.notes:
         print(note)
     if not plan.fits:
-        print("what would fit (each change alone):")
-        for what, peak, fits in what_fits(args, cfg, known.gpus, plan.device, plan.memory / GIB, extra):
-            print(f"  {what}: peak {peak / GIB:.1f} GiB{'  fits' if fits else ''}")
+        print(fixes_text(what_fits(args, cfg, known.gpus, plan.device, plan.memory / GIB, extra)))
+
