@@ -66,12 +66,12 @@ def planned_sample(plans: list[list[int]], keys: list[int], obs_len: int, eos: i
             ends[key].add(pos - 1)
     real = grpo.sampler.sample
 
-    def sample(logits, key, step, *args):
+    def sample(logits, key, step, *args, **kw):
         end = [s in ends.get(k, ()) for k, s in zip(key.tolist(), step.tolist())]  # host sync: CPU bench
-        return real(force_eos(logits, torch.tensor(end, device=logits.device), eos), key, step, *args)
+        return real(force_eos(logits, torch.tensor(end, device=logits.device), eos), key, step, *args, **kw)
 
-    def sample_hidden(hidden, weight, key, step, *args, packed=None):  # decode steps: the logits, then the rule above
-        return sample(torch.nn.functional.linear(hidden.to(weight.dtype), weight), key, step, *args)
+    def sample_hidden(hidden, weight, key, step, *args, packed=None, **kw):  # decode steps: the logits, the rule above
+        return sample(torch.nn.functional.linear(hidden.to(weight.dtype), weight), key, step, *args, **kw)
     with mock.patch.object(grpo.sampler, "sample", sample), \
             mock.patch.object(grpo.window, "sample_hidden", sample_hidden):  # decode_step's, grpo/window.py
         yield

@@ -16,6 +16,13 @@ export is a text-only Qwen3_5ForCausalLM folder. What differs from the Qwen3 rec
 - the linear layers' chunked rule runs in fp32 in plain PyTorch (grpo/deltanet.py), and keeps more
   activations a token than an attention layer (the memory plan counts them).
 Not yet run end to end on a GPU: no reference result.
+
+The memory plan's peak per rank in GiB on 1 / 8 of each GPU, each run sized as it sizes itself there
+(`python -m grpo.plan --table`; computed, not yet measured on a GPU):
+
+| B200 | H200 | H100 | A100-80 | A100-40 | RTX 6000 Ada | L40S | L4 |
+|---|---|---|---|---|---|---|---|
+| 179 / 168 | 102 / 130 | 63 / 72 | 63 / 72 | 39 / 32 | 43 / 32 | 43 / 32 | 22 / 21 |
 """
 from dataclasses import dataclass
 

@@ -74,7 +74,7 @@ def plan_for(recipe: str, gpus: int = 1, gpu: str | None = None, memory_gb: floa
 
 
 GPU_RECIPES = ["calculator_qwen25_05b.py", "calculator_qwen25_3b.py", "gsm8k_qwen3_06b.py", "retool_qwen3_4b.py",
-               "processgrpo_qwen25_05b.py"]
+               "processgrpo_qwen25_05b.py", "gsm8k_qwen35_08b.py"]
 
 
 def gpu_table(folder: str = "recipes") -> str:
