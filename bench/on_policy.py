@@ -96,6 +96,7 @@ def main():
     ap.add_argument("--new", type=int, default=64, help="tokens each row decodes")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--table", type=int, choices=(0, 1, 2), default=0, help="0: both tables; 1 or 2: that one")
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.n, args.new, args.reps = 2, 4, 16, 1
@@ -108,7 +109,7 @@ def main():
     prompts = prompts_of(tokenizer, args.prompts)
     rows = []
     tokens = len(prompts) * args.n * args.new
-    for autocast in (False, True):
+    for autocast in (False, True) if args.table != 2 else ():
         variants = ("none", "q_proj,v_proj", "all-linear")
         base, *others = decode_seconds([model_with(v, autocast) for v in variants], prompts, args.n, args.new,
                                        args.reps)
@@ -116,9 +117,11 @@ def main():
             rows.append({"matmuls": "bf16 (autocast)" if autocast else "fp32", "adapters (r 16)": adapters,
                          "rows": len(prompts) * args.n, "tok/s without": f"{tokens / base:.0f}",
                          "tok/s with": f"{tokens / t:.0f}", "with / without time": f"{t / base:.2f}x"})
-    print_table(rows, list(rows[0]))
-    ratios = ratio_rows(tokenizer, prompts, args.n, args.new)
-    print_table(ratios, list(ratios[0]))
+    if rows:
+        print_table(rows, list(rows[0]))
+    if args.table != 1:
+        ratios = ratio_rows(tokenizer, prompts, args.n, args.new)
+        print_table(ratios, list(ratios[0]))
 
 
 if __name__ == "__main__":
