@@ -37,6 +37,9 @@ class RewardFunctionsEnv(Env):
     def __init__(self, funcs: dict, system_prompt: str = "", raw_text: bool = False, base=None):
         self.funcs, self.system_prompt, self.raw_text = funcs, system_prompt, raw_text
         self.base = None if base is None else as_env(base, rewards=False)
+        # a base that scores (a plain class without reward() gets a view that gives no terms; an Env subclass
+        # that does not override it has none to give)
+        self.base_rewards = self.base is not None and not (isinstance(base, Env) and type(base).reward is Env.reward)
         self.score_term = next(iter(funcs), None) or (self.base or Env).score_term  # what grpo.eval reports
         if self.base is not None:  # the base env's tool protocol, as its own
             b = self.base
@@ -61,7 +64,7 @@ class RewardFunctionsEnv(Env):
     def reward_batch(self, examples: list, trajectories: list) -> list[dict]:
         """One call per function for the whole batch; -> a dict of terms per trajectory (None: not
         applicable), the base env's own terms first."""
-        if self.base is not None:  # concurrently, as assign_rewards() calls env.reward (a term may wait on HTTP)
+        if self.base_rewards:  # concurrently, as assign_rewards() calls env.reward (a term may wait on HTTP)
             with ThreadPoolExecutor(16) as pool:
                 out = [dict(r) for r in pool.map(self.base.reward, examples, trajectories)]
         else:

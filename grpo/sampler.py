@@ -343,7 +343,7 @@ class Sampler:
         reads, all at fixed addresses) for every later call. Warm-up runs on a copy of the
         state, which is then restored (capture runs nothing)."""
         p, st = call.params, self.state
-        key = (num_slots, cache_len, p.temperature, p.top_k, p.top_p, p.min_p)
+        key = (num_slots, cache_len, p.temperature, p.top_k, p.top_p, p.min_p, p.kept_set)
         if key not in self.graphs:
             # the graphs replay in turn, so they share one memory pool; it lives and dies with them
             # (release(), a new cache): capturing into a pool whose graphs were freed trips an assert

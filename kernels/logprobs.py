@@ -91,9 +91,10 @@ if triton is not None:
                 counted = counted & ((z >= thr[:, None]) | (cols[None, :] == labels[:, None]))
             z = tl.where(counted, z, float("-inf"))
             m_new = tl.maximum(m, tl.max(z, axis=1))
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing counted yet (kept sets): exp(-inf) = 0
-            scale = tl.exp(m - m_new)                        # rescale old sums to the new max
-            p = tl.exp(z - m_new[:, None])                   # 0 on padded columns
+            # nothing counted yet (a kept set's first chunks): exponents taken from 0, m stays -inf
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            scale = tl.exp(m - m_use)                        # rescale old sums to the new max
+            p = tl.exp(z - m_use[:, None])                   # 0 on padded columns
             s = s * scale + tl.sum(p, axis=1)
             t = t * scale + tl.sum(p * tl.where(counted, z, 0.0), axis=1)
             m = m_new

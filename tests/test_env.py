@@ -73,3 +73,16 @@ def test_reward_functions_take_the_base_envs_protocol():
     assert isinstance(env, Env) and env.stop_strings == ["</calculator>"] and env.max_turns == 4
     plain = RewardFunctionsEnv({"f": lambda prompts, completions, **kw: [1.0] * len(completions)})
     assert plain.stop_strings == () and plain.score_term == "f" and plain.step("x") is None
+
+
+def test_an_env_subclass_without_reward_gives_prompts_and_a_tool_only():
+    class ToolOnly(Env):
+        stop_strings = ("</call>",)
+
+        def prompt(self, example):
+            return "p"
+
+    env = RewardFunctionsEnv({"f": lambda prompts, completions, **kw: [0.5] * len(completions)}, base=ToolOnly())
+    from types import SimpleNamespace
+    row = SimpleNamespace(text="done", completion_ids=[1, 2])
+    assert env.stop_strings == ("</call>",) and env.reward_batch([{}], [row]) == [{"f": 0.5}]

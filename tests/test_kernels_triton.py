@@ -122,6 +122,25 @@ def test_linear_logprobs_triton_kept_set(lead, H, V, chunk, temperature, dtype):
 
 
 @interpreted
+def test_kept_set_far_below_zero_keeps_its_running_max():
+    """Every kept logit / T near -150 and the set's columns past the first blocks of each split: the forward's
+    running max must come from the kept columns, not stay at 0 (exp(-150) underflows fp32)."""
+    g = torch.Generator().manual_seed(9)
+    N, H, V = 19, 16, 301
+    hidden = 1 + 0.1 * torch.randn(N, H, generator=g)  # h . 1 / sqrt(H) ~ 4 on every row
+    direction = torch.ones(H) / H**0.5
+    weight = 0.05 * torch.randn(V, H, generator=g) - 10.0 * direction  # logits ~ -40: z = logits / 0.3 ~ -133
+    weight[250:] += 0.5 * direction  # the largest logits (the kept set) sit in the last columns
+    z = (hidden @ weight.T) / 0.3
+    labels = z.argmax(-1)
+    threshold = z.topk(20, -1).values[:, -1] - 1e-3
+    assert z.max() < -80
+    lp = linear_logprobs(hidden, weight, labels, 0.3, backend="triton", threshold=threshold)
+    ref = linear_logprobs_ref(hidden.double(), weight.double(), labels, 0.3, threshold=threshold)
+    torch.testing.assert_close(lp.double(), ref, atol=1e-4, rtol=1e-5)
+
+
+@interpreted
 def test_fused_kept_set_logprobs_equal_the_samplers(tiny_dir, monkeypatch):
     """The trainer's fused path (the Triton LM-head kernel inside the model's forward) over a rollout
     drawn with top_p 0.8, top_k 20 and min_p 0.1, no update between: old = sampler within 1e-5 a token
