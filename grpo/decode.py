@@ -85,14 +85,10 @@ class DecodeWeights:
             for g, names in GEMMS.items():
                 k = sum(n in lora.targets for n in names)  # the GEMM's adapted targets
                 if k:
-                    ins, outs = _linears(model.layers[0], names)[0].in_features, self.out_features(g)
+                    mods = _linears(model.layers[0], names)
+                    ins, outs = mods[0].in_features, sum(m.out_features for m in mods)
                     self.adapters[g] = (mm(L, k * lora.r, ins), torch.zeros(L, outs, k * lora.r, dtype=self.mm_dtype,
                                                                              device=self.device))
-
-    def out_features(self, g: str) -> int:  # a fused GEMM's output width
-        a = self.args
-        return {"qkv": (a.n_heads + 2 * a.n_kv_heads) * a.head_dim, "o": a.dim, "gate_up": 2 * a.ffn_dim,
-                "down": a.dim}[g]
 
     def _lora(self, g: str, i: int, x: Tensor, y: Tensor) -> Tensor:
         """y + s (x A^T) B^T of GEMM g's adapted targets in layer i (unmerged LoRA), else y."""

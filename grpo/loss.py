@@ -331,8 +331,9 @@ def loss_metrics(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, los
         w = torch.exp(old_logprobs - sampler_logprobs)
         out["is_weight"] = s(w.clamp(max=opts.tis_cap) if opts.tis_cap is not None else w)
         out["is_capped"] = s(w > opts.tis_cap) if opts.tis_cap is not None else zero
-        out["sampler_gap"] = s((old_logprobs - sampler_logprobs).abs())
-        out["sampler_gap_max"] = torch.where(m, (old_logprobs - sampler_logprobs).abs().float(), 0.0).amax()
+        gap = (old_logprobs - sampler_logprobs).abs().float()
+        out["sampler_gap"] = s(gap)
+        out["sampler_gap_max"] = torch.where(m, gap, 0.0).amax()
     else:
         out["is_weight"], out["is_capped"], out["sampler_gap"] = out["tokens"], zero, zero
         out["sampler_gap_max"] = zero

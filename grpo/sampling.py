@@ -89,9 +89,8 @@ def kept_threshold(z: Tensor, keep: Tensor) -> Tensor:
 
 def kept_logprobs(z: Tensor, tokens: Tensor, threshold: Tensor) -> Tensor:
     """(B, V) z, (B,) tokens and thresholds -> (B,) log-probs of the tokens over {z >= threshold}
-    plus the token itself, renormalised: the rule the trainer applies (linear_logprobs' threshold)."""
-    out = (z < threshold[:, None]) & (torch.arange(z.shape[-1], device=z.device) != tokens[:, None])
-    return z.gather(-1, tokens[:, None])[:, 0] - z.masked_fill(out, float("-inf")).logsumexp(-1)
+    plus the token itself, renormalised: the trainer's own mask (grpo.kernels.logprobs.kept), on the full logits."""
+    return z.gather(-1, tokens[:, None])[:, 0] - kernels.logprobs.kept(z.clone(), tokens, threshold, 0).logsumexp(-1)
 
 
 def sample(logits: Tensor, key: Tensor, step: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
