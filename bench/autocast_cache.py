@@ -1,8 +1,8 @@
 """Decode-shaped forwards under autocast_bf16 (fp32 weights, bf16 matmuls) with the weights cast
 to bf16 on every forward, as each forward's own autocast does alone, against once per call, as
-grpo.sampler does by holding a disabled autocast around its loop (torch keeps its cast cache
+grpo.engine.sampler does by holding a disabled autocast around its loop (torch keeps its cast cache
 while any autocast context is open; under no_grad, not under inference_mode). Side by side in
-one run, alternating, the best of --repeat kept. Third column: grpo.decode's step (what the
+one run, alternating, the best of --repeat kept. Third column: grpo.engine.decode's step (what the
 sampler runs now), over a resident bf16 copy of the weights with fused QKV and gate-up: no cast at all.
 
     python bench/autocast_cache.py              # SmolLM2-135M, 48 and 128 rows, one token each
@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from grpo.decode import DecodeWeights, decode
-from grpo.kv_cache import KVCache
-from grpo.model import Transformer
+from grpo.engine.decode import DecodeWeights, decode
+from grpo.engine.kv_cache import KVCache
+from grpo.models.model import Transformer
 
 
 def forwards_ms(model, rows: int, n: int, cached: bool) -> float:
@@ -34,7 +34,7 @@ def forwards_ms(model, rows: int, n: int, cached: bool) -> float:
 
 
 def decode_ms(model, w: DecodeWeights, rows: int, n: int) -> float:
-    """The same tokens through grpo.decode.decode: one token per row at position 0 of a cache."""
+    """The same tokens through grpo.engine.decode.decode: one token per row at position 0 of a cache."""
     cache = KVCache(model.args, rows, 8, torch.float32, torch.device("cpu"))
     tok, pos = torch.randint(100, 1000, (rows,)), torch.zeros(rows, dtype=torch.long)
     with torch.no_grad():
@@ -50,7 +50,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="small sizes")
     ap.add_argument("--repeat", type=int, default=3, help="timed rounds per setting; the best is kept")
     args = ap.parse_args()
-    from grpo.smollm2 import local_path
+    from grpo.models.smollm2 import local_path
     model = Transformer.from_pretrained(local_path()).eval()
     model.autocast_bf16 = True
     sizes, n = ((8,), 3) if args.quick else ((48, 128), 10)
@@ -58,7 +58,7 @@ def main():
           f"{torch.get_num_threads()} threads")
     w = DecodeWeights(model)
     w.refresh(model)
-    print("| rows | cast every forward, ms | cast once per call, ms | speed-up | grpo.decode, ms | vs once |")
+    print("| rows | cast every forward, ms | cast once per call, ms | speed-up | grpo.engine.decode, ms | vs once |")
     print("| --- | --- | --- | --- | --- | --- |")
     out = []
     for rows in sizes:

@@ -13,14 +13,14 @@ for an arch, one that spills registers, or one that asks for more shared memory 
 gives a block (a launch error there). The decode kernels at both goal shapes (0.5B: head dim 64;
 3B: 128), the training kernels at the 0.5B's.
 
-Part 2, count: one decode step of the sampler (grpo.sampler.decode_step: the decode forward and
+Part 2, count: one decode step of the sampler (grpo.engine.sampler.decode_step: the decode forward and
 sampling, then the step's bookkeeping) at Qwen2.5-0.5B batch 256 and 3B batch 64, bf16
 weights left uninitialized (the count reads no value), the cache at 256 + 512 positions. Counted: the Triton launches the wrappers make
 on that GPU (compiled, not run) and every PyTorch op that does work on a tensor (views and
 allocations excluded), as a TorchDispatchMode sees them; each is taken as one kernel. Counted at
 1 and 2 layers (the decode is a loop over layers, so the count is a + b L), then given at the
 model's L. Three columns: the decode through the model's own forward with eager sampling (the
-sampler's decode of 2026-11-30), grpo.decode with the PyTorch references, grpo.decode with the
+sampler's decode of 2026-11-30), grpo.engine.decode with the PyTorch references, grpo.engine.decode with the
 Triton kernels (what a CUDA run takes). An estimate from the code, not a profile: cuBLAS may
 split a GEMM in two, and a composite op a few kernels; bench/gpu_check.py profiles the real step.
 
@@ -39,8 +39,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from table import print_table  # noqa: E402
 
-# part 1's compile (grpo.kernels.cases) and part 2's count (grpo.kernel_count) live in the package
-from grpo.kernel_count import step_count  # noqa: E402
+# part 1's compile (grpo.kernels.cases) and part 2's count (grpo.measure.kernel_count) live in the package
+from grpo.measure.kernel_count import step_count  # noqa: E402
 from grpo.kernels.cases import compile_rows  # noqa: E402
 from grpo.kernels.target import SMS  # noqa: E402
 
@@ -57,8 +57,8 @@ SHAPES = {  # name: (config, decode batch, layers of the real model)
 def count_rows(arch: int) -> list[dict]:
     rows = []
     for name, (config, B, L) in SHAPES.items():
-        for way, what in (("model", "model forward + eager sampling"), ("torch", "grpo.decode, torch references"),
-                          ("triton", "grpo.decode, Triton kernels")):
+        for way, what in (("model", "model forward + eager sampling"), ("torch", "grpo.engine.decode, torch references"),
+                          ("triton", "grpo.engine.decode, Triton kernels")):
             one, two = (step_count(config, B, n, way, arch) for n in (1, 2))
             total = lambda c: c["launches"] + sum(c["ops"].values())  # noqa: E731
             per_layer, outside = total(two) - total(one), 2 * total(one) - total(two)

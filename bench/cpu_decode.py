@@ -23,12 +23,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from grpo.cpu import cpu_name, matmul_gflops
+from grpo.fit.precision import cpu_name, matmul_gflops
 from grpo.envs.calculator import SHORT_SYSTEM_PROMPT, CalculatorEnv, generate_questions
-from grpo.model import Transformer
+from grpo.models.model import Transformer
 from grpo.rollout import render_prompt
-from grpo.sampler import Sampler, SamplingParams
-from grpo.smollm2 import local_path
+from grpo.engine.sampler import Sampler, SamplingParams
+from grpo.models.smollm2 import local_path
 from table import print_table  # bench/table.py
 
 
@@ -66,9 +66,9 @@ def kernels_step(sampler: Sampler, rows: int, span: int, reps: int) -> tuple[flo
     """Seconds of one decode step's GEMMs as decode calls them (packed for oneDNN where it packs: the
     layers' four and the LM head's vocabulary chunks), and of its attention alone (decode's own, over a
     cache of `span` keys a row), at `rows` rows: what any engine built on these kernels spends at least."""
-    from grpo.cpu import packed_linear
-    from grpo.decode import _attend, _key_bias
-    from grpo.kv_cache import KVCache
+    from grpo.engine.cpu import packed_linear
+    from grpo.engine.decode import _attend, _key_bias
+    from grpo.engine.kv_cache import KVCache
     w, a = sampler.weights, sampler.weights.args
     x, h = torch.randn(rows, a.dim).to(w.mm_dtype), torch.randn(rows, a.ffn_dim).to(w.mm_dtype)
     xo = torch.randn(rows, a.n_heads * a.head_dim).to(w.mm_dtype)  # o's input: the heads' outputs

@@ -29,17 +29,17 @@ from table import print_table  # noqa: E402
 def one(setting: dict) -> dict:
     import torch
 
-    from grpo.model import Transformer
-    from grpo.smollm2 import local_path
+    from grpo.models.model import Transformer
+    from grpo.models.smollm2 import local_path
     torch.set_num_threads(setting["threads"])
     model = Transformer.from_pretrained(local_path(), dtype=torch.float32)
     model.activation_checkpointing = setting["checkpointing"]
     refresh = None
     if setting.get("lora_r"):
-        from grpo.lora import LoraSettings, add_lora
+        from grpo.models.lora import LoraSettings, add_lora
         add_lora(model, LoraSettings(r=setting["lora_r"], dropout=setting["lora_dropout"]))
     if "lora_r" in setting:  # the sampler's refresh at the start of each call (a merge under LoRA): best of 3
-        from grpo.decode import DecodeWeights
+        from grpo.engine.decode import DecodeWeights
         w = DecodeWeights(model)
         refresh = min(_timed(lambda: w.refresh(model)) for _ in range(3))
         del w
@@ -109,7 +109,7 @@ def main():
         r["x_time"] = round(r["seconds"] / base, 3)
     import torch
 
-    from grpo.cpu import cpu_name
+    from grpo.fit.precision import cpu_name
     print(f"{cpu_name()}, CPU capability {torch.backends.cpu.get_cpu_capability()}; {args.rows} sequences of "
           f"{args.prompt} + {args.completion} tokens, {args.threads} thread(s); x_time against the first row")
     print_table(out, ["micro_batch_tokens"] + (["lora_r", "lora_dropout"] if args.lora else ["checkpointing"])

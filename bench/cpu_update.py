@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 import grpo.kernels
-from grpo.cpu import set_autocast
-from grpo.model import Transformer
-from grpo.smollm2 import local_path
+from grpo.fit.precision import set_autocast
+from grpo.models.model import Transformer
+from grpo.models.smollm2 import local_path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from table import print_table  # noqa: E402

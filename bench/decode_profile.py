@@ -22,7 +22,7 @@ from gpu_check import build  # noqa: E402  (random weights, transformers' init, 
 from sampler import timed  # noqa: E402  (bench/sampler.py: wall time with the device synchronized)
 from table import print_table  # noqa: E402
 
-from grpo.sampler import Sampler, SamplingParams  # noqa: E402
+from grpo.engine.sampler import Sampler, SamplingParams  # noqa: E402
 
 
 def self_device_us(e) -> float:  # the attribute's name changed across torch versions

@@ -22,10 +22,10 @@ sys.path[:0] = [str(ROOT / "recipes")]
 
 import retool_qwen3_4b as recipe   # noqa: E402
 
-from grpo.config import parse_args   # noqa: E402
+from grpo.flags import parse_args   # noqa: E402
 from grpo.envs.retool_small import QWEN3_TOOLS_TEMPLATE, TwoShotReTool   # noqa: E402
 from grpo.envs.sandbox import run_code   # noqa: E402
-from grpo.smollm2 import local_path   # noqa: E402
+from grpo.models.smollm2 import local_path   # noqa: E402
 
 DAPO = ("Solve the following math problem step by step. The last line of your response should be of the form "
         "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{q}\n\n"

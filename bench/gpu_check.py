@@ -35,11 +35,11 @@ tokenizers, safetensors, tqdm, flash_attn or setuptools at module level (tests/t
 the dry run from a copy of the tree that was never installed, with all of those blocked).
 
 Random weights of the Qwen2.5-0.5B and 3B shapes, initialized as transformers does (std 0.02), no download.
-Parity, each against a reference defined here or in grpo/parity.py (with the arithmetic behind each tolerance):
+Parity, each against a reference defined here or in grpo/measure/parity.py (with the arithmetic behind each tolerance):
   kernels   fused log-probs (Triton) -> advantages -> GRPO loss with every option on, values and gradients
             w.r.t. hidden states and LM head, bf16 inputs, T 1 and 0.9; reference: the naive functions on
             the same values upcast to fp32.
-  sampling  grpo.sampling.sample at T > 0 (the fused Triton draw without filters on CUDA, the eager path with
+  sampling  grpo.engine.sampling.sample at T > 0 (the fused Triton draw without filters on CUDA, the eager path with
             top-k / top-p), fp32 and bf16 logits, against its rule recomputed in float64 from the same
             noise: the same tokens off ties, the same kept set off its edge, log-probs within 2e-5; and the
             frequencies of many draws against the distribution (total variation within 3x a fair draw's).
@@ -52,12 +52,12 @@ Parity, each against a reference defined here or in grpo/parity.py (with the ari
             flips whole steps; SGD's change is linear in the gradients, so it compares them.
   sampler   greedy tokens of the FSDP2 model under dist.gathered() (as the trainer samples) with CUDA graphs
             (and flash-attn where installed) against eager decode with SDPA; a row may part only at a
-            near-tie (grpo.parity.TIE_REL). Checked in fp32 compute; bf16 is shown beside it.
+            near-tie (grpo.measure.parity.TIE_REL). Checked in fp32 compute; bf16 is shown beside it.
   tool turns  a rollout with tool calls (observations injected, T 0.9, top-p 0.95) on the FSDP2 model,
             the sampler's log-probs against the trainer's forward on the same tokens, the first turn and
             the turns after an observation apart: fp32 checked tight, bf16 (the trainer's dtype) looser.
   lora      two LoRA steps under FSDP2 (bf16 base, fp32 adapters) against an unsharded fp32 reference;
-            then the sampler's decode (adapters applied unmerged beside its bf16 copy, grpo/decode.py)
+            then the sampler's decode (adapters applied unmerged beside its bf16 copy, grpo/engine/decode.py)
             against the trainer's forward, and whether it samples the stepped policy, not the base.
 Figures, reported against the goals (never failing): decode ms per step with graphs warm (0.5B at batch
 256, 3B at batch 64), kernels per step, tokens/s, the bandwidth floor (weight + KV bytes over the spec
@@ -118,25 +118,26 @@ import logprobs as bench_logprobs  # noqa: E402
 import sampler as bench_sampler  # noqa: E402
 import step as bench_step  # noqa: E402
 
-from grpo import dist  # noqa: E402
-from grpo import model as model_module  # noqa: E402
+from grpo.infra import dist  # noqa: E402
+from grpo.models import model as model_module  # noqa: E402
 from grpo.config import Config  # noqa: E402
 from grpo.kernels import add_rmsnorm, decode_attention, fused_sample, linear_logprobs, qkv_rope_write, silu_mul  # noqa: E402
 from grpo.kernels.cases import SHAPES as DECODE_SHAPES  # noqa: E402
 from grpo.kernels.reference import entropy_ref, linear_logprobs_ref  # noqa: E402
-from grpo.lora import LoraSettings, TARGETS, adapters_off, add_lora, trainable  # noqa: E402
+from grpo.config import TARGETS  # noqa: E402
+from grpo.models.lora import LoraSettings, adapters_off, add_lora, trainable  # noqa: E402
 from grpo.loss import LossOptions, group_advantages, policy_loss  # noqa: E402
-from grpo.memory import GIB, memory_plan  # noqa: E402
-from grpo.model import Transformer  # noqa: E402
-from grpo.parity import (LOGPROB_TOL, attention_bound, greedy_rows, kept_reference, sample_reference,  # noqa: E402
-                         sampling_errors, tv_distance, tv_tolerance, ulps_at_scale)
-from grpo.preflight import preflight  # noqa: E402
+from grpo.fit.memory import GIB, memory_plan  # noqa: E402
+from grpo.models.model import Transformer  # noqa: E402
+from grpo.measure.parity import (LOGPROB_TOL, attention_bound, greedy_rows, kept_reference,  # noqa: E402
+                                 sample_reference, sampling_errors, tv_distance, tv_tolerance, ulps_at_scale)
+from grpo.fit.preflight import preflight  # noqa: E402
 from grpo.rollout import Trajectory  # noqa: E402
-from grpo.sampler import Sampler, SamplingParams  # noqa: E402
-from grpo.sampling import sample  # noqa: E402
+from grpo.engine.sampler import Sampler, SamplingParams  # noqa: E402
+from grpo.engine.sampling import sample  # noqa: E402
 from grpo.update import batch_logprobs, collate, loss_options, policy_update, update_batches  # noqa: E402
 
-decode_module = importlib.import_module("grpo.decode")  # a module global of it is switched (fused_paths)
+decode_module = importlib.import_module("grpo.engine.decode")  # a module global of it is switched (fused_paths)
 kernels_module = importlib.import_module("grpo.kernels")
 
 # ----------------------------------------------------------------------------- shapes, sizes, tolerances
@@ -176,7 +177,7 @@ LR = 0.5  # SGD, grad norm clipped to 1: each step moves the weights by ~1e-3 of
 # LoRA: the whole clipped step lands on the adapters, B starting at 0; 8x the full update's rate so that
 # its effect on the log-probs stands well above bf16's noise (a merged bf16 copy would lose most of it)
 LORA_LR = 4.0
-# the bf16 decode kernels: (the error allowed, in bf16 ulps at the vector's scale (grpo.parity.ulps_at_scale),
+# the bf16 decode kernels: (the error allowed, in bf16 ulps at the vector's scale (grpo.measure.parity.ulps_at_scale),
 # the roundings to bf16 on the way). A kernel computes in fp32 and rounds where the model rounds; its fp32
 # sums and functions differ from the reference's in the last bits, so each rounding may land one ulp apart:
 # add_rmsnorm's output rounds twice (normalized, then scaled) after its residual sum, the same exact sum
@@ -333,9 +334,9 @@ SAMPLING_CASES = [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.9, 0, 0.9), (1.0, 50, 0.95)] 
 
 @torch.no_grad()
 def sampling_parity(device, backend: str, sizes: dict, perturb: bool):
-    """grpo.sampling.sample at T > 0, as the sampler calls it (on CUDA the fused Triton draw where no filter
+    """grpo.engine.sampling.sample at T > 0, as the sampler calls it (on CUDA the fused Triton draw where no filter
     is set), and the fused kernel by name where it would not be taken (a CPU under the interpreter), against
-    grpo.parity.sample_reference: the row's value is the log-prob error over LOGPROB_TOL plus every token
+    grpo.measure.parity.sample_reference: the row's value is the log-prob error over LOGPROB_TOL plus every token
     parted off a tie and every kept-set entry off its edge (so any of those fails it). Then N draws of one
     row of Vd logits against softmax over the kept set (total variation)."""
     B, V, N, Vd = sizes["sampling"]
@@ -393,7 +394,7 @@ def decode_inputs(B: int, H: int, NH: int, NKV: int, D: int, F: int, S: int, dev
 def decode_kernel_parity(device, backend: str, sizes: dict, perturb: bool):
     """The bf16 decode kernels against their references (grpo.kernels.reference) at each decode shape: each
     output in bf16 ulps at its vector's scale against DECODE_ULPS; decode attention against
-    grpo.parity.attention_bound (its value: the worst error over the bound)."""
+    grpo.measure.parity.attention_bound (its value: the worst error over the bound)."""
     shapes, S = sizes["decode_kernels"]
     bad = (lambda t: t + 4 * t.float().abs().max().to(t.dtype) + 1) if perturb else (lambda t: t)  # a known-bad kernel
     for model, shape in shapes.items():
@@ -777,7 +778,7 @@ def preflight_figures(name: str, device, sizes: dict) -> list[dict]:
     """--preflight of a run of the step's shape (bench/step.py's) sized by the memory plan for this GPU, as
     the trainer builds it: fp32 master weights under FSDP2 with bf16 compute, the sampler over the gathered
     weights, AdamW. One worst-case step (every row at full length, the largest micro-batch, an optimizer step
-    at lr 0): the measured peaks of the rollouts, the update and the step against the plan's (grpo/preflight.py)."""
+    at lr 0): the measured peaks of the rollouts, the update and the step against the plan's (grpo/fit/preflight.py)."""
     B, G, plen, new = sizes["step"][name]
     model = build(name, device)
     shape = Config(prompts_per_step=B, num_generations=G, max_prompt_length=plen, max_completion_length=new,
@@ -837,7 +838,7 @@ def rollout_figures(name: str, device, sizes: dict) -> list[dict]:
 def kernels_per_step(sampler, B: int, plen: int) -> int:
     """Device activities (kernels, copies, memsets) of one eager decode step over B rows at
     position plen: what one step of a replayed graph launches."""
-    from grpo.sampler import decode_step
+    from grpo.engine.sampler import decode_step
     st = sampler.state
     st.pos[:B], st.active[:B] = plen, True
     step = lambda: decode_step(sampler.weights, sampler.cache, st, SamplingParams(temperature=1.0), B, plen + 1, 0)
@@ -988,7 +989,7 @@ def run_part(out: Path, i: int, part: Part) -> bool:
 
 
 def worker(args, parts: list[Part], device, first: int, isolated: bool):
-    """Parts first.. in this process, world size 1, an in-memory store (no port), as grpo.dist.shard does on one
+    """Parts first.. in this process, world size 1, an in-memory store (no port), as grpo.infra.dist.shard does on one
     GPU. Every part's rows are on disk before the next starts, and before the process group's teardown."""
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -17,14 +17,14 @@ import time
 
 import torch
 
-from grpo import lora
-from grpo.config import Config
-from grpo.cpu import cpu_name
+from grpo.models import lora
+from grpo.config import Config, parse_targets
+from grpo.fit.precision import cpu_name
 from grpo.envs.calculator import SHORT_SYSTEM_PROMPT, CalculatorEnv, generate_questions
-from grpo.model import Transformer
+from grpo.models.model import Transformer
 from grpo.rollout import Trajectory, render_prompt
-from grpo.sampler import Sampler, SamplingParams
-from grpo.smollm2 import local_path
+from grpo.engine.sampler import Sampler, SamplingParams
+from grpo.models.smollm2 import local_path
 from grpo.update import batch_logprobs, update_batches
 from table import print_table  # bench/table.py
 
@@ -37,7 +37,7 @@ def prompts_of(tokenizer, k: int) -> list[list[int]]:
 def model_with(adapters: str, autocast: bool) -> Transformer:
     model = Transformer.from_pretrained(local_path()).eval()
     if adapters != "none":
-        lora.add_lora(model, lora.LoraSettings(r=16, alpha=32, dropout=0.0, targets=lora.parse_targets(adapters)))
+        lora.add_lora(model, lora.LoraSettings(r=16, alpha=32, dropout=0.0, targets=parse_targets(adapters)))
         with torch.no_grad():
             for m in lora.adapters(model):
                 m.lora_B.normal_(0, 1e-3)  # moved adapters: B starts at zero, where a merge would be free

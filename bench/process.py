@@ -21,9 +21,9 @@ import time
 import torch
 import transformers
 
-from grpo.model import Transformer
-from grpo.sampler import Sampler, SamplingParams
-from grpo.smollm2 import local_path
+from grpo.models.model import Transformer
+from grpo.engine.sampler import Sampler, SamplingParams
+from grpo.models.smollm2 import local_path
 
 QUESTIONS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
              "How many clips did Natalia sell altogether in April and May? Reason step by step.",

@@ -1,6 +1,6 @@
-"""Qwen3.5's hybrid model: grpo.sampler against transformers.generate on CPU, same random weights, prompts and
+"""Qwen3.5's hybrid model: grpo.engine.sampler against transformers.generate on CPU, same random weights, prompts and
 settings (greedy, no early stop, so every row makes exactly --new tokens), prefill and decode timed apart as
-bench/sampler.py times them. Both decode through a model forward a step (ours: grpo/model_decode.py over the
+bench/sampler.py times them. Both decode through a model forward a step (ours: grpo/engine/model_decode.py over the
 per-row linear state and the attention layers' KV cache; theirs: its own cache), so the ratio is what the
 sampler's loop, cache and chunked/recurrent rule cost against transformers' torch fallbacks.
 
@@ -13,7 +13,7 @@ import tempfile
 
 import torch
 
-from grpo.model import Transformer
+from grpo.models.model import Transformer
 from sampler import row, run_hf, run_ours  # bench/sampler.py
 from table import print_table  # bench/table.py
 

@@ -1,4 +1,4 @@
-"""grpo.sampler against TRL's way of using transformers without vLLM, on a GRPO run's rollouts:
+"""grpo.engine.sampler against TRL's way of using transformers without vLLM, on a GRPO run's rollouts:
 calculator prompts (chat template, SHORT_SYSTEM_PROMPT), P prompts x G samples, temperature 1,
 stop on EOS, max 224 tokens, tool calls answered by the calculator env.
 
@@ -11,7 +11,7 @@ every row gets a seeded plan, the sampled length of each of its assistant turns 
 30-90 sampled tokens, a fifth 90-200, at least one filling max_tokens; turns of equal length),
 and both sides are made to stop exactly there by the same logits rule, `force_eos`: EOS is
 banned before a turn's planned last token and is the only choice at it. The baseline applies
-it as a LogitsProcessor; ours through `sample`, patched here in grpo.sampler for the run (its
+it as a LogitsProcessor; ours through `sample`, patched here in grpo.engine.sampler for the run (its
 keys and completion positions name the row and the token). Every turn but the last ends in a
 tool call: ours runs with stop_token_ids=[] and tool_stop_token_ids=[EOS], so the forced EOS
 calls the tool, which answers with the template's next user turn (a fixed ~25-token calculator
@@ -40,14 +40,14 @@ from unittest import mock
 import torch
 import transformers
 
-import grpo.sampler
-import grpo.window
-from grpo.baseline import TOOL_CALL, force_eos, plan_turns, run_hf  # the baseline and the oracle's rule
+import grpo.engine.sampler
+import grpo.engine.window
+from grpo.measure.baseline import TOOL_CALL, force_eos, plan_turns, run_hf  # the baseline and the oracle's rule
 from grpo.envs.calculator import SHORT_SYSTEM_PROMPT, CalculatorEnv, generate_questions
-from grpo.model import Transformer
+from grpo.models.model import Transformer
 from grpo.rollout import continuation_ids, render_prompt, rollout, sampling_params
-from grpo.sampler import Sampler, SamplingParams
-from grpo.sampling import request_key
+from grpo.engine.sampler import Sampler, SamplingParams
+from grpo.engine.sampling import request_key
 sys.path.insert(0, str(Path(__file__).parent))  # bench/table.py
 from table import print_table  # noqa: E402
 
@@ -56,7 +56,7 @@ from table import print_table  # noqa: E402
 
 @contextmanager
 def planned_sample(plans: list[list[int]], keys: list[int], obs_len: int, eos: int):
-    """Ours' half: grpo.sampler's `sample` with force_eos in front. A request's key names its row
+    """Ours' half: grpo.engine.sampler's `sample` with force_eos in front. A request's key names its row
     and `step` is the completion position of the token being drawn (observations included)."""
     ends = {}  # key -> completion positions where the row's turns end
     for key, plan in zip(keys, plans):
@@ -64,7 +64,7 @@ def planned_sample(plans: list[list[int]], keys: list[int], obs_len: int, eos: i
         for n in plan:
             pos += obs_len + n
             ends[key].add(pos - 1)
-    real = grpo.sampler.sample
+    real = grpo.engine.sampler.sample
 
     def sample(logits, key, step, *args, **kw):
         end = [s in ends.get(k, ()) for k, s in zip(key.tolist(), step.tolist())]  # host sync: CPU bench
@@ -72,8 +72,8 @@ def planned_sample(plans: list[list[int]], keys: list[int], obs_len: int, eos: i
 
     def sample_hidden(hidden, weight, key, step, *args, packed=None, **kw):  # decode steps: the logits, the rule above
         return sample(torch.nn.functional.linear(hidden.to(weight.dtype), weight), key, step, *args, **kw)
-    with mock.patch.object(grpo.sampler, "sample", sample), \
-            mock.patch.object(grpo.window, "sample_hidden", sample_hidden):  # decode_step's, grpo/window.py
+    with mock.patch.object(grpo.engine.sampler, "sample", sample), \
+            mock.patch.object(grpo.engine.window, "sample_hidden", sample_hidden):  # decode_step's, grpo/engine/window.py
         yield
 
 
@@ -83,8 +83,8 @@ def planned_sample(plans: list[list[int]], keys: list[int], obs_len: int, eos: i
 def counting(model):
     """Tokens through prefill forwards (B*T, T > 1) and rows of decode forwards (T == 1): a
     pre-hook on the top module, which sees (B, T) input ids on both sides, and our sampler's
-    decode steps (grpo.decode.decode_hidden over its resident weights, not the module: wrapped here)."""
-    import grpo.window as window  # where the sampler's decode_step calls it
+    decode steps (grpo.engine.decode.decode_hidden over its resident weights, not the module: wrapped here)."""
+    import grpo.engine.window as window  # where the sampler's decode_step calls it
     count, inner = {"prefill": 0, "decode": 0}, window.decode_hidden
 
     def hook(module, args, kwargs):
@@ -162,7 +162,7 @@ def main():
     max_tokens = args.max_tokens or (48 if args.quick else 224)
     cases = args.cases or ("2x4:2" if args.quick else "4x8:1,4x8:3,8x6:1,8x6:3")
     natural = bool(args.checkpoint)
-    from grpo.smollm2 import local_path
+    from grpo.models.smollm2 import local_path
     path = args.checkpoint or local_path()
     tok = transformers.AutoTokenizer.from_pretrained(path)
     env = CalculatorEnv(system_prompt=SHORT_SYSTEM_PROMPT)

@@ -1,4 +1,4 @@
-"""grpo.sampler against transformers.generate: same model, prompts and settings (greedy, no
+"""grpo.engine.sampler against transformers.generate: same model, prompts and settings (greedy, no
 early stop, so every row makes exactly --new tokens), prefill and decode timed apart.
 
     python bench/sampler.py            # CPU: SmolLM2-135M fp32, batch 32, 128 new tokens
@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from grpo.model import Transformer
-from grpo.sampler import Sampler, SamplingParams
+from grpo.models.model import Transformer
+from grpo.engine.sampler import Sampler, SamplingParams
 from table import print_table  # bench/table.py
 
 SHAPES = {  # random weights with the published configs' shapes
@@ -115,7 +115,7 @@ def row(name, B, prompts, new, ours, hf, roof=None, floor=None):
 
 def cpu_rows(quick: bool, reps: int):
     import transformers  # here, not at the top: bench/gpu_check.py runs without it
-    from grpo.smollm2 import local_path
+    from grpo.models.smollm2 import local_path
     path = local_path()
     tok = transformers.AutoTokenizer.from_pretrained(path)
     B, new = (8, 16) if quick else (32, 128)

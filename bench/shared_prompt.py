@@ -16,7 +16,7 @@ import time
 import torch
 
 from grpo.config import Config
-from grpo.model import Transformer
+from grpo.models.model import Transformer
 from grpo.rollout import Trajectory
 from grpo.update import policy_update, update_batches
 
@@ -46,7 +46,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="small sizes")
     ap.add_argument("--repeat", type=int, default=3, help="timed updates per setting; the best is kept")
     args = ap.parse_args()
-    from grpo.smollm2 import local_path
+    from grpo.models.smollm2 import local_path
     P, G, plen, lo, hi = (2, 4, 64, 16, 48) if args.quick else (8, 6, 104, 60, 220)
     model = Transformer.from_pretrained(local_path()).train()
     model.autocast_bf16 = True  # as the CPU recipe

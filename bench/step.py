@@ -23,12 +23,12 @@ import time
 
 import torch
 
-from grpo import dist
+from grpo.infra import dist
 from grpo.config import Config
-from grpo.memory import size
-from grpo.model import Transformer
+from grpo.fit.memory import size
+from grpo.models.model import Transformer
 from grpo.rollout import rollout
-from grpo.sampler import Sampler, SamplingParams
+from grpo.engine.sampler import Sampler, SamplingParams
 from grpo.loss import group_advantages
 from grpo.update import batch_logprobs, policy_update, update_batches
 from table import print_table  # bench/table.py (bench/ is on sys.path: run as a script, or from gpu_check)
@@ -160,7 +160,7 @@ def bench(name: str, model, B: int, G: int, plen: int, new: int, device, repeat:
 # ----------------------------------------------------------------------------- the rows
 
 def cpu_rows(quick: bool, repeat: int) -> list[dict]:
-    from grpo.smollm2 import local_path
+    from grpo.models.smollm2 import local_path
     B, G, plen, new = (2, 2, 64, 16) if quick else (4, 4, 128, 64)
     model = Transformer.from_pretrained(local_path(), dtype=torch.float32)
     return [bench("smollm2-135m fp32", model, B, G, plen, new, torch.device("cpu"), repeat, {"dtype": "float32"})]
@@ -181,7 +181,7 @@ def gpu_rows(quick: bool, repeat: int) -> list[dict]:
 
 def sizes_on_this_gpu(args, B: int, G: int, plen: int, new: int, device) -> dict:
     """gen_batch, kv_budget_gb, micro_batch_tokens and gradient checkpointing as a run of these shapes would
-    size them on this GPU (grpo.memory.size: the memory plan, profile auto); Config's on a CPU."""
+    size them on this GPU (grpo.fit.memory.size: the memory plan, profile auto); Config's on a CPU."""
     if device.type != "cuda":
         return {}
     shape = Config(prompts_per_step=B, num_generations=G, max_prompt_length=plen, max_completion_length=new,

@@ -22,10 +22,10 @@ from transformers import AutoTokenizer
 
 from grpo.envs.retool_small import QWEN3_TOOLS_TEMPLATE, TwoShotReTool
 from grpo.envs.sandbox import run_code
-from grpo.model import Transformer
+from grpo.models.model import Transformer
 from grpo.rollout import rollout, sampling_params
-from grpo.sampler import Sampler
-from grpo.smollm2 import local_path
+from grpo.engine.sampler import Sampler
+from grpo.models.smollm2 import local_path
 
 
 class Inline(cf.Executor):

@@ -23,7 +23,7 @@ Where we differ from TRL:
   (`step`, `stop_strings`); the reward functions then score its episodes;
 - `peft_config`: a `peft.LoraConfig` (its r, lora_alpha, lora_dropout, target_modules, use_rslora;
   any other option that is on, such as use_dora or aLoRA's alora_invocation_tokens, is refused),
-  trained by grpo.lora without peft; the same as the Config fields use_peft, lora_r, ...
+  trained by grpo.models.lora without peft; the same as the Config fields use_peft, lora_r, ...
 `from grpo import GRPOTrainer, GRPOConfig` works as in TRL (GRPOConfig is grpo.config.Config).
 """
 import dataclasses
@@ -86,12 +86,12 @@ def reward_names(funcs: list) -> dict:
 
 def lora_fields(peft_config) -> dict:
     """A peft.LoraConfig (read by its field names: peft itself is not imported) -> our Config's LoRA
-    fields; None -> none. Options that change the arithmetic of grpo.lora are refused, not ignored."""
+    fields; None -> none. Options that change the arithmetic of grpo.models.lora are refused, not ignored."""
     if peft_config is None:
         return {}
     if str(getattr(peft_config, "peft_type", "LORA")).rsplit(".", 1)[-1] != "LORA":
         raise ValueError(f"peft_config: {type(peft_config).__name__} is not a LoRA config (only LoRA is supported)")
-    from grpo.lora import IMPLEMENTED, refused_options
+    from grpo.models.lora import IMPLEMENTED, refused_options
     fields = dataclasses.fields(peft_config) if dataclasses.is_dataclass(peft_config) else ()
     options = {f.name: getattr(peft_config, f.name) for f in fields} or dict(vars(peft_config))
     # adapters start as ours do: PEFT's default init (True), nothing else; every field we do not implement is off
@@ -99,7 +99,7 @@ def lora_fields(peft_config) -> dict:
     if odd:
         raise ValueError(f"peft_config: unsupported LoRA options {', '.join(odd)} (plain LoRA only: "
                          f"{', '.join(IMPLEMENTED)})")
-    # no target_modules: None, PEFT's own default for the architecture (grpo.lora.PEFT_DEFAULT_TARGETS)
+    # no target_modules: None, PEFT's own default for the architecture (grpo.models.lora.PEFT_DEFAULT_TARGETS)
     targets = getattr(peft_config, "target_modules", None) or None
     if targets is not None and not isinstance(targets, str):
         targets = ",".join(sorted(targets))

@@ -14,7 +14,6 @@ per_device_train_batch_size counts completions per device (ours x G / ranks). do
 every TRL field we accept, translate or refuse, and each default or meaning that differs.
 A field's trailing comment is its description in `--help`, and the `# ---- name` lines its sections.
 """
-import inspect
 from dataclasses import dataclass
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
@@ -109,7 +108,7 @@ class Config:
     sft_batch: int = 8                # examples per warm-start step
     sft_learning_rate: float = 1e-5   # warm-start AdamW learning rate
     # ---- LoRA (TRL's ModelConfig names; off = every weight is trained)
-    use_peft: bool = False            # train LoRA adapters on a frozen base (grpo.lora) instead of every weight; adapters
+    use_peft: bool = False            # train LoRA adapters on a frozen base (grpo.models.lora) instead of every weight; adapters
                                       # usually want ~10x a full fine-tune's learning_rate
     lora_r: int = 16                  # the adapters' rank r
     lora_alpha: int = 32              # the adapters' output scaled by lora_alpha / r (lora_alpha / sqrt(r) with use_rslora)
@@ -143,20 +142,20 @@ class Config:
     # ---- hardware
     dtype: str = "auto"               # compute dtype: auto = bf16 on CUDA, fp32 on CPU
     autocast_bf16: str = "false"      # CPU, fp32 weights: bf16 matmuls in the blocks under torch.autocast;
-                                      # auto = where a start-up measurement finds them faster (grpo.cpu)
+                                      # auto = where a start-up measurement finds them faster (grpo.fit.precision)
     num_threads: int = 0              # CPU threads per rank; 0 = the cores this process may use, shared by its node's ranks
     profile: str = "auto"             # auto: on a GPU the memory plan sizes gen_batch, kv_budget_gb, micro_batch_tokens and
                                       # gradient_checkpointing where nothing set them; on a CPU, fp32; a GPU's name
-                                      # (grpo.memory.GPU_MEMORY_GIB): sized for its memory; none: Config's values
+                                      # (grpo.fit.memory.GPU_MEMORY_GIB): sized for its memory; none: Config's values
     gen_batch: int = 64               # sampler slots (rows decoded together)
     kv_budget_gb: float = 0.0         # sampler KV-cache budget; 0 = sized from gen_batch
     keep_kv_cache: bool = True        # GPU: the sampler's cache, state, decode weights and CUDA graphs stay through
                                       # the update (graphs captured once per run); false frees them for the update
                                       # each step, as a CPU always does (no graphs to keep)
-    plan_memory: bool = True          # refuse to start where the memory plan's peak exceeds the device (grpo/memory.py;
-                                      # python -m grpo.plan prints it); false: start anyway
+    plan_memory: bool = True          # refuse to start where the memory plan's peak exceeds the device (grpo/fit/memory.py;
+                                      # python -m grpo.cli.plan prints it); false: start anyway
     preflight: bool = False           # before step 1, one synthetic worst-case step (every row at full length, the largest
-                                      # micro-batch): its measured peaks beside the plan's (grpo/preflight.py)
+                                      # micro-batch): its measured peaks beside the plan's (grpo/fit/preflight.py)
     cuda_graphs: bool = True          # GPU: each sampler decode window one CUDA graph; false = eager launches (slower)
     kernels: str = "auto"             # auto = grpo.kernels' Triton kernels on CUDA; torch = their PyTorch references
                                       # everywhere (slower; the way around a kernel that fails on your GPU)
@@ -181,7 +180,6 @@ class Config:
         def need(ok: bool, msg: str):
             if not ok:
                 raise ValueError(f"bad config: {msg}")
-        from grpo.cpu import normalize
         self.autocast_bf16 = normalize(self.autocast_bf16)  # true/false/1/0/yes/no, or a saved run's bool
         reporters = [r.strip() for r in self.report_to.split(",") if r.strip()]
         need(set(reporters) <= {*REPORTERS, "none", "all"},
@@ -232,7 +230,6 @@ class Config:
              f"lora_r={self.lora_r} >= 1, lora_alpha={self.lora_alpha} > 0, lora_dropout={self.lora_dropout} in [0, 1)")
         need(not self.adapter_path or self.use_peft, f"adapter_path={self.adapter_path!r} needs --use_peft")
         if self.use_peft:  # one spelling of the modules (all-linear, any order), so a resume compares like with like
-            from grpo.lora import parse_targets
             try:
                 self.lora_target_modules = ",".join(parse_targets(self.lora_target_modules))
             except ValueError as e:
@@ -244,46 +241,54 @@ class Config:
         return self
 
 
-# ----------------------------------------------------------------------------- profiles
-
-def apply_profile(cfg: Config, name: str = "auto", given=()) -> dict:
-    """Resolve the profile once, under what the recipe chose: Config defaults < profile < the recipe's own
-    defaults < YAML < command line (`given`: the fields those two set). On a GPU ("auto", or a GPU's name
-    in grpo.memory.GPU_MEMORY_GIB) it names the fields the memory plan sizes at start
-    (grpo.trainer.size_to_memory): of grpo.memory.SIZED, those nobody set; a field the recipe declares is
-    its choice, even at Config's default. On a CPU it sets dtype float32. "none": Config's own values.
-    cfg.profile_applied records it (config.json: a Config built in Python records that none was applied).
-    -> the settings applied now."""
-    from grpo.memory import GPU_MEMORY_GIB, SIZED
-    if name not in ("auto", "none", "cpu", *GPU_MEMORY_GIB):
-        raise ValueError(f"unknown profile {name!r}: auto, none, cpu or a GPU ({', '.join(GPU_MEMORY_GIB)})")
-    cpu = name == "cpu" or name == "auto" and not _cuda()
-    settings = {"dtype": "float32"} if cpu else {}
-    base = Config()
-    declared = {k for c in type(cfg).__mro__[:type(cfg).__mro__.index(Config)] for k in inspect.get_annotations(c)}
-    own = {k for k in (*settings, *SIZED) if k in declared or getattr(cfg, k) != getattr(base, k)}
-    applied = {k: v for k, v in settings.items() if k not in own and k not in given}
-    for key, value in applied.items():
-        setattr(cfg, key, value)
-    sized = [] if cpu or name == "none" else [k for k in SIZED if k not in own and k not in given]
-    cfg.profile_applied = {"name": name, "resolved": "cpu" if cpu else name, "settings": applied,
-                           "sized_by_plan": sized, "kept_from_the_recipe": {k: getattr(cfg, k) for k in sorted(own)}}
-    return applied
+# ----------------------------------------------------------------------------- LoRA's target modules
+# the linear layers of a block, in PEFT's names (transformers' module names)
+ATTENTION, MLP = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
+LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")  # Qwen3.5's Gated DeltaNet
+TARGETS = ATTENTION + MLP + LINEAR_ATTENTION
+# no target_modules (TRL's ModelConfig default, None): PEFT's per-architecture default
+# (peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING), the same for every
+# architecture grpo.models.model loads
+PEFT_DEFAULT_TARGETS = {"llama": ("q_proj", "v_proj"), "qwen2": ("q_proj", "v_proj"), "qwen3": ("q_proj", "v_proj")}
 
 
-def _cuda() -> bool:
-    import torch
-    return torch.cuda.is_available()
+def parse_targets(names) -> tuple:
+    """"q_proj,v_proj", a list of names, "all-linear" (PEFT's name for every one), or None (PEFT's
+    default: PEFT_DEFAULT_TARGETS) -> the names in block order; a name that is not a linear layer of
+    the blocks is a one-line error."""
+    if names is None:
+        return PEFT_DEFAULT_TARGETS["qwen2"]  # one tuple for every architecture we load (tests/test_trl_config.py checks)
+    if isinstance(names, str):
+        names = TARGETS if names.strip() == "all-linear" else [n.strip() for n in names.split(",") if n.strip()]
+    names = set(names)
+    bad = sorted(names - set(TARGETS))
+    if bad or not names:
+        raise ValueError(f"lora_target_modules: {', '.join(bad) or 'empty'}: not a linear layer of the blocks; "
+                         f"choose from {', '.join(TARGETS)} (comma-separated), or all-linear")
+    return tuple(n for n in TARGETS if n in names)
 
 
-COMMAND_LINE = ("parse_args", "print_help", "required_fields")  # grpo/flags.py's, reachable from here too
-__all__ = ["Config", "apply_profile", "CHOICES", "LOSS_TYPES", "SCALES", "REPORTERS", *COMMAND_LINE]
+# ----------------------------------------------------------------------------- on/off words
+# autocast_bf16's words (grpo/fit/precision.py decides what "auto" picks)
+SETTINGS = ("auto", "true", "false")
+WORDS = {"1": "true", "yes": "true", "on": "true", "0": "false", "no": "false", "off": "false"}
+
+
+def normalize(setting) -> str:
+    """True / "True" / "1" -> "true", and so on; a saved run's bool reads as its word."""
+    if isinstance(setting, bool):
+        return "true" if setting else "false"
+    word = str(setting).strip().lower()
+    return WORDS.get(word, word)
+
+
+MOVED = {"parse_args": "grpo.flags", "print_help": "grpo.flags", "required_fields": "grpo.flags",
+         "apply_profile": "grpo.fit.profile"}
+__all__ = ["Config", "CHOICES", "LOSS_TYPES", "SCALES", "REPORTERS"]
 
 
 def __getattr__(name: str):
-    """grpo.config.parse_args and the rest of COMMAND_LINE: grpo/flags.py's, imported on first use (it
-    imports this module, so not at the top)."""
-    if name in COMMAND_LINE:
-        from grpo import flags
-        return getattr(flags, name)
+    """A name that lived here before the wings (config.py imports no grpo module): where it is now."""
+    if name in MOVED:
+        raise ImportError(f"grpo.config.{name} moved: from {MOVED[name]} import {name}")
     raise AttributeError(f"module 'grpo.config' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """The command line of a Config: `parse_args(cls, argv)`, `--help`, `--config run.yaml`, one-line errors.
 
     cfg = parse_args(MyRecipe)      # --name=value or --name value; a bare --flag sets a bool
-Precedence: the dataclass's defaults < the profile (grpo.config.apply_profile) < the recipe's own defaults
+Precedence: the dataclass's defaults < the profile (grpo.fit.profile.apply_profile) < the recipe's own defaults
 < the YAML file < the command line. Each field's trailing comment in the class source is its --help text,
 and the class's `# ---- name` lines are --help's sections (a recipe's own fields join the first): both
 read from the source once, here (field_docs). TRL GRPOConfig and ModelConfig names with no field here
@@ -16,8 +16,9 @@ import sys
 import types
 import typing
 
-from grpo import config
-from grpo.config import CHOICES, Config, apply_profile
+from grpo.config import CHOICES, Config
+from grpo.fit import profile as profiles
+from grpo.fit.profile import apply_profile
 
 # names before TRL's vocabulary (one vocabulary: no aliases, but a pointer in the error)
 RENAMED = {"lr": "learning_rate", "num_steps": "max_steps", "group_size": "num_generations",
@@ -87,8 +88,8 @@ TRL_NAMES = {
     "cast_lm_head_to_fp32": "not supported",
     "ref_model_sync_steps": "not supported: the reference model (beta > 0) is the initial policy",
     "ref_model_mixup_alpha": "not supported: the reference model (beta > 0) is the initial policy",
-    "trust_remote_code": "not needed: grpo.model implements Llama, Qwen2 and Qwen3 itself",
-    "attn_implementation": "not needed: attention is grpo.model's own",
+    "trust_remote_code": "not needed: grpo.models.model implements Llama, Qwen2 and Qwen3 itself",
+    "attn_implementation": "not needed: attention is grpo.models.model's own",
 }
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -174,8 +175,8 @@ def required_fields(cls) -> tuple:
 
 def print_help(cls):
     defaults, hints, (text, sections) = cls(), typing.get_type_hints(cls), field_docs(cls)
-    from grpo.memory import SIZED
-    profile = {k: "sized by the memory plan" for k in SIZED} if config._cuda() else {"dtype": "float32"}
+    from grpo.fit.memory import SIZED
+    profile = {k: "sized by the memory plan" for k in SIZED} if profiles._cuda() else {"dtype": "float32"}
     required = required_fields(cls)
     doc = cls.__doc__ or ""
     if doc.startswith(cls.__name__ + "("):  # dataclass's generated signature: the recipe's own text instead

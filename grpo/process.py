@@ -11,7 +11,7 @@ Only where the credit lands changes: progress telescopes. Controls (`mode`): "ou
 the outcome advantage alone (plain GRPO), "shuffled" permutes a solution's progress values
 across its steps (same total, placement destroyed).
 
-The continuations are sampled by a grpo.sampler.Sampler over the frozen model with
+The continuations are sampled by a grpo.engine.sampler.Sampler over the frozen model with
 `continue_from` (the sampler's one prefix-reuse primitive, which also forks a prompt into its G
 samples): prompt + solution is prefilled once, up to its last boundary, and each boundary's K
 rows fork that KV cache truncated at the boundary (a causal prefix's KV does not depend on what
@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grpo.engine.sampler import SamplingParams
 from grpo.env import as_env
 from grpo.rollout import Trajectory
-from grpo.sampler import SamplingParams
 
 # ----------------------------------------------------------------------------- the math
 
@@ -115,7 +115,7 @@ def shuffled(progress: list[float], rng: random.Random) -> list[float]:
 class ProcessCredit:
     """Token advantages for a batch of trajectories from a frozen model's continuations.
     `env.reward(example, trajectory)["correct"]` scores a continued solution."""
-    sampler: object                   # a grpo.sampler.Sampler over the frozen model
+    sampler: object                   # a grpo.engine.sampler.Sampler over the frozen model
     tokenizer: object
     env: object
     num_continuations: int = 16       # K
@@ -138,7 +138,7 @@ class ProcessCredit:
         """What the frozen copy and its sampler hold through the run, for the trainer's memory plan."""
         if self.sampler is None:
             return []
-        from grpo.memory import frozen_copy_terms
+        from grpo.fit.memory import frozen_copy_terms
         s, args = self.sampler, self.sampler.model.args
         length = cfg.max_prompt_length + cfg.max_completion_length + self.max_continuation_tokens
         return frozen_copy_terms(args, next(s.model.parameters()).element_size(), s.gen_batch, length, s.kv_budget_bytes)

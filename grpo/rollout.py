@@ -13,8 +13,8 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from grpo.engine.sampler import Sampler, SamplingParams
 from grpo.env import as_env
-from grpo.sampler import Sampler, SamplingParams
 
 
 @dataclass

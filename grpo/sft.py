@@ -12,10 +12,10 @@ import random
 import torch
 from tqdm import tqdm
 
-from grpo.env import as_env
-from grpo import dist
 from grpo.config import Config
-from grpo.lora import trainable
+from grpo.env import as_env
+from grpo.infra import dist
+from grpo.models.lora import trainable
 from grpo.rollout import Trajectory, continuation_ids, render_prompt
 from grpo.update import collate
 

@@ -4,7 +4,7 @@
 `grpo_step` (below `Run`, what a run holds) is one step on one rank; `_train` is the run around it (the eval before, the
 warm-start, the steps with their logs, evals and checkpoints, the eval after and the export), and
 `start_run` its setup, which gathers what the run holds into one `Run`.
-1. Sampling runs on the very weights being trained (grpo/sampler.py): no second engine, no
+1. Sampling runs on the very weights being trained (grpo/engine/sampler.py): no second engine, no
    weight sync. The sampler/trainer log-prob gap is logged; truncated importance sampling
    (tis_cap) corrects what remains.
 2. A prompt's G samples live on one rank, so group statistics are local; only the "batch"
@@ -23,28 +23,29 @@ import time
 import torch
 from tqdm import tqdm
 
-from grpo.env import as_env
-from grpo import dist
-from grpo.budget import RunBudget, TimePlan, make_plan, rl_budget, stop_reason
-from grpo.checkpoint import Checkpointer, export, note_run, open_run_dir, refuse_used_dir, run_meta
 from grpo.config import Config
-from grpo.cpu import measure, set_autocast, set_threads, trim
+from grpo.engine.cpu import trim
+from grpo.engine.kv_cache import KVCache
+from grpo.engine.sampler import Sampler
+from grpo.env import as_env
 from grpo.eval import evaluate, run_eval_settings, summarize
-from grpo.fallback import kernels_of
-from grpo.kv_cache import KVCache
-from grpo.lora import (BaseModel, adapter_settings, adapters, add_lora, cast_base, load_adapter, read_adapter,
-                       settings_of, trainable)
+from grpo.fit.budget import RunBudget, TimePlan, make_plan, rl_budget, stop_reason
+from grpo.fit.fallback import kernels_of
+from grpo.fit.memory import (GIB, GPU_MEMORY_GIB, Plan, fixes_text, memory_of_cpu, memory_plan, model_config,
+                             size, what_fits)
+from grpo.fit.precision import measure, set_autocast, set_threads
+from grpo.fit.preflight import preflight
+from grpo.infra import dist
+from grpo.infra.checkpoint import Checkpointer, export, note_run, open_run_dir, refuse_used_dir, run_meta
+from grpo.infra.metrics import Logger, credit_metrics, rollout_records, step_metrics
+from grpo.infra.report import check_reporters, open_trackers, reporters, write_summary
 from grpo.loss import group_advantages, overlong_penalty
-from grpo.memory import (GIB, GPU_MEMORY_GIB, Plan, fixes_text, memory_of_cpu, memory_plan, model_config, size,
-                         what_fits)
-from grpo.metrics import Logger, credit_metrics, rollout_records, step_metrics
-from grpo.model import ModelArgs, Transformer, _local_or_hub
-from grpo.preflight import preflight
-from grpo.report import check_reporters, open_trackers, reporters, write_summary
+from grpo.models.lora import (BaseModel, adapter_settings, adapters, add_lora, cast_base, load_adapter,
+                              read_adapter, settings_of, trainable)
+from grpo.models.model import ModelArgs, Transformer, _local_or_hub
 from grpo.rewards import unscorable
-from grpo.rollout import assign_rewards, rollout, sampling_params
-from grpo.sampler import Sampler
-from grpo.sft import warm_start
+from grpo.rollout import assign_rewards, render_prompt, rollout, sampling_params
+from grpo.sft import gold_trajectory, warm_start
 from grpo.update import loss_options, policy_update
 
 # ----------------------------------------------------------------------------- the GRPO step
@@ -72,7 +73,7 @@ class Run:
     loss: object                # grpo.loss.LossOptions, once per run (grpo.update.loss_options)
     ckpt: Checkpointer
     logger: object              # rank 0's Logger, else None
-    budget: RunBudget | None    # the run's time limits (grpo.budget); None: none, and no budget code runs
+    budget: RunBudget | None    # the run's time limits (grpo.fit.budget); None: none, and no budget code runs
     plan: TimePlan | None       # under budget.run_budget_min: the phases' estimates, which size the evals
     eval_q: int                 # questions of the evals after the warm-start and after RL (the plan's, or configured)
     before_q: int               # questions of the eval before training
@@ -264,7 +265,7 @@ def check_inputs(cfg: Config, env, train_examples: list, sft_examples: list):
 
 def record_run(cfg: Config):
     """Rank 0: claim the output folder (open_run_dir) and write config.json with the profile as
-    parse_args applied it (grpo.config.apply_profile), or none for a Config built in Python."""
+    parse_args applied it (grpo.fit.profile.apply_profile), or none for a Config built in Python."""
     profile = getattr(cfg, "profile_applied", {"name": cfg.profile, "resolved": None, "settings": {},
                                               "note": "Config built in Python: no profile applied"})
     meta = run_meta(profile) | {"config_class": type(cfg).__name__}   # grpo.cli.eval --run rebuilds it
@@ -314,7 +315,7 @@ def build(cfg: Config, device, extra: list = ()) -> tuple:
     # the sampler and the evals run this same model; rank 0's measurement decides for every rank
     rates = lambda: dist.broadcast(measure(model.args.dim, model.args.ffn_dim) if dist.is_main() else None)  # noqa: E731
     dist.print0(set_autocast(model, cfg.autocast_bf16, device, rates))
-    if cfg.use_peft and model.autocast_bf16:  # the frozen base in its matmuls' dtype (grpo.lora.cast_base says why)
+    if cfg.use_peft and model.autocast_bf16:  # the frozen base in its matmuls' dtype (grpo.models.lora.cast_base says why)
         cast_base(model, torch.bfloat16)
     dist.on_rank0(note_run, cfg.output_dir, {"autocast_bf16_chosen": model.autocast_bf16})
     dist.shard(model, compute_dtype)
@@ -345,7 +346,7 @@ def build(cfg: Config, device, extra: list = ()) -> tuple:
 
 
 def plan_run(cfg: Config, args: ModelArgs, device, extra: list = ()) -> Plan:
-    """The memory plan (grpo/memory.py) of this run on this device: a GPU's memory, or on a CPU this node's
+    """The memory plan (grpo/fit/memory.py) of this run on this device: a GPU's memory, or on a CPU this node's
     RAM shared by its ranks."""
     world, local = dist.world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else memory_of_cpu(local)
@@ -355,7 +356,7 @@ def plan_run(cfg: Config, args: ModelArgs, device, extra: list = ()) -> Plan:
 def size_to_memory(cfg: Config, device, extra: list = ()) -> dict:
     """On a GPU, before anything loads: the fields the profile left to the plan (cfg.profile_applied's
     sized_by_plan: what the recipe, its YAML and its command line did not set) sized by the memory plan
-    for this GPU's memory, or for the GPU the profile names (grpo.memory.size says how). Rank 0 decides for
+    for this GPU's memory, or for the GPU the profile names (grpo.fit.memory.size says how). Rank 0 decides for
     every rank. -> the values set."""
     profile = getattr(cfg, "profile_applied", {})
     free = profile.get("sized_by_plan", [])
@@ -429,6 +430,17 @@ def evaluate_on_ranks(model, tokenizer, env, examples: list, cfg: Config, greedy
 # ----------------------------------------------------------------------------- the run
 
 @dist.fail_together  # an exception on one rank ends every rank with its message, not a hang
+
+def plan_tokens(cfg, model, tokenizer, env, eval_examples: list, sft_examples: list) -> tuple[list, float]:
+    """What the time plan counts: up to 16 eval prompts' token ids, and a warm-start batch's tokens a rank."""
+    kw = {**as_env(env).chat_kwargs, "enable_thinking": cfg.enable_thinking}
+    prompts = [render_prompt(tokenizer, env.prompt(ex), **kw) for ex in (list(eval_examples) or sft_examples)[:16]]
+    gold = [gold_trajectory(tokenizer, env, ex, model.eos_token_ids()[0], kw)
+            for ex in sft_examples[:32]] if cfg.sft_steps else []
+    per = sum(len(t.prompt_ids) + len(t.completion_ids) for t in gold) / max(len(gold), 1)
+    return prompts, per * cfg.sft_batch / dist.world_size()
+
+
 def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
           reward_weights: dict | None = None, sft_examples: list | None = None, eval_env=None,
           credit=None, budget: RunBudget | None = None) -> dict:
@@ -436,12 +448,12 @@ def train(cfg: Config, env, train_examples: list, eval_examples: list = (),
     `eval_env`: a different prompt for eval (e.g. GSM8K's 10-shot protocol); default `env`.
     `credit(trajs, advantages, step) -> advantages`: per-token credit on top of the outcome
     advantages ((N,) in, (N,) or (N, C) out), e.g. grpo.process.ProcessCredit.
-    `budget`: the run's time limits (grpo.budget.RunBudget, as the CPU recipe passes). None: the ones a
+    `budget`: the run's time limits (grpo.fit.budget.RunBudget, as the CPU recipe passes). None: the ones a
     command line set in the config (--run_budget_min, --time_budget_min: RunBudget.of), else none at all:
     the evals at their configured sizes, no probe, no time limit.
     `cfg.kernels == "torch"`: every grpo.kernels call in the run takes its PyTorch reference."""
     budget = budget if budget is not None else RunBudget.of(cfg)
-    with kernels_of(cfg):  # a failure inside Triton or a graph capture names the way around (grpo/fallback.py)
+    with kernels_of(cfg):  # a failure inside Triton or a graph capture names the way around (grpo/fit/fallback.py)
         run = start_run(cfg, env, train_examples, eval_examples, reward_weights, sft_examples, eval_env, credit,
                         budget)
         return _train(run)
@@ -524,8 +536,8 @@ def start_run(cfg: Config, env, train_examples: list, eval_examples, reward_weig
     eval_examples = list(eval_examples or [])
     eval_q = min(cfg.eval_limit, len(eval_examples))
     before_q = min(cfg.eval_before_limit or cfg.eval_limit, len(eval_examples))
-    plan = make_plan(budget, cfg, model, sampler, tokenizer, eval_env or env, eval_examples, sft_examples, eval_q,
-                     before_q) if budget else None
+    plan = make_plan(budget, cfg, model, sampler, *plan_tokens(cfg, model, tokenizer, eval_env or env, eval_examples,
+                                                               sft_examples), eval_q, before_q) if budget else None
     if plan:
         eval_q, before_q = plan.eval_q, plan.before_q
     if "warmstart" in results:  # resumed: the last eval pairs with the warm-start's questions
@@ -631,7 +643,7 @@ def log_step(run: Run, steps_done: int, metrics: dict, seconds: float, bar, batc
 
 
 def save(run: Run, at_step: int):
-    """A checkpoint of the run at `at_step`, with what a resume checks (grpo.checkpoint.Checkpointer.save_step)."""
+    """A checkpoint of the run at `at_step`, with what a resume checks (grpo.infra.checkpoint.Checkpointer.save_step)."""
     path = run.ckpt.save_step(at_step, run.model, run.optimizer, run.scheduler, run.results, run.cfg.prompts_per_step,
                               run.cfg.seed)
     dist.print0(f"checkpoint: {path}")

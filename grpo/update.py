@@ -19,11 +19,11 @@ import time
 
 import torch
 
-from grpo import dist
 from grpo.config import Config
-from grpo.lora import has_dropout
+from grpo.engine.progress import bar
+from grpo.infra import dist
 from grpo.loss import LossOptions, policy_loss
-from grpo.progress import bar
+from grpo.models.lora import has_dropout
 from grpo.shared_prompt import prompt_rows, shared_prompt_batch
 
 # ----------------------------------------------------------------------------- micro-batches

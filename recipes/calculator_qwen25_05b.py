@@ -10,7 +10,7 @@ Reference: accuracy 0.6% -> 34% on its 158 held-out questions, same settings as 
 6000 Adas (vLLM on 2 more): 8 generations per training GPU, so `--prompts_per_step 6` is its batch
 on any number of GPUs (the default, 0, gives 8 x GPUs / G). On a GPU the memory plan sizes the
 sampler's batch and KV budget, the micro-batch and gradient checkpointing at start, for the GPU it
-finds (`python -m grpo.plan recipes/calculator_qwen25_05b.py --gpu L4` shows what it picks there).
+finds (`python -m grpo.cli.plan recipes/calculator_qwen25_05b.py --gpu L4` shows what it picks there).
 """
 from dataclasses import dataclass
 

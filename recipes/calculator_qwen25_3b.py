@@ -36,7 +36,7 @@ The loaders read local files and dataset ids, not URLs: download them, then pass
     https://raw.githubusercontent.com/Danau5tin/agentic_environments/qwen/examples/calculator_agent/datasets/basic_calculations_eval.csv
         -> --eval_data=basic_calculations_eval.csv (its 158 evaluation questions)
 Without them, questions are generated (grpo.envs.calculator_data). On a GPU the memory plan sizes the
-sampler's batch and KV budget, the micro-batch and gradient checkpointing at start (`python -m grpo.plan`).
+sampler's batch and KV budget, the micro-batch and gradient checkpointing at start (`python -m grpo.cli.plan`).
 
 | setting | the reference | here | why |
 | --- | --- | --- | --- |
@@ -55,8 +55,9 @@ sampler's batch and KV budget, the micro-batch and gradient checkpointing at sta
 import os
 from dataclasses import dataclass
 
-from grpo.config import Config, parse_args
-from grpo.data import epoch_steps, load_or_exit
+from grpo.config import Config
+from grpo.flags import parse_args
+from grpo.infra.data import epoch_steps, load_or_exit
 from grpo.envs.calculator import DEFAULT_WEIGHTS, JUDGE_WEIGHTS, CalculatorEnv, generate_questions
 from grpo.envs.tasks import calculator_example
 from grpo.trainer import train

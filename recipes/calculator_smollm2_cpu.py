@@ -43,12 +43,14 @@ from pathlib import Path
 
 import torch
 
-from grpo.budget import RunBudget
-from grpo.config import Config, parse_args
-from grpo.cpu import SETTINGS, choose, measure, normalize, set_threads
+from grpo.fit.budget import RunBudget
+from grpo.config import Config
+from grpo.flags import parse_args
+from grpo.config import SETTINGS, normalize
+from grpo.fit.precision import choose, measure, set_threads
 from grpo.envs.calculator import MISTAKES, SHORT_SYSTEM_PROMPT, CalculatorEnv, generate_questions
-from grpo.eval import paired_gain
-from grpo.smollm2 import local_path
+from grpo.infra.stats import paired_gain
+from grpo.models.smollm2 import local_path
 from grpo.trainer import train
 
 
@@ -76,7 +78,7 @@ LIGHT_BELOW = 150.0  # GFLOP/s of the model's up projection in the dtype the run
 
 @dataclass
 class CalculatorCPU(Config):
-    model_path: str = ""              # default: the packaged SmolLM2 (grpo.smollm2.local_path())
+    model_path: str = ""              # default: the packaged SmolLM2 (grpo.models.smollm2.local_path())
     output_dir: str = "runs/calculator_smollm2_cpu"
     smoke: bool = False               # tiny sizes everywhere: checks the pipeline in minutes
     train_questions: int = 2000       # worded from the TRAIN book, 1 to 6 operations
@@ -182,7 +184,7 @@ def breakdown(examples: list[dict], evals: dict, key: str) -> list[str]:
     return rows
 
 
-def light_setting(cfg: CalculatorCPU) -> str:  # the words autocast_bf16 takes (grpo.cpu.SETTINGS)
+def light_setting(cfg: CalculatorCPU) -> str:  # the words autocast_bf16 takes (grpo.config.SETTINGS)
     setting = normalize(cfg.light)
     if setting not in SETTINGS:
         raise SystemExit(f"error: --light={cfg.light!r}, expected {', '.join(SETTINGS)}")

@@ -1,12 +1,12 @@
 """Your own task: any prompts (question/answer rows or TRL's conversational `prompt` column) and
 reward functions written for TRL, named on the command line.
 
-    python -m grpo.smollm2                # prints the packaged SmolLM2's folder: a --model_path
+    python -m grpo.models.smollm2                # prints the packaged SmolLM2's folder: a --model_path
     python recipes/custom_task.py --model_path=PATH --train_data=my.jsonl --eval_data=my_test.jsonl \\
         --reward_funcs=my_rewards.py:correct,custom_task:boxed_format --reward_weights=1,0.2
     torchrun --nproc_per_node=8 recipes/custom_task.py ...   # the same on GPUs
 
-Data: a JSONL, CSV or Parquet file or a dataset id (grpo.data.load_examples) with a question
+Data: a JSONL, CSV or Parquet file or a dataset id (grpo.infra.data.load_examples) with a question
 column (--question_field; the recipe adds --system_prompt and the chat template) or TRL's
 conversational `prompt` column of chat messages (used as given); an answer column
 (--answer_field) is passed on when there is one. Rewards: `module:function` (the current folder
@@ -28,8 +28,9 @@ import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
-from grpo.config import Config, parse_args
-from grpo.data import load_or_exit
+from grpo.config import Config
+from grpo.flags import parse_args
+from grpo.infra.data import load_or_exit
 from grpo.envs.math import is_equiv, last_boxed
 from grpo.cli.reward_funcs import import_functions, portable_names
 from grpo.rewards import RewardFunctionsEnv, completion_text

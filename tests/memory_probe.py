@@ -13,10 +13,10 @@ import sys
 import torch
 
 from grpo.config import Config
-from grpo.memory import memory_plan
-from grpo.model import Transformer
-from grpo.preflight import peak_bytes, reset_peak
-from grpo.sampler import Sampler, SamplingParams
+from grpo.engine.sampler import Sampler, SamplingParams
+from grpo.fit.memory import memory_plan
+from grpo.fit.preflight import peak_bytes, reset_peak
+from grpo.models.model import Transformer
 
 SMALL = dict(model_type="llama", vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
              num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1e4)
@@ -29,7 +29,7 @@ def status(key: str) -> int:  # bytes
 def main(phase: str, which: str, *sizes: int):
     torch.set_num_threads(1)
     if which == "smollm2":
-        from grpo.smollm2 import local_path
+        from grpo.models.smollm2 import local_path
         model = Transformer.from_pretrained(local_path(), dtype=torch.float32)
     else:
         torch.manual_seed(0)

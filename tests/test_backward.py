@@ -1,14 +1,13 @@
-"""The training backward's lean pieces (grpo.model: RMSNorm and SwiGLU's down projection as autograd
+"""The training backward's lean pieces (grpo.models.model: RMSNorm and SwiGLU's down projection as autograd
 Functions that keep fewer activations): their gradients against float64 finite differences, the
 whole model's gradients against transformers' on the same weights, and the bytes a Block keeps."""
 import pytest
 import torch
 import torch.nn.functional as F
-
-from grpo.memory import act_bytes_per_token
-from grpo.model import Transformer, _RMSNormFn, _SwiGLUDown, rms_norm
-
 from test_model import CASES
+
+from grpo.fit.memory import act_bytes_per_token
+from grpo.models.model import Transformer, _RMSNormFn, _SwiGLUDown, rms_norm
 
 
 def test_rms_norm_gradients_against_finite_differences():
@@ -88,7 +87,7 @@ def test_a_block_keeps_fewer_activations(tiny_dir, monkeypatch):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_the_memory_plan_counts_what_a_layer_keeps(tiny_dir, family):
-    """grpo.memory's activation bytes a token and layer, fp32: a 4-layer model keeps exactly two layers'
+    """grpo.fit.memory's activation bytes a token and layer, fp32: a 4-layer model keeps exactly two layers'
     worth more than a 2-layer one (q/k norms, qkv bias and GQA shapes across the three families)."""
     kept = []
     for layers in (2, 4):

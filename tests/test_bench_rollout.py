@@ -1,6 +1,6 @@
 """bench/rollout.py: its --quick run (our sampler and the transformers baseline on SmolLM2, one tool
 call per row) prints the table and a JSON line in which both sides sampled exactly the planned
-tokens per row and turns (the length oracle held), run as a process; and, from the package (grpo.baseline),
+tokens per row and turns (the length oracle held), run as a process; and, from the package (grpo.measure.baseline),
 the plan has the promised shape and natural mode's baseline ends a row whose tool observation spent its
 budget, with a stand-in model."""
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo import baseline
+from grpo.measure import baseline
 from grpo.rollout import render_prompt
 
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast subset leaves it out)
@@ -64,9 +64,10 @@ def test_quick_run_oracle_gives_both_sides_the_same_tokens(smollm2_path):
 
 def test_natural_baseline_ends_a_row_whose_observation_spends_the_budget(smollm2_path):
     # natural mode (--checkpoint): a tool turn whose observation leaves no completion budget ends
-    # the row, its turn counted, as grpo.sampler does ("length"), while the other rows of the batch
+    # the row, its turn counted, as grpo.engine.sampler does ("length"), while the other rows of the batch
     # go on; it used to ask generate for max_new_tokens < 0 (or count such a row's tokens wrong)
     import transformers
+
     from grpo.envs.calculator import SHORT_SYSTEM_PROMPT, CalculatorEnv, generate_questions
     tok = transformers.AutoTokenizer.from_pretrained(smollm2_path)
     env = CalculatorEnv(system_prompt=SHORT_SYSTEM_PROMPT)

@@ -1,17 +1,18 @@
-"""The run budget (grpo.budget) and the CPU choices (grpo.cpu): the plan's arithmetic on
+"""The run budget (grpo.fit.budget) and the CPU choices (grpo.fit.precision): the plan's arithmetic on
 hand-written numbers, the stop rule, a whole toy run that shrinks its evals to fit, and the
 precision choice forced each way by a stubbed measurement and checked against a real one."""
 import json
 
 import pytest
 import torch
-
-from grpo import budget, cpu, trainer
-from grpo.budget import Rates, RunBudget, TimePlan, estimate, fit, rl_budget, stop_reason
-from grpo.config import Config, parse_args
-from grpo.trainer import train
-
 from toy import ToyEnv, make_toy_dir
+
+from grpo import trainer
+from grpo.config import Config
+from grpo.fit import budget, precision
+from grpo.fit.budget import Rates, RunBudget, TimePlan, estimate, fit, rl_budget, stop_reason
+from grpo.flags import parse_args
+from grpo.trainer import train
 
 EXAMPLES = [{"question": f"w{i} w{i + 1}", "answer": ""} for i in range(40)]
 
@@ -133,7 +134,7 @@ def test_measured_phases_correct_later_estimates():
 def test_time_budget_min_alone_plans_nothing(monkeypatch):
     """A limit on RL alone needs no plan: nothing is probed and the evals keep their sizes."""
     monkeypatch.setattr(budget, "probe", lambda *a, **k: pytest.fail("probed without run_budget_min"))
-    assert budget.make_plan(RunBudget(time_budget_min=5), Config(), None, None, None, None, [], [], 7, 3) is None
+    assert budget.make_plan(RunBudget(time_budget_min=5), Config(), None, None, [], 0.0, 7, 3) is None
 
 
 def test_without_a_budget_no_budget_code_runs(tmp_path, monkeypatch, capsys, one_thread):
@@ -184,36 +185,36 @@ def test_a_slow_machine_shrinks_the_evals_and_still_runs_rl(given, tmp_path, mon
 def test_auto_chooses_fp32_where_bf16_is_slow_and_bf16_where_it_is_fast():
     avx2 = lambda: {"float32": 48.7, "bfloat16": 8.4}        # noqa: E731  (a Zen 3 machine's rates)
     avx512_bf16 = lambda: {"float32": 145.0, "bfloat16": 403.0}  # noqa: E731
-    assert cpu.choose("auto", avx2)[0] is False
-    use, line = cpu.choose("auto", avx512_bf16)
+    assert precision.choose("auto", avx2)[0] is False
+    use, line = precision.choose("auto", avx512_bf16)
     assert use is True and "145" in line and "403" in line
     tie = lambda: {"float32": 100.0, "bfloat16": 110.0}      # noqa: E731  (within the margin: fp32)
-    assert cpu.choose("auto", tie)[0] is False
+    assert precision.choose("auto", tie)[0] is False
 
 
 def test_true_and_false_force_the_choice_without_measuring():
     def never():
         raise AssertionError("forced settings must not measure")
-    assert cpu.choose("true", never)[0] is True and cpu.choose(True, never)[0] is True
-    assert cpu.choose("false", never)[0] is False and cpu.choose("0", never)[0] is False
+    assert precision.choose("true", never)[0] is True and precision.choose(True, never)[0] is True
+    assert precision.choose("false", never)[0] is False and precision.choose("0", never)[0] is False
     with pytest.raises(ValueError, match="autocast_bf16='maybe'"):
-        cpu.choose("maybe", never)
+        precision.choose("maybe", never)
 
 
 def test_real_measurement_is_consistent_with_its_choice(one_thread):
     """Whatever this CPU is, the choice follows the two rates it measured (no speed asserted)."""
-    rates = cpu.measure(64, 128, rows=32)
+    rates = precision.measure(64, 128, rows=32)
     assert rates["float32"] > 0 and rates["bfloat16"] > 0
-    use, _ = cpu.choose("auto", lambda: rates)
-    assert use == (rates["bfloat16"] > cpu.MARGIN * rates["float32"])
+    use, _ = precision.choose("auto", lambda: rates)
+    assert use == (rates["bfloat16"] > precision.MARGIN * rates["float32"])
 
 
 def test_set_autocast_on_a_model(tiny_dir, one_thread):
-    from grpo.model import Transformer
+    from grpo.models.model import Transformer
     path, _ = tiny_dir("llama")
     model = Transformer.from_pretrained(path)
-    assert "forced" in cpu.set_autocast(model, "true") and model.autocast_bf16 is True
-    cpu.set_autocast(model, "auto", rates_fn=lambda: {"float32": 10.0, "bfloat16": 1.0})
+    assert "forced" in precision.set_autocast(model, "true") and model.autocast_bf16 is True
+    precision.set_autocast(model, "auto", rates_fn=lambda: {"float32": 10.0, "bfloat16": 1.0})
     assert model.autocast_bf16 is False
 
 
@@ -232,13 +233,13 @@ def test_config_reads_every_spelling_of_autocast_bf16(tmp_path):
 def test_threads_per_rank_share_the_cores(monkeypatch):
     n = torch.get_num_threads()
     try:
-        monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+        monkeypatch.setattr(precision.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-        assert cpu.set_threads(0) == 8          # torchrun's OMP_NUM_THREADS=1 would leave 14 cores idle
-        assert cpu.set_threads(3) == 3          # asked for: as asked
+        assert precision.set_threads(0) == 8          # torchrun's OMP_NUM_THREADS=1 would leave 14 cores idle
+        assert precision.set_threads(3) == 3          # asked for: as asked
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
         torch.set_num_threads(n)
-        assert cpu.set_threads(0) == n          # one process: torch's own default, unchanged
+        assert precision.set_threads(0) == n          # one process: torch's own default, unchanged
     finally:
         torch.set_num_threads(n)
 
@@ -249,16 +250,17 @@ def test_cpu_name_reads_the_first_model_name_and_falls_back_without_cpuinfo(tmp_
                     "processor\t: 1\nmodel name\t: AMD EPYC 9R14 96-Core Processor\n")
     real_open = open
     monkeypatch.setattr("builtins.open", lambda f, *a, **k: real_open(info if f == "/proc/cpuinfo" else f, *a, **k))
-    assert cpu.cpu_name() == "AMD EPYC 9R14 96-Core Processor"
+    assert precision.cpu_name() == "AMD EPYC 9R14 96-Core Processor"
     info.unlink()  # no /proc (macOS, Windows): platform's answer, never an exception
-    monkeypatch.setattr(cpu.platform, "processor", lambda: "arm")
-    assert cpu.cpu_name() == "arm"
+    monkeypatch.setattr(precision.platform, "processor", lambda: "arm")
+    assert precision.cpu_name() == "arm"
 
 
 def test_probe_times_the_sampler_and_one_backward_without_changing_the_model(tmp_path, one_thread):
     from transformers import AutoTokenizer
-    from grpo.model import Transformer
-    from grpo.sampler import Sampler
+
+    from grpo.engine.sampler import Sampler
+    from grpo.models.model import Transformer
     path = make_toy_dir(tmp_path / "toy")
     model, tok = Transformer.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     before = [p.detach().clone() for p in model.parameters()]

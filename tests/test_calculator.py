@@ -1,8 +1,8 @@
 """The calculator env: exact tool, hostile YAML, rewards, judge, question generator, loader."""
 
 import collections
-import re
 import json
+import re
 import threading
 import time
 from fractions import Fraction
@@ -12,9 +12,21 @@ from types import SimpleNamespace
 import pytest
 
 from grpo.envs.calculator import (
-    DEFAULT_WEIGHTS, CalculatorEnv, evaluate, final_answer, generate_questions, gold_call,
-    gold_messages, judge_score, judge_scores, load_questions, parse_expression, parse_number,
-    run_tool, split_of, structure_credit,
+    DEFAULT_WEIGHTS,
+    CalculatorEnv,
+    evaluate,
+    final_answer,
+    generate_questions,
+    gold_call,
+    gold_messages,
+    judge_score,
+    judge_scores,
+    load_questions,
+    parse_expression,
+    parse_number,
+    run_tool,
+    split_of,
+    structure_credit,
 )
 
 

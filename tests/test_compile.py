@@ -1,7 +1,7 @@
 """The Triton kernels compiled for each GPU the recipes are planned for, on this CPU
 (grpo.kernels.compile_for: Triton's pipeline down to a cubin, nothing launched), and the
 kernels one decode step launches, counted from the code path (grpo.kernels.cases and
-grpo.kernel_count, which bench/compile_kernels.py prints)."""
+grpo.measure.kernel_count, which bench/compile_kernels.py prints)."""
 import importlib.util
 import os
 
@@ -55,7 +55,7 @@ def test_decode_step_kernels_counted(family):
     """Through the Triton kernels a layer is 6 launches and 4 GEMMs, for each family (Qwen3's q/k
     norms inside the q/k/v kernel), the step has no host sync seen (a CUDA graph holds it), and the
     count is linear in the layers (what the bench extrapolates)."""
-    from grpo.kernel_count import step_count
+    from grpo.measure.kernel_count import step_count
     config = dict(TINY, model_type=family, qkv_bias=family == "qwen2", head_dim=32 if family == "qwen3" else None)
     counts = {(L, way): step_count(config, 4, L, way, 90) for L in (1, 2, 3)
               for way in ("triton", "torch", "model")}

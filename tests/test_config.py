@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from grpo import config
-from grpo.config import Config, apply_profile, parse_args, print_help
-from grpo.memory import SIZED
+from grpo.config import Config
+from grpo.fit import profile
+from grpo.fit.memory import SIZED
+from grpo.fit.profile import apply_profile
+from grpo.flags import parse_args, print_help
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +24,7 @@ class Recipe(Config):
 
 
 def test_on_a_gpu_the_plan_sizes_only_what_nobody_set(monkeypatch, tmp_path):
-    monkeypatch.setattr(config, "_cuda", lambda: True)
+    monkeypatch.setattr(profile, "_cuda", lambda: True)
     cfg = parse_args(Recipe, [])
     assert cfg.profile_applied["sized_by_plan"] == ["gen_batch", "kv_budget_gb", "gradient_checkpointing"]
     assert cfg.profile_applied["kept_from_the_recipe"] == {"micro_batch_tokens": 4096}
@@ -42,7 +44,7 @@ def test_on_a_gpu_the_plan_sizes_only_what_nobody_set(monkeypatch, tmp_path):
 
 
 def test_on_a_cpu_the_profile_is_fp32_and_sizes_nothing(monkeypatch):
-    monkeypatch.setattr(config, "_cuda", lambda: False)
+    monkeypatch.setattr(profile, "_cuda", lambda: False)
     cfg = parse_args(Recipe, [])
     assert cfg.dtype == "float32" and cfg.profile_applied["settings"] == {"dtype": "float32"}
     assert cfg.profile_applied["sized_by_plan"] == []
@@ -55,7 +57,7 @@ class Small(Recipe):
 
 
 def test_a_field_the_recipe_declares_at_configs_default_is_kept(monkeypatch):
-    monkeypatch.setattr(config, "_cuda", lambda: True)
+    monkeypatch.setattr(profile, "_cuda", lambda: True)
     assert Small.gen_batch == Config.gen_batch
     cfg = parse_args(Small, [])
     assert cfg.profile_applied["sized_by_plan"] == ["kv_budget_gb", "gradient_checkpointing"]
@@ -66,11 +68,11 @@ def test_a_micro_batch_the_plan_sizes_is_not_refused_before_it_is_sized(monkeypa
     """Config's 8192 tokens cannot hold a 512 + 8192-token sequence; on a GPU the plan sizes it at start
     (at least the longest sequence), so parsing lets it be; set by hand, or on a CPU, it is refused."""
     long = ["--max_prompt_length", "512", "--max_completion_length", "8192"]
-    monkeypatch.setattr(config, "_cuda", lambda: True)
+    monkeypatch.setattr(profile, "_cuda", lambda: True)
     assert "micro_batch_tokens" in parse_args(Config, long).profile_applied["sized_by_plan"]
     with pytest.raises(ValueError, match="cannot hold one sequence"):
         parse_args(Config, long + ["--micro_batch_tokens", "8192"])
-    monkeypatch.setattr(config, "_cuda", lambda: False)
+    monkeypatch.setattr(profile, "_cuda", lambda: False)
     with pytest.raises(ValueError, match="cannot hold one sequence"):
         parse_args(Config, long)
 
@@ -78,8 +80,9 @@ def test_a_micro_batch_the_plan_sizes_is_not_refused_before_it_is_sized(monkeypa
 def test_a_config_built_in_python_records_no_profile(tmp_path, monkeypatch):
     """record_run writes what was applied, never a profile resolved again at record time."""
     import json
+
     from grpo import trainer
-    monkeypatch.setattr(config, "_cuda", lambda: True)
+    monkeypatch.setattr(profile, "_cuda", lambda: True)
     cfg = Config(model_path="x", output_dir=str(tmp_path / "run"))
     trainer.record_run(cfg)
     meta = json.loads((tmp_path / "run" / "config.json").read_text())["_meta"]

@@ -79,7 +79,7 @@ def load_recipe():
 
 def test_a_slow_cpu_gets_the_light_settings_and_keeps_what_the_user_set(monkeypatch):
     recipe = load_recipe()
-    from grpo.config import parse_args
+    from grpo.flags import parse_args
     slow, fast = {"float32": 90.0, "bfloat16": 40.0}, {"float32": 190.0, "bfloat16": 760.0}
     cfg = parse_args(recipe.CalculatorCPU, [])
     line = recipe.fit_to_machine(cfg, slow)  # auto: fp32 chosen (bf16 slower), 90 < 150 GFLOP/s
@@ -124,7 +124,7 @@ def test_light_on_resume_a_gpu_torchrun_and_asked_for_samples(tmp_path, monkeypa
     keeps the full settings on a GPU and under torchrun; asking for samples keeps their temperature;
     --smoke still refuses a bad --light."""
     recipe = load_recipe()
-    from grpo.config import parse_args
+    from grpo.flags import parse_args
     slow, fast = {"float32": 90.0, "bfloat16": 40.0}, {"float32": 190.0, "bfloat16": 760.0}
     run = tmp_path / "run"
     run.mkdir()

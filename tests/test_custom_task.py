@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from toy import make_toy_dir
 
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast subset leaves it out)

@@ -1,4 +1,4 @@
-"""grpo.data.load_examples, the one loader: local JSONL, JSON, CSV and Parquet files,
+"""grpo.infra.data.load_examples, the one loader: local JSONL, JSON, CSV and Parquet files,
 Hugging Face ids (through a stand-in `datasets` module: no hub is reachable here), errors that
 name the file and line, each task's rules (grpo.envs.tasks), and no package code reading shared/."""
 import csv
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from grpo.data import DataError, load_examples, parse_dataset_id
 from grpo.envs import calculator, gsm8k
 from grpo.envs.math import aime_example
 from grpo.envs.tasks import calculator_example, gsm8k_example, load_task
+from grpo.infra.data import DataError, load_examples, parse_dataset_id
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"  # tests may read ../shared; package code may not
@@ -233,7 +233,7 @@ def test_no_package_code_or_recipe_reads_shared():
 
 
 def test_epoch_steps_counts_whole_batches():
-    from grpo.data import epoch_steps
+    from grpo.infra.data import epoch_steps
     assert epoch_steps(17_400, 64) == 271  # DAPO-Math-17k's 17.4k problems at 64 a step: the ReTool card's 271
     assert epoch_steps(1500, 64) == 23 and epoch_steps(1536, 64) == 24  # a partial batch is dropped
     assert epoch_steps(10, 64) == 1  # fewer prompts than a step: still one step

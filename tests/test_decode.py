@@ -1,4 +1,4 @@
-"""The decode step (grpo/decode.py) against Transformer.forward over the same KV cache, for each
+"""The decode step (grpo/engine/decode.py) against Transformer.forward over the same KV cache, for each
 family; the decode weights after an optimizer step; the stop-string candidate tokens."""
 import os
 import subprocess
@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 
-from grpo.decode import DecodeWeights, decode, extend
-from grpo.kv_cache import KVCache
-from grpo.model import Transformer
-from grpo.sampler import Sampler, SamplingParams
+from grpo.engine.decode import DecodeWeights, decode, extend
+from grpo.engine.kv_cache import KVCache
+from grpo.engine.sampler import Sampler, SamplingParams
+from grpo.models.model import Transformer
 
 
 def _both_ways(model, prompts: list[list[int]], steps: int):
@@ -125,9 +125,9 @@ def test_decode_with_triton_kernels_under_the_interpreter(tiny_dir):
     path, _ = tiny_dir("qwen3", vocab_size=97)
     code = f"""
 import torch
-from grpo.decode import DecodeWeights, decode, extend
-from grpo.kv_cache import KVCache
-from grpo.model import Transformer
+from grpo.engine.decode import DecodeWeights, decode, extend
+from grpo.engine.kv_cache import KVCache
+from grpo.models.model import Transformer
 model = Transformer.from_pretrained({path!r}).eval()
 w = DecodeWeights(model)
 w.refresh(model)

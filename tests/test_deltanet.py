@@ -1,9 +1,9 @@
-"""grpo/deltanet.py's gated delta rule and causal convolution: the chunked form against the token-by-token
+"""grpo/models/deltanet.py's gated delta rule and causal convolution: the chunked form against the token-by-token
 recurrence for every chunk size and split point, and the conv window carried across a split."""
 import pytest
 import torch
 
-from grpo.deltanet import causal_conv1d, gated_delta_chunked, gated_delta_recurrent, l2_normalize
+from grpo.models.deltanet import causal_conv1d, gated_delta_chunked, gated_delta_recurrent, l2_normalize
 
 
 def delta_inputs(B=2, T=37, H=3, Dk=8, Dv=5, seed=0):

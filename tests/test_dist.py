@@ -28,11 +28,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
-from grpo.checkpoint import HANG_ENV, Checkpointer
-from grpo.model import Transformer
-
 from toy import make_toy_dir
+
+from grpo.infra.checkpoint import HANG_ENV, Checkpointer
+from grpo.models.model import Transformer
 
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast subset leaves it out)
 
@@ -374,8 +373,8 @@ def test_a_used_folder_is_refused_on_every_rank(straight, toy):
 
 ROPE_DTYPES = r'''
 import torch, torch.distributed as tdist
-import grpo.model as gm
-from grpo import dist
+import grpo.models.model as gm
+from grpo.infra import dist
 from toy import make_toy_dir
 import sys, pathlib
 tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)

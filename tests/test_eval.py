@@ -2,17 +2,17 @@
 and the `--data` path with JSONL and CSV files (on a tiny random model: only the plumbing counts).
 The loader's own cases are in test_data.py."""
 import csv
-import types
 import json
+import types
 from pathlib import Path
 
 import pytest
-
-from grpo.envs.tasks import load_task
-from grpo.cli.eval import main
-from grpo.eval import mean_ci95, paired_gain, summarize
-
 from test_recipes import make_tiny_chat_model
+
+from grpo.cli.eval import main
+from grpo.envs.tasks import load_task
+from grpo.eval import summarize
+from grpo.infra.stats import mean_ci95, paired_gain
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 FIELDS = {"question", "answer", "completion", "extracted", "correct"}
@@ -103,7 +103,8 @@ def test_paired_bootstrap():
     """The percentile interval of the mean paired gain: close to the normal one on many
     questions, exactly 0 when nothing changed, and deterministic under its seed."""
     import random
-    from grpo.eval import paired_bootstrap, paired_gain
+
+    from grpo.infra.stats import paired_bootstrap, paired_gain
     rng = random.Random(0)
     before = [float(rng.random() < 0.4) for _ in range(500)]
     after = [b if rng.random() < 0.8 else float(rng.random() < 0.6) for b in before]
@@ -181,6 +182,7 @@ def test_calculator_reference_protocol_on_its_csv_shape(tmp_path, smollm2_path, 
     import sys
     sys.path.insert(0, str(Path(__file__).parents[1] / "recipes"))
     import calculator_qwen25_3b as recipe
+
     from grpo.eval import run_eval_settings
     s = run_eval_settings(recipe.CalculatorQwen())
     assert (s["n"], s["temperature"], s["max_tokens"], s["max_turns"], s["max_turn_tokens"]) == tuple(

@@ -1,14 +1,13 @@
-"""python -m grpo.export: a saved checkpoint (DCP shards) becomes a Hugging Face folder that
+"""python -m grpo.cli.export: a saved checkpoint (DCP shards) becomes a Hugging Face folder that
 transformers loads, with the trained weights (equal logits to the run's own final export)."""
 import pytest
 import torch
 import transformers
+from toy import ToyEnv, make_toy_dir
 
 from grpo.config import Config
-from grpo.export import main as export_main
+from grpo.infra.export import main as export_main
 from grpo.trainer import train
-
-from toy import ToyEnv, make_toy_dir
 
 EXAMPLES = [{"question": f"w{i} w{i + 1}", "answer": ""} for i in range(16)]
 

@@ -2,7 +2,7 @@
 figure on the tiny model, the table, the output folder (each part's rows, the report) and the exit code;
 --perturb, which breaks one side of every parity check, must fail each of them and exit 1; a worker
 that dies after a part's rows (as in NCCL's teardown) keeps them, and one that hangs is stopped at the
-part's time limit, a fresh worker going on with the next part. And the rules grpo/parity.py judges by.
+part's time limit, a fresh worker going on with the next part. And the rules grpo/measure/parity.py judges by.
 
 The two dry runs go in parallel, one thread each (they are small and mostly Python). The passing one
 runs as a bare GPU box would: from a copy of the tree that was never installed (no editable finder),
@@ -177,8 +177,8 @@ def test_a_hung_part_is_stopped_and_the_next_runs(tmp_path):
 
 def test_greedy_ties():
     """A row may part from the reference only where both tokens are within TIE_REL of the top logit
-    (grpo.parity, the sampler check's rule)."""
-    from grpo.parity import TIE_REL, greedy_rows
+    (grpo.measure.parity, the sampler check's rule)."""
+    from grpo.measure.parity import TIE_REL, greedy_rows
 
     class FixedLogits(torch.nn.Module):  # the same logits at every position
         def __init__(self):
@@ -238,14 +238,14 @@ def test_only_runs_the_named_parts(tmp_path):
     assert bad.returncode == 2 and "not a part" in bad.stderr and "rollout_figures" in bad.stderr
 
 
-# ----------------------------------------------------------------------------- the rules (grpo/parity.py)
+# ----------------------------------------------------------------------------- the rules (grpo/measure/parity.py)
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (0, 0.9), (20, 1.0), (20, 0.8)])
 def test_the_sampling_reference_is_the_samplers_rule(top_k, top_p):
-    """grpo.sampling.sample on a CPU against the float64 reference: nothing off a tie, off the kept set's edge,
+    """grpo.engine.sampling.sample on a CPU against the float64 reference: nothing off a tie, off the kept set's edge,
     or outside the log-prob tolerance; a moved token is caught."""
-    from grpo.parity import LOGPROB_TOL, sample_reference, sampling_errors
-    from grpo.sampling import sample
+    from grpo.engine.sampling import sample
+    from grpo.measure.parity import LOGPROB_TOL, sample_reference, sampling_errors
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(16, 997, generator=g) * 3
     key, step = torch.randint(0, 1 << 62, (16,), generator=g), torch.randint(0, 99, (16,), generator=g)
@@ -259,7 +259,7 @@ def test_the_sampling_reference_is_the_samplers_rule(top_k, top_p):
 
 
 def test_ulps_at_scale_and_the_draws_tolerance():
-    from grpo.parity import bf16_ulp, tv_distance, tv_tolerance, ulps_at_scale
+    from grpo.measure.parity import bf16_ulp, tv_distance, tv_tolerance, ulps_at_scale
     x = torch.tensor([[1.0, 0.5, -0.25], [3.0, 0.0, 1e-3]]).bfloat16()
     assert bf16_ulp(torch.tensor([1.0, 1.5, 3.0])).tolist() == [2**-7, 2**-7, 2**-6]
     assert ulps_at_scale(x, x) == 0

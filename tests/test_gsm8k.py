@@ -6,7 +6,13 @@ from types import SimpleNamespace
 import pytest
 
 from grpo.envs.gsm8k import (
-    MATH_PROMPT_TEMPLATE, GSM8KEnv, fewshot_examples, fewshot_messages, format_reward, load, score,
+    MATH_PROMPT_TEMPLATE,
+    GSM8KEnv,
+    fewshot_examples,
+    fewshot_messages,
+    format_reward,
+    load,
+    score,
 )
 
 DATA = Path(__file__).parents[2] / "shared" / "data" / "gsm8k"

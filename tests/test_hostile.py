@@ -21,7 +21,13 @@ import pytest
 
 from grpo.envs import gsm8k
 from grpo.envs.calculator import (
-    MAX_ABS, MAX_NODES, CalculatorEnv, format_number, last_block, parse_number, run_tool,
+    MAX_ABS,
+    MAX_NODES,
+    CalculatorEnv,
+    format_number,
+    last_block,
+    parse_number,
+    run_tool,
 )
 from grpo.envs.calculator_data import parse_expression
 

@@ -5,8 +5,8 @@ trajectory and weighs it as the reference did."""
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from types import SimpleNamespace
 
 import pytest
@@ -210,6 +210,7 @@ def test_retry_after_values(header, wait):
     import email.utils
     import urllib.error
     from email.message import Message
+
     from grpo.envs.judge import _retry_after
     headers = Message()
     headers["Retry-After"] = header

@@ -7,7 +7,8 @@ import textwrap
 import pytest
 import torch
 
-from grpo.kernels import linear_logprobs, logprobs as logprobs_module
+from grpo.kernels import linear_logprobs
+from grpo.kernels import logprobs as logprobs_module
 from grpo.kernels.reference import entropy_ref, linear_logprobs_ref
 
 
@@ -76,7 +77,7 @@ def test_bf16_gradient_matmuls_keep_the_forward(lead, H, V, chunk):
 
 def test_the_model_takes_bf16_gradient_matmuls_under_autocast(monkeypatch, tiny_dir):
     import grpo.kernels
-    from grpo.model import Transformer
+    from grpo.models.model import Transformer
     seen, real = [], grpo.kernels.linear_logprobs
     monkeypatch.setattr(grpo.kernels, "linear_logprobs",
                         lambda *a, **kw: seen.append(kw["grad_dtype"]) or real(*a, **kw))
@@ -209,8 +210,9 @@ def test_sampling_without_libdevice_takes_the_reference_and_says_so(monkeypatch,
     """A Triton that imports without triton.language.extra.libdevice: the fused sampler cannot
     build, so a GPU's sampling takes the PyTorch reference (the same tokens) with one warning,
     instead of launching a kernel that was never defined (HAS_TRITON alone said yes)."""
-    import grpo.sampling
-    from grpo.kernels import sampling as ks, target
+    import grpo.engine.sampling
+    from grpo.kernels import sampling as ks
+    from grpo.kernels import target
     from grpo.kernels.reference import sample_ref
     monkeypatch.setattr(ks, "HAS_KERNEL", False)
     monkeypatch.setattr(ks, "_said", False)
@@ -218,8 +220,8 @@ def test_sampling_without_libdevice_takes_the_reference_and_says_so(monkeypatch,
     monkeypatch.setattr(target, "gpu", lambda t: True)  # as if the logits were on a GPU
     g = torch.Generator().manual_seed(0)
     logits, key, step = torch.randn(5, 300, generator=g), torch.arange(5), torch.zeros(5, dtype=torch.int64)
-    tokens, lp = grpo.sampling.sample(logits, key, step, 1.0)
-    grpo.sampling.sample(logits, key, step, 1.0)
+    tokens, lp = grpo.engine.sampling.sample(logits, key, step, 1.0)
+    grpo.engine.sampling.sample(logits, key, step, 1.0)
     assert torch.equal(tokens, sample_ref(logits, key, step, 1.0)[0])
     assert capsys.readouterr().out.count("libdevice is not importable") == 1
     with pytest.raises(AssertionError, match="libdevice"):

@@ -1,5 +1,5 @@
 """The decode kernels (grpo.kernels.sampling, grpo.kernels.layers) against their references,
-and the references against the code they stand in for (grpo.sampling, grpo.model, KVCache).
+and the references against the code they stand in for (grpo.engine.sampling, grpo.models.model, KVCache).
 
 The Triton kernels run on CPU under the interpreter, at small awkward shapes: as in
 test_kernels_triton.py, TRITON_INTERPRET=1 must be set before triton is imported, so
@@ -10,15 +10,15 @@ import pytest
 import torch
 from interpret import INTERPRET, interpreted, rerun_under_interpreter
 
-import grpo.sampling as sampling
+import grpo.engine.sampling as sampling
 from grpo import kernels
+from grpo.engine.kv_cache import KVCache
+from grpo.engine.sampling import request_key, sample
 from grpo.kernels.layers import add_rmsnorm, decode_attention, qkv_rope_write, silu_mul
 from grpo.kernels.reference import (add_rmsnorm_ref, decode_attention_ref, qkv_rope_write_ref, sample_ref,
                                     silu_mul_ref)
 from grpo.kernels.sampling import fused_sample
-from grpo.kv_cache import KVCache
-from grpo.model import RMSNorm, apply_rope
-from grpo.sampling import request_key, sample
+from grpo.models.model import RMSNorm, apply_rope
 
 test_decode_kernels_under_interpreter = rerun_under_interpreter(__file__)
 
@@ -48,7 +48,7 @@ def sampling_inputs(B: int, V: int, dtype: torch.dtype, seed: int = 0):
 @reference
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0, 1.3])
 def test_sample_ref_equals_grpo_sampling(temperature):
-    """kernels/ cannot import grpo.sampling, so sample_ref is a copy of its unfiltered rule: the
+    """kernels/ cannot import grpo.engine.sampling, so sample_ref is a copy of its unfiltered rule: the
     same bits, tokens and log-probs, so the kernel's reference is the sampler's own rule."""
     for dtype in (torch.float32, torch.bfloat16):
         logits, key, step = sampling_inputs(37, 1237, dtype)
@@ -77,7 +77,7 @@ def test_fused_sample_triton(V, temperature, dtype):
 
 @interpreted
 def test_sample_calls_the_kernel_where_fused(monkeypatch):
-    """grpo.sampling.sample takes the kernel when _fused says so (CUDA with triton) and no filter
+    """grpo.engine.sampling.sample takes the kernel when _fused says so (CUDA with triton) and no filter
     is set; forced here on CPU, it draws what the eager path draws."""
     calls = []
     real = kernels.fused_sample

@@ -1,11 +1,11 @@
 """The fast subset's Triton run: two small kernels under the interpreter against their PyTorch
 references, in a child process of a few seconds (the kernel modules' full re-runs are slow)."""
 import torch
+from interpret import interpreted, rerun_under_interpreter
 
 from grpo.kernels import silu_mul
 from grpo.kernels.reference import silu_mul_ref
 from grpo.loss import group_advantages  # its backend="triton" is grpo.kernels' kernel
-from interpret import interpreted, rerun_under_interpreter
 
 test_small_kernels_under_interpreter = rerun_under_interpreter(__file__, slow=False)
 

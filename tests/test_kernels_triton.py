@@ -15,12 +15,13 @@ triton = pytest.importorskip("triton")
 # about a minute on 2 cores; the kernel tests below run only in that process (the tensors live on the CPU)
 test_triton_kernels_under_interpreter = rerun_under_interpreter(__file__)
 
+from test_loss import active_batch  # noqa: E402
+
 from grpo.kernels import logprobs as logprobs_module  # noqa: E402
 from grpo.kernels.grpo_loss import grpo_token_loss  # noqa: E402
 from grpo.kernels.logprobs import linear_logprobs  # noqa: E402
 from grpo.kernels.reference import entropy_ref, linear_logprobs_ref  # noqa: E402
 from grpo.loss import LossOptions, group_advantages, policy_loss, token_loss  # noqa: E402
-from test_loss import active_batch  # noqa: E402
 
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast subset leaves it out)
 
@@ -93,7 +94,7 @@ def test_triton_forward_and_bf16_backward_agree(monkeypatch, temperature):
 def test_linear_logprobs_triton_kept_set(lead, H, V, chunk, temperature, dtype):
     """The sampler's kept sets (top_p 0.8 and top_k 20 thresholds; -inf rows beside them): the Triton
     forward's log-probs and entropies, and its backward's gradients, against float64 over the same sets."""
-    from grpo.sampling import sample
+    from grpo.engine.sampling import sample
     g = torch.Generator().manual_seed(7)
     hidden = torch.randn(*lead, H, generator=g).to(dtype)
     weight = (torch.randn(V, H, generator=g) * 3 / H**0.5).to(dtype)
@@ -146,11 +147,12 @@ def test_fused_kept_set_logprobs_equal_the_samplers(tiny_dir, monkeypatch):
     drawn with top_p 0.8, top_k 20 and min_p 0.1, no update between: old = sampler within 1e-5 a token
     and the mean importance ratio 1 within 1e-4 (fp32)."""
     import functools
+
     import grpo.kernels
     from grpo.config import Config
-    from grpo.model import Transformer
+    from grpo.engine.sampler import Sampler, SamplingParams
+    from grpo.models.model import Transformer
     from grpo.rollout import Trajectory
-    from grpo.sampler import Sampler, SamplingParams
     from grpo.update import batch_logprobs, update_batches
     path, _ = tiny_dir("qwen2")
     model = Transformer.from_pretrained(path).eval()

@@ -1,10 +1,17 @@
-"""The layers, read from the source (AST, imports inside functions included): the core (grpo/,
-but its command lines in grpo/cli/) never imports the envs or a command line and never runs a
-recipe file; the kernels are a leaf that imports torch and triton only. A module's
-`if __name__ == "__main__":` block is its own command line and may reach up to grpo.cli (but
-grpo/eval.py's does not: the eval's command line is grpo/cli/eval.py alone). The tests and the
-benches share code only through the package: no test imports or loads a bench script, and no
-bench imports a test module (a test may run a bench script as a process)."""
+"""The layers, read from the source (AST, imports inside functions included).
+
+grpo/ is the GRPO story (its top-level files) and wings with one door each: engine/ (the sampler),
+models/, fit/ (memory, time, CPU precision), infra/ (dist, checkpoints, metrics, data), measure/ (what
+the benches share with their tests) and cli/ (the command lines). Arrows point down: config.py imports
+no grpo module; models read only config and the kernels; the engine reads the models and the kernels,
+never the story, fit or infra; infra reads the models; fit reads the engine, models and infra; the
+story reads them all; measure and cli sit on top. The wings draw no circle. The core (grpo/ but its
+command lines in grpo/cli/) never imports the envs or a command line and never runs a recipe file;
+the kernels are a leaf that imports torch and triton only. A module's `if __name__ == "__main__":`
+block is its own command line and may reach up to grpo.cli (but grpo/eval.py's does not: the eval's
+command line is grpo/cli/eval.py alone). The tests and the benches share code only through the
+package: no test imports or loads a bench script, and no bench imports a test module (a test may run a
+bench script as a process)."""
 import ast
 import importlib.machinery
 import subprocess
@@ -14,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE = sorted(p for p in (ROOT / "grpo").glob("*.py"))
+CORE = sorted(p for p in (ROOT / "grpo").rglob("*.py") if "cli" not in p.relative_to(ROOT / "grpo").parts)
 STDLIB = {"math", "os", "sys", "functools", "typing", "dataclasses", "contextlib", "struct", "subprocess", "tempfile",
           "time", "pathlib", "unittest", "importlib"}
 RUNS_A_FILE = {"spec_from_file_location", "exec_module", "run_path", "run_module", "exec", "execfile"}
@@ -41,7 +48,7 @@ def imports_and_calls(path: Path) -> tuple[set[str], set[str]]:
     return modules, calls
 
 
-@pytest.mark.parametrize("path", CORE, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", CORE, ids=lambda p: str(p.relative_to(ROOT / "grpo")))
 def test_the_core_never_imports_envs_or_command_lines_and_never_runs_a_recipe(path):
     modules, calls = imports_and_calls(path)
     upward = sorted(m for m in modules if m.startswith(("grpo.envs", "grpo.cli")) or m in ("envs", "recipes"))
@@ -91,6 +98,110 @@ def test_the_eval_library_never_imports_its_command_line():
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not [m for m in imported if m.startswith("grpo.cli")], imported
 
+
+
+# ----------------------------------------------------------------------------- the wings
+
+WINGS = ("engine", "models", "fit", "infra", "measure", "cli", "kernels", "envs")
+MAY_READ = {  # a wing -> the wings its modules may import (besides its own)
+    "config": set(),
+    "models": {"config", "kernels"},
+    "engine": {"models", "kernels"},
+    "infra": {"config", "models", "kernels"},
+    "fit": {"config", "engine", "models", "infra", "kernels"},
+    "story": {"config", "engine", "models", "infra", "fit", "kernels"},
+    "measure": {"config", "engine", "models", "infra", "fit", "kernels", "story"},
+    "cli": {"config", "engine", "models", "infra", "fit", "kernels", "story", "measure", "envs"},
+}
+
+
+def wing_of(module: str) -> str | None:
+    """grpo.engine.sampler -> engine; grpo.config -> config; grpo.trainer, grpo -> story; outside: None."""
+    parts = module.split(".")
+    if parts[0] != "grpo":
+        return None
+    if len(parts) == 1 or parts[1] == "__init__":
+        return "story"
+    if parts[1] == "config":
+        return "config"
+    return parts[1] if parts[1] in WINGS else "story"
+
+
+def module_of(path: Path) -> str:
+    parts = ("grpo", *path.relative_to(ROOT / "grpo").with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def wing_arrows(paths) -> dict[tuple[str, str], list[str]]:
+    """(from wing, to wing) -> the imports that draw that arrow."""
+    arrows = {}
+    for path in paths:
+        source = module_of(path)
+        for target in imports_and_calls(path)[0] - {"grpo"}:  # `from grpo import x` names grpo.x too
+            a, b = wing_of(source), wing_of(target)
+            if b is not None and a != b:
+                arrows.setdefault((a, b), []).append(f"{source} -> {target}")
+    return arrows
+
+
+def circle(arrows) -> list[str]:
+    """A circle among the wings' arrows, or []."""
+    graph = {}
+    for a, b in arrows:
+        graph.setdefault(a, set()).add(b)
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt]
+            if nxt not in state and (found := visit(nxt, path + [nxt])):
+                return found
+        state[node] = "done"
+        return []
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [start])):
+            return found
+    return []
+
+
+ALL_GRPO = sorted((ROOT / "grpo").rglob("*.py"))
+
+
+def test_the_story_is_the_top_level_and_the_rest_lives_in_wings():
+    top = sorted(p.name for p in (ROOT / "grpo").glob("*.py"))
+    assert len(top) <= 14, top
+    assert {p.name for p in (ROOT / "grpo").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(WINGS) - {
+        "kernels", "envs"}
+
+
+def test_each_wing_reads_only_the_wings_below_it():
+    bad = {arrow: found for arrow, found in wing_arrows(ALL_GRPO).items() if arrow[1] not in MAY_READ[arrow[0]]}
+    assert not bad, bad
+
+
+def test_config_imports_no_grpo_module():
+    modules, _ = imports_and_calls(ROOT / "grpo" / "config.py")
+    assert not [m for m in modules if m.startswith("grpo")], modules
+
+
+def test_the_wings_draw_no_circle():
+    assert circle(wing_arrows(ALL_GRPO)) == []
+
+
+def test_the_wing_checks_catch_an_arrow_up_and_a_circle(tmp_path):
+    """The checks themselves, on files written here: an engine module that imports the trainer is an
+    arrow up, and two wings that import each other are a circle."""
+    engine = tmp_path / "grpo" / "engine"
+    engine.mkdir(parents=True)
+    (engine / "probe.py").write_text("def f():\n    from grpo.trainer import train\n")
+    arrows = {("engine", wing_of(m)) for m in imports_and_calls(engine / "probe.py")[0] if wing_of(m)}
+    assert ("engine", "story") in arrows and "story" not in MAY_READ["engine"]
+    assert circle({("engine", "story"): [], ("story", "engine"): []}) in (["engine", "story", "engine"],
+                                                                          ["story", "engine", "story"])
+    assert circle({("story", "engine"): [], ("engine", "models"): []}) == []
 
 # ----------------------------------------------------------------------------- tests <-> bench
 
@@ -188,7 +299,7 @@ def test_the_tests_bench_check_catches_each_way_in(tmp_path):
     good = ('SCRIPT = ROOT / "bench" / "gpu_check.py"\n'
             'subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=SCRIPT.parent)\n'
             'spec = importlib.util.spec_from_file_location("sandbox", ROOT / "envs" / "sandbox.py")\n'
-            'from grpo import baseline\nfrom grpo.kernels.cases import sweep\nimport torch\n')
+            'from grpo.measure import baseline\nfrom grpo.kernels.cases import sweep\nimport torch\n')
     assert check(head + good, BENCH) == []
     # a bench reaching into tests/: a test module by name, or the folder on sys.path
     assert check("from toy import ToyEnv\n", TESTS) and check(head + 'sys.path.insert(0, str(ROOT / "tests"))\n', TESTS)

@@ -1,4 +1,4 @@
-"""grpo.lora against peft + transformers on the same adapter weights, the sampler through merged
+"""grpo.models.lora against peft + transformers on the same adapter weights, the sampler through merged
 adapters, what trains and what a checkpoint and an export hold, and the errors for what we cannot
 load. (Two ranks and a bitwise resume with LoRA: tests/test_dist.py.)"""
 import json
@@ -7,16 +7,17 @@ import pytest
 import torch
 import transformers
 
-from grpo import lora
-from grpo.lora import LoraSettings, add_lora, effective_weight, read_adapter, save_adapter
-from grpo.model import Transformer
-from grpo.sampler import Sampler, SamplingParams
+from grpo.config import TARGETS
+from grpo.engine.sampler import Sampler, SamplingParams
+from grpo.models import lora
+from grpo.models.lora import LoraSettings, add_lora, effective_weight, read_adapter, save_adapter
+from grpo.models.model import Transformer
 
 peft = pytest.importorskip("peft")  # the test extra installs it; the package never imports it
 
 ATOL = 1e-4  # fp32, two implementations: op order only (as tests/test_model.py)
 CASES = [("qwen2", {}), ("qwen3", {}), ("llama", {})]
-SETTINGS = [LoraSettings(r=4, alpha=8, dropout=0.0, targets=lora.TARGETS),
+SETTINGS = [LoraSettings(r=4, alpha=8, dropout=0.0, targets=TARGETS),
             LoraSettings(r=8, alpha=4, dropout=0.0, rslora=True, targets=("q_proj", "v_proj", "down_proj"))]
 
 
@@ -58,10 +59,10 @@ def test_logits_match_peft_and_the_exports_load(tiny_dir, tmp_path, family, over
 def test_adapted_model_starts_equal_to_the_base_and_only_adapters_get_gradients(tiny_dir):
     path, _ = tiny_dir("qwen2")
     base, model = Transformer.from_pretrained(path), add_lora(Transformer.from_pretrained(path),
-                                                                      LoraSettings(dropout=0.1, targets=lora.TARGETS))
+                                                                      LoraSettings(dropout=0.1, targets=TARGETS))
     ids = torch.randint(0, 131, (2, 9))
     assert torch.equal(model.eval()(ids), base.eval()(ids))  # B = 0: exactly the base, not approximately
-    assert len(lora.adapters(model)) == 2 * 7 and model.lora.targets == lora.TARGETS
+    assert len(lora.adapters(model)) == 2 * 7 and model.lora.targets == TARGETS
     model.train()(ids).logsumexp(-1).sum().backward()
     for name, p in model.named_parameters():
         if lora.is_adapter_key(name):
@@ -153,7 +154,8 @@ def test_adapter_folder_round_trip_and_what_is_refused(tiny_dir, tmp_path):
 
 
 def test_config_errors_and_trl_names():
-    from grpo.config import Config, parse_args
+    from grpo.config import Config
+    from grpo.flags import parse_args
     with pytest.raises(ValueError, match="qkv_proj: not a linear layer of the blocks; choose from q_proj"):
         parse_args(Config, ["--use_peft", "--lora_target_modules", "q_proj,qkv_proj"])
     with pytest.raises(ValueError, match="needs --use_peft"):
@@ -182,15 +184,15 @@ def test_grpo_trainer_takes_a_peft_lora_config(tiny_dir):
 def test_a_lora_run_checkpoints_the_adapters_and_exports_both_ways(tmp_path):
     """A run with --use_peft and beta > 0 (the reference: the base, adapters off): its checkpoint
     holds the adapters and their optimizer state, not the base; its merged export loads in
-    transformers and its adapter folder in peft, with one set of logits; `python -m grpo.export`
+    transformers and its adapter folder in peft, with one set of logits; `python -m grpo.cli.export`
     writes the same two from the checkpoint."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
+    from toy import ToyEnv, make_toy_dir
 
     from grpo.config import Config
-    from grpo.export import main as export_main
+    from grpo.infra.export import main as export_main
     from grpo.trainer import train
-    from toy import ToyEnv, make_toy_dir
     base_path = make_toy_dir(tmp_path / "model")
     cfg = Config(model_path=base_path, output_dir=str(tmp_path / "run"), max_steps=2, prompts_per_step=2,
                  num_generations=4, learning_rate=1e-2, max_prompt_length=16, max_completion_length=8,
@@ -224,10 +226,10 @@ def test_a_run_starts_from_an_adapter_folder(tmp_path):
     """--adapter_path: the run's model is the base plus that adapter (its r and modules win over
     the flags, and config.json records them)."""
     from safetensors.torch import load_file
+    from toy import ToyEnv, make_toy_dir
 
     from grpo.config import Config
     from grpo.trainer import train
-    from toy import ToyEnv, make_toy_dir
     base_path = make_toy_dir(tmp_path / "model")
     settings = LoraSettings(r=2, alpha=4, dropout=0.0, targets=("k_proj", "up_proj"))
     model = randomize(add_lora(Transformer.from_pretrained(base_path), settings))
@@ -269,7 +271,7 @@ def test_dropout_is_on_the_adapters_input_in_training_only_and_a_bf16_base_runs_
 
 
 def test_a_bf16_base_under_autocast_computes_what_autocast_did_and_merges_in_fp32(tiny_dir):
-    """grpo.lora.cast_base (a CPU under autocast_bf16): the same matmul inputs as autocast's own cast
+    """grpo.models.lora.cast_base (a CPU under autocast_bf16): the same matmul inputs as autocast's own cast
     of the fp32 base, so the same logits, bitwise; and a merge asked for in fp32 keeps s B A whole
     (the default, the base's bf16: tests/test_trl_config.py)."""
     path, _ = tiny_dir("qwen2")

@@ -7,8 +7,8 @@ import statistics
 import pytest
 import torch
 
-from grpo.loss import (LossOptions, clipped_surrogate, group_advantages, kl_k3, overlong_penalty, policy_loss,
-                       tis_weight, token_loss)
+from grpo.loss import (LossOptions, clipped_surrogate, group_advantages, kl_k3, overlong_penalty,
+                       policy_loss, tis_weight, token_loss)
 
 # -----------------------------------------------------------------------------
 # hand-written numbers

@@ -1,4 +1,4 @@
-"""Math: \\boxed extraction, math-verify equivalence, MATH-500 and AIME rows (grpo.data.load_examples)."""
+"""Math: \\boxed extraction, math-verify equivalence, MATH-500 and AIME rows (grpo.infra.data.load_examples)."""
 
 import threading
 import time
@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from grpo.data import load_examples
 from grpo.envs.math import MathEnv, aime_example, is_equiv, last_boxed
 from grpo.envs.tasks import load_task
+from grpo.infra.data import load_examples
 
 DATA = Path(__file__).parents[2] / "shared" / "data"
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"{DATA} absent")

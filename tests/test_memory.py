@@ -1,6 +1,6 @@
-"""grpo/memory.py's plan against what the code allocates: its counted terms byte for byte (tiny Qwen2,
+"""grpo/fit/memory.py's plan against what the code allocates: its counted terms byte for byte (tiny Qwen2,
 Qwen3 and Llama models), its phase peaks within 20% of the measured ones (a fresh process each:
-tests/memory_probe.py reads the peak resident size, VmHWM), `python -m grpo.plan` on every recipe and
+tests/memory_probe.py reads the peak resident size, VmHWM), `python -m grpo.cli.plan` on every recipe and
 GPU, the sizes a GPU run takes from the plan, and a run refused before its weights load when the plan
 does not fit."""
 import dataclasses
@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.config import Config
-from grpo.decode import DecodeWeights
-from grpo.lora import TARGETS, LoraSettings, add_lora, trainable
-from grpo.memory import FAST_MICRO_BATCH, GEN_BATCHES, GIB, GPU_MEMORY_GIB, KNOWN, MICRO_BATCHES, counts, memory_plan, size
-from grpo.model import ModelArgs, Transformer
-from grpo.sampler import Sampler, SamplingParams
+from grpo.config import TARGETS, Config
+from grpo.engine.decode import DecodeWeights
+from grpo.engine.sampler import Sampler, SamplingParams
+from grpo.fit.memory import (FAST_MICRO_BATCH, GEN_BATCHES, GIB, GPU_MEMORY_GIB, KNOWN, MICRO_BATCHES,
+                             counts, memory_plan, size)
+from grpo.models.lora import LoraSettings, add_lora, trainable
+from grpo.models.model import ModelArgs, Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.py") if "class " in p.read_text() and
@@ -165,12 +166,15 @@ def test_what_the_user_set_is_kept_and_refused_where_it_cannot_fit():
 def test_a_gpu_run_sizes_itself_before_it_records_its_config(monkeypatch, tmp_path):
     """grpo.trainer.size_to_memory on a (faked) L4: the plan's sizes for what nobody set, the user's kept."""
     import types
-    from grpo import config, trainer
+
     from toy import make_toy_dir
-    monkeypatch.setattr(config, "_cuda", lambda: True)
+
+    from grpo import flags, trainer
+    from grpo.fit import profile
+    monkeypatch.setattr(profile, "_cuda", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda d: types.SimpleNamespace(name="NVIDIA L4", total_memory=int(22.5 * GIB)))
-    cfg = config.parse_args(Config, ["--model_path", make_toy_dir(tmp_path / "toy"), "--gen_batch", "16"])
+    cfg = flags.parse_args(Config, ["--model_path", make_toy_dir(tmp_path / "toy"), "--gen_batch", "16"])
     chosen = trainer.size_to_memory(cfg, types.SimpleNamespace(type="cuda"))
     assert set(chosen) == {"kv_budget_gb", "micro_batch_tokens", "gradient_checkpointing"} and cfg.gen_batch == 16
     assert chosen["micro_batch_tokens"] == MICRO_BATCHES[0] and not chosen["gradient_checkpointing"]  # a toy fits
@@ -180,12 +184,12 @@ def test_a_gpu_run_sizes_itself_before_it_records_its_config(monkeypatch, tmp_pa
 
 @pytest.mark.slow
 def test_plan_command_line():
-    r = subprocess.run([sys.executable, "-m", "grpo.plan", "recipes/calculator_qwen25_3b.py", "--gpus", "1",
+    r = subprocess.run([sys.executable, "-m", "grpo.cli.plan", "recipes/calculator_qwen25_3b.py", "--gpus", "1",
                         "--gpu", "L4"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "| update | activations of one micro-batch |" in r.stdout and "does not fit" in r.stdout, r.stdout
     assert "what would fit (each change alone):" in r.stdout and "--use_peft (LoRA r 16)" in r.stdout, r.stdout
-    r = subprocess.run([sys.executable, "-m", "grpo.plan", "recipes/calculator_qwen25_05b.py", "--gpus", "8",
+    r = subprocess.run([sys.executable, "-m", "grpo.cli.plan", "recipes/calculator_qwen25_05b.py", "--gpus", "8",
                         "--gpu", "H200"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert "fits, with" in r.stdout and "what would fit" not in r.stdout, r.stdout
 
@@ -193,8 +197,9 @@ def test_plan_command_line():
 def test_a_run_that_cannot_fit_is_refused_before_its_weights_load(monkeypatch, tmp_path):
     """Refused on a machine one MiB short of the plan's peak, before any weight loads; started on one
     one MiB over it (the refusal follows the computed terms, not only the stated runtime)."""
-    from grpo import trainer
     from toy import make_toy_dir
+
+    from grpo import trainer
     path = make_toy_dir(tmp_path / "toy")
     cfg = Config(model_path=path, output_dir=str(tmp_path / "run"), gen_batch=64, max_prompt_length=512,
                  max_completion_length=512)
@@ -215,9 +220,10 @@ def test_a_run_that_cannot_fit_is_refused_before_its_weights_load(monkeypatch, t
 
 
 def test_preflight_runs_a_worst_case_step_and_keeps_nothing(tmp_path, capsys):
-    from grpo import trainer
-    from grpo.preflight import preflight
     from toy import make_toy_dir
+
+    from grpo import trainer
+    from grpo.fit.preflight import preflight
     cpu = torch.device("cpu")
     cfg = Config(model_path=make_toy_dir(tmp_path / "toy"), output_dir=str(tmp_path / "run"), prompts_per_step=2,
                  num_generations=4, max_prompt_length=16, max_completion_length=8, micro_batch_tokens=64, gen_batch=16)
@@ -243,8 +249,9 @@ def test_preflight_runs_a_worst_case_step_and_keeps_nothing(tmp_path, capsys):
 
 
 def test_train_runs_the_preflight_when_asked(tmp_path, monkeypatch):
-    from grpo import trainer
     from toy import ToyEnv, make_toy_dir
+
+    from grpo import trainer
     seen = []
     monkeypatch.setattr(trainer, "preflight", lambda cfg, model, sampler, opt, device, plan: seen.append(plan.peak))
     examples = [{"question": f"w{i} w{i + 1}", "answer": ""} for i in range(8)]
@@ -256,7 +263,7 @@ def test_train_runs_the_preflight_when_asked(tmp_path, monkeypatch):
 
 
 def test_the_docs_table_is_the_plans():
-    """docs/gpu.md's table of the recipes' planned peaks is what `python -m grpo.plan --table` prints now."""
+    """docs/gpu.md's table of the recipes' planned peaks is what `python -m grpo.cli.plan --table` prints now."""
     from grpo.cli.plan import gpu_table
     assert gpu_table(str(ROOT / "recipes")) in (ROOT / "docs" / "gpu.md").read_text()
 
@@ -282,7 +289,7 @@ def test_the_optimizer_step_is_planned_and_the_3b_on_one_h100_fits_with_it(capsy
 def test_a_run_that_cannot_fit_is_offered_only_changes_that_lower_its_peak():
     """Each change alone lowers the peak; where none alone fits, combinations that fit follow."""
     from grpo.cli.plan import plan_for
-    from grpo.memory import fixes_text, what_fits
+    from grpo.fit.memory import fixes_text, what_fits
     recipe = str(ROOT / "recipes" / "calculator_qwen25_3b.py")
     flags = ["--gradient_checkpointing", "false", "--micro_batch_tokens", "65536"]
     plan, args, cfg, extra = plan_for(recipe, 1, "L4", flags=flags)
@@ -336,8 +343,9 @@ class _FailingTools(_EmptyPrompts):
                                          (_FailingTools(), "rows ended in an error")])
 def test_a_step_whose_rollouts_all_fail_stops_with_their_reason(tmp_path, env, reason):
     """Not a reshape error deep in the update: the step says the rollouts failed, and why."""
-    from grpo import trainer
     from toy import make_toy_dir
+
+    from grpo import trainer
     examples = [{"question": f"w{i} w{i + 1}", "answer": ""} for i in range(8)]
     cfg = Config(model_path=make_toy_dir(tmp_path / "toy"), output_dir=str(tmp_path / "run"), max_steps=1,
                  prompts_per_step=2, num_generations=2, max_prompt_length=16, max_completion_length=6,

@@ -1,4 +1,4 @@
-"""grpo.model against transformers on the same weights: logits, packing, the KV-cache hook,
+"""grpo.models.model against transformers on the same weights: logits, packing, the KV-cache hook,
 save/load round trips, and clear errors on what we do not support."""
 import json
 
@@ -7,7 +7,7 @@ import safetensors.torch
 import torch
 import transformers
 
-from grpo.model import Transformer
+from grpo.models.model import Transformer
 
 # fp32 on CPU: the two implementations differ only in op order, ~1e-6; 1e-4 leaves room for
 # the larger-than-usual random weights of make_hf_model
@@ -222,7 +222,9 @@ def test_per_document_attention_equals_the_document_mask(n_kv):
     """The packed prefill's attention (causal SDPA per document, no (T x T) mask) against SDPA
     under the dense document mask, on rows of several documents, lengths 1 to 9."""
     import torch.nn.functional as F
-    from grpo.model import Transformer as M, doc_mask, per_document_attention
+
+    from grpo.models.model import Transformer as M
+    from grpo.models.model import doc_mask, per_document_attention
     g = torch.Generator().manual_seed(0)
     pos = torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0, 1, 2, 3, 4]])
     B, T, nh, D = *pos.shape, 6, 8
@@ -235,8 +237,8 @@ def test_per_document_attention_equals_the_document_mask(n_kv):
 def test_packed_prefill_builds_no_document_mask(tiny_dir, monkeypatch):
     """A forward with a cache in packed mode (the sampler's prefill) never builds the (T x T)
     mask, and gives the logits of the masked forward without a cache."""
-    import grpo.model as model_module
-    from grpo.kv_cache import KVCache
+    import grpo.models.model as model_module
+    from grpo.engine.kv_cache import KVCache
     path, _ = tiny_dir("qwen2")
     model = Transformer.from_pretrained(path)
     pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]])
@@ -253,7 +255,7 @@ def test_packed_prefill_builds_no_document_mask(tiny_dir, monkeypatch):
 def test_autocast_bf16_keeps_fp32_outside_the_blocks(tiny_dir):
     """autocast_bf16: bf16 matmuls in the blocks, fp32 logits and log-probs, close to fp32's; the
     sampler decodes under it (its fp32 cache takes the bf16 keys) and its greedy tokens follow."""
-    from grpo.sampler import Sampler, SamplingParams
+    from grpo.engine.sampler import Sampler, SamplingParams
     path, _ = tiny_dir("qwen2")
     model = Transformer.from_pretrained(path).eval()
     ids = torch.randint(0, model.args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -272,8 +274,8 @@ def test_autocast_bf16_attends_in_fp32(tiny_dir, monkeypatch):
     """Under autocast_bf16 attention runs in fp32 (q, k, v and the kernel): on CPUs its bf16 kernels
     are the slow ones (decode ~4x). Checked on every path: plain, packed documents, the sampler's
     packed prefill and decode over the cache."""
-    import grpo.model as gm
-    from grpo.sampler import Sampler, SamplingParams
+    import grpo.models.model as gm
+    from grpo.engine.sampler import Sampler, SamplingParams
     seen, sdpa = [], gm.F.scaled_dot_product_attention
 
     def spy(q, k, v, *a, **kw):

@@ -11,13 +11,13 @@ from fractions import Fraction
 
 import pytest
 
-from grpo.data import DataError
+from grpo.engine.sampler import Completion
 from grpo.envs import multistep
 from grpo.envs.processgrpo import (PROMPT_SUFFIX, WORKED_QUESTION, WORKED_SOLUTION, OneShotMathEnv,
                                    filter_by_solve_rate, load_sources, parse_number, score)
+from grpo.infra.data import DataError
 from grpo.process import step_ends
 from grpo.rollout import Trajectory
-from grpo.sampler import Completion
 
 DIGEST = ("import hashlib, json; from grpo.envs.multistep import test_set; "
           "print(hashlib.sha256(json.dumps(test_set()).encode()).hexdigest())")
@@ -114,6 +114,7 @@ def test_worked_example_prompt_layout(smollm2_path):
     worked = Trajectory({}, 0, [], [], [], [], "stop", 1, text=solution)
     assert env.reward({"answer": "13"}, worked) == {"correct": 1.0, "format": 1.0}
     from transformers import AutoTokenizer
+
     from grpo.rollout import render_prompt
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     text = tok.decode(render_prompt(tok, messages))

@@ -19,20 +19,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from toy import make_toy_dir
 
-from grpo import lora
-from grpo.config import Config
-from grpo.decode import DecodeWeights, decode
-from grpo.kv_cache import KVCache
+from grpo.config import TARGETS, Config
+from grpo.engine.decode import DecodeWeights, decode
+from grpo.engine.kv_cache import KVCache
+from grpo.engine.sampler import Sampler, SamplingParams
+from grpo.engine.sampling import filter_mask, sample
 from grpo.kernels import linear_logprobs
 from grpo.kernels.reference import linear_logprobs_ref
-from grpo.lora import LoraSettings, add_lora, cast_base
-from grpo.model import Transformer
+from grpo.models import lora
+from grpo.models.lora import LoraSettings, add_lora, cast_base
+from grpo.models.model import Transformer
 from grpo.rollout import Trajectory
-from grpo.sampler import Sampler, SamplingParams
-from grpo.sampling import filter_mask, sample
 from grpo.update import batch_logprobs, update_batches
-from toy import make_toy_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 FILTERS = {"top_p": dict(top_p=0.8), "top_k": dict(top_k=20), "min_p": dict(min_p=0.1),
@@ -169,7 +169,7 @@ def bf16_lora_model(path, mode):
         for parent, name in lora.block_linears(model):
             w = getattr(parent, name).weight
             w.copy_(torch.sign(w) * w.abs().clamp(min=1 / 16))
-    add_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0, targets=lora.TARGETS))  # all seven: every GEMM
+    add_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0, targets=TARGETS))  # all seven: every GEMM
     if mode == "autocast":  # a CPU under autocast_bf16: the base stored in bf16, the adapters fp32
         cast_base(model, torch.bfloat16)
         model.autocast_bf16 = True
@@ -264,7 +264,7 @@ def test_dropout_defaults_and_the_old_logprobs_without_it(tiny_dir):
     old log-probs come from a no-grad pass in eval mode, so they are the sampler's policy's."""
     assert Config().disable_dropout and Config().lora_dropout == 0.05
     path, _ = tiny_dir("qwen2")
-    model = add_lora(Transformer.from_pretrained(path), LoraSettings(r=4, dropout=0.3, targets=lora.TARGETS))
+    model = add_lora(Transformer.from_pretrained(path), LoraSettings(r=4, dropout=0.3, targets=TARGETS))
     with torch.no_grad():
         for m in lora.adapters(model):
             m.lora_B.normal_(0, 0.3)

@@ -4,12 +4,11 @@ the tokens, so neither model-written code nor a dataset row can forge a turn in 
 Checked on every chat template the tests ship: SmolLM2's own, the Qwen3 stand-in (thinking on
 and off) and the Qwen3-2507 tool-layout stand-in, all on SmolLM2's vocabulary."""
 import pytest
+from test_recipes import QWEN3_STANDIN_TEMPLATE
+from test_retool import QWEN3_TOOLS_TEMPLATE
 from transformers import AutoTokenizer
 
 from grpo.rollout import continuation_ids, encode_text, render_prompt
-
-from test_recipes import QWEN3_STANDIN_TEMPLATE
-from test_retool import QWEN3_TOOLS_TEMPLATE
 
 TEMPLATES = {"smollm2": (None, "user", {}), "qwen3": (QWEN3_STANDIN_TEMPLATE, "user", {"enable_thinking": False}),
              "qwen3-think": (QWEN3_STANDIN_TEMPLATE, "user", {"enable_thinking": True}),

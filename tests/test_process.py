@@ -5,14 +5,13 @@ ones when they agree. (Forked continuations equal fresh prefills: tests/test_sam
 import random
 
 import torch
+from toy import ToyEnv, make_toy_dir
 from transformers import AutoTokenizer
 
-from grpo.model import Transformer
+from grpo.engine.sampler import Sampler
+from grpo.models.model import Transformer
 from grpo.process import ProcessCredit, credit_tokens, shuffled, step_ends, step_progress, within_budget
 from grpo.rollout import Trajectory, render_prompt
-from grpo.sampler import Sampler
-
-from toy import ToyEnv, make_toy_dir
 
 
 def test_step_ends_by_hand():

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from grpo.data import DataError
 from grpo.envs import processgrpo
 from grpo.envs.processgrpo import (TRAIN_SOURCES, VALIDATION_SOURCES, OneShotMathEnv, heldout, load_sources,
                                    without)
 from grpo.envs.tasks import SOURCES, load_task
+from grpo.infra.data import DataError
 from grpo.rollout import Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,8 +193,9 @@ def test_card_task_errors_are_one_line(tmp_path):
 def test_card_task_through_the_eval_command(tmp_path, smollm2_path):
     """`python -m grpo.cli.eval --task svamp --data FILE`: the task is a choice of the command, its
     records carry SVAMP's joined question and its numeric answer (a tiny random model: plumbing)."""
-    from grpo.cli.eval import main
     from test_recipes import make_tiny_chat_model
+
+    from grpo.cli.eval import main
     model = make_tiny_chat_model(tmp_path / "tiny", "qwen2", smollm2_path)
     data, out = write_jsonl(tmp_path / "svamp.jsonl", TASK_ROWS["svamp"]), tmp_path / "out.jsonl"
     r = main(["--model_path", model, "--task", "svamp", "--data", data, "--max_completion_length", "6",

@@ -1,4 +1,4 @@
-"""Qwen3.5's hybrid models (grpo/qwen35.py, grpo/deltanet.py): logits and gradients against transformers'
+"""Qwen3.5's hybrid models (grpo/models/qwen35.py, grpo/models/deltanet.py): logits and gradients against transformers'
 Qwen3_5ForCausalLM on tiny random configs, packed documents, the VLM checkpoint, export round trips, FSDP on
 two gloo ranks, the memory plan, and a few training steps (the rule itself: tests/test_deltanet.py; the
 sampler: tests/test_qwen35_sampler.py)."""
@@ -13,9 +13,10 @@ import pytest
 import torch
 import transformers
 
-from grpo.lora import TARGETS, LoraSettings, add_lora
-from grpo.model import Transformer
-from grpo.sampler import Sampler, SamplingParams
+from grpo.config import TARGETS
+from grpo.engine.sampler import Sampler, SamplingParams
+from grpo.models.lora import LoraSettings, add_lora
+from grpo.models.model import Transformer
 
 # fp32 on CPU, the same weights: op order only, but the linear layers' gated RMSNorm divides each head's
 # output by its rms, down to sqrt(eps) = 1e-3 where a head reads nearly nothing, so rounding is amplified up
@@ -174,10 +175,10 @@ def nbytes(tensors) -> int:
 
 
 def test_memory_plan_counts_the_hybrid_model(hybrid_dir):
-    """grpo.memory on a hybrid model: its parameters, its LoRA adapters, the sampler's rows (the attention
+    """grpo.fit.memory on a hybrid model: its parameters, its LoRA adapters, the sampler's rows (the attention
     layers' KV and the linear layers' state) and no decode copy, as the code allocates them."""
     from grpo.config import Config
-    from grpo.memory import memory_plan
+    from grpo.fit.memory import memory_plan
     path, _ = hybrid_dir(tie_word_embeddings=True)
     model = Transformer.from_pretrained(path)
     P, M = 12, 20
@@ -199,8 +200,9 @@ def test_memory_plan_counts_the_hybrid_model(hybrid_dir):
 def test_memory_plan_counts_what_the_layers_keep(hybrid_dir):
     """The activations a token and layer: [linear, full] layers twice keep two layers' mean more than once
     (within 3%: per-chunk and per-call tensors the plan leaves out, ~1% at 256 tokens)."""
-    from grpo.memory import act_bytes_per_token
     from test_backward import saved_activation_bytes
+
+    from grpo.fit.memory import act_bytes_per_token
     kept, T = [], 256
     for types in (["linear_attention", "full_attention"], ["linear_attention", "full_attention"] * 2):
         path, _ = hybrid_dir(num_hidden_layers=len(types), layer_types=types, hidden_size=96,
@@ -217,6 +219,7 @@ def test_training_steps_and_export(tmp_path):
     """trainer.train on a tiny hybrid model with the toy task's tokenizer: rollouts, updates, the
     sampler-trainer gap at fp32 rounding, and an export that transformers loads as Qwen3_5ForCausalLM."""
     from toy import ToyEnv, make_toy_dir
+
     from grpo.config import Config
     from grpo.trainer import train
     path = make_toy_dir(tmp_path / "model")  # the tokenizer and generation_config; the weights replaced below

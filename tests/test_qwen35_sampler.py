@@ -1,4 +1,4 @@
-"""The sampler on Qwen3.5's hybrid models (grpo/hybrid_cache.py, grpo/model_decode.py): per-row linear state
+"""The sampler on Qwen3.5's hybrid models (grpo/engine/hybrid_cache.py, grpo/engine/model_decode.py): per-row linear state
 beside the attention layers' KV cache, against transformers' generate, a fresh prefill, and the trainer's
 log-probs; tool turns; LoRA on the linear layers' projections."""
 import time
@@ -6,11 +6,12 @@ import time
 import pytest
 import torch
 import transformers
-
-from grpo.lora import TARGETS, LoraSettings, adapters, add_lora
-from grpo.model import Transformer
-from grpo.sampler import Sampler, SamplingParams
 from test_qwen35 import ATOL, hybrid_dir  # noqa: F401  (hybrid_dir: a fixture)
+
+from grpo.config import TARGETS
+from grpo.engine.sampler import Sampler, SamplingParams
+from grpo.models.lora import LoraSettings, adapters, add_lora
+from grpo.models.model import Transformer
 
 
 def trainer_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:

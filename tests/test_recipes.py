@@ -277,7 +277,8 @@ def test_calculator_prompts_per_step_follow_the_reference_rule(monkeypatch):
     GPUs, the reference's 3B batch (2 training GPUs) 2, its 0.5B's (6) 6, one GPU 1; a given value wins."""
     sys.path.insert(0, str(ROOT / "recipes"))
     import calculator_qwen25_3b as recipe
-    from grpo.config import parse_args
+
+    from grpo.flags import parse_args
     doc = recipe.__doc__
     assert "8 on 8 GPUs" in doc and "(3B: 2 prompts" in doc and "--prompts_per_step 6" in open(
         ROOT / "recipes" / "calculator_qwen25_05b.py").read()

@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from grpo import checkpoint, dist, trainer
-from grpo.checkpoint import Checkpointer
-from grpo.config import Config
-from grpo.data import DataError, load_examples
-from grpo.metrics import series
-from grpo.model import Transformer
-from grpo.trainer import train
-
 from toy import ToyEnv, make_toy_dir
+
+from grpo import trainer
+from grpo.config import Config
+from grpo.infra import checkpoint, dist
+from grpo.infra.checkpoint import Checkpointer
+from grpo.infra.data import DataError, load_examples
+from grpo.infra.metrics import series
+from grpo.models.model import Transformer
+from grpo.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = [{"question": f"w{i} w{i + 1}", "answer": ""} for i in range(40)]
@@ -269,7 +269,7 @@ def test_corrupt_data_and_eval_without_questions_are_named(tmp_path):
 
 @pytest.mark.slow  # a process of its own
 def test_an_old_torch_is_refused_at_import():
-    code = "import torch; torch.__version__ = '{}'; import grpo.dist"
+    code = "import torch; torch.__version__ = '{}'; import grpo.infra.dist"
     old = subprocess.run([sys.executable, "-c", code.format("2.7.1+cu126")], capture_output=True, text=True)
     assert old.returncode != 0
     assert "ImportError: grpo needs torch >= 2.8 (FSDP2's fully_shard(reshard_after_forward=None)" \

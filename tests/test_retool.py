@@ -7,11 +7,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from grpo.engine.sampler import Sampler
 from grpo.envs.retool import CODE_INTERPRETER, REWARD_WEIGHTS, ReToolEnv, parse_calls
 from grpo.envs.retool_small import QWEN3_TOOLS_TEMPLATE, TwoShotReTool, tool_call
-from grpo.model import Transformer
-from grpo.rollout import Trajectory, continuation_ids, render_prompt, rollout, sampling_params, assign_rewards
-from grpo.sampler import Sampler
+from grpo.models.model import Transformer
+from grpo.rollout import Trajectory, assign_rewards, continuation_ids, render_prompt, rollout, sampling_params
+
 
 def test_parse_calls_and_error_observations():
     assert parse_calls("Let me compute. " + tool_call("print(1)")) == [("print(1)", None)]

@@ -10,13 +10,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from grpo.envs.calculator import (BAD_NAMES, SYSTEM_PROMPT, CalculatorEnv, generate_questions, gold_call, gold_messages,
-                                  mistaken_call, run_tool)
+from grpo.engine.sampler import Sampler
+from grpo.envs.calculator import (BAD_NAMES, SYSTEM_PROMPT, CalculatorEnv, generate_questions, gold_call,
+                                  gold_messages, mistaken_call, run_tool)
 from grpo.envs.calculator_phrasing import HELDOUT, RL, TRAIN
-from grpo.model import Transformer
+from grpo.models.model import Transformer
 from grpo.rollout import Trajectory, continuation_ids, render_prompt, rollout, sampling_params
 from grpo.sft import gold_trajectory
-from grpo.sampler import Sampler
 
 SHOT = {"question": "What is 2 plus 3?", "expression": "2 + 3", "answer": 5.0}
 

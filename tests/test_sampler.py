@@ -1,8 +1,8 @@
-"""grpo.sampler against references: transformers' greedy generate, the model's own full
+"""grpo.engine.sampler against references: transformers' greedy generate, the model's own full
 forward (log-probs, multi-turn caches), exact filter masks and their sampled frequencies;
 plus batch independence of seeded sampling, stops, tools and bad input."""
-import math
 import dataclasses
+import math
 import threading
 import types
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 import transformers
 
-from grpo.kv_cache import KVCache
-from grpo.model import Transformer
-from grpo.sampler import Sampler, SamplingParams
-from grpo.sampling import filter_mask, gumbel, request_key, sample, sample_hidden
+from grpo.engine.kv_cache import KVCache
+from grpo.engine.sampler import Sampler, SamplingParams
+from grpo.engine.sampling import filter_mask, gumbel, request_key, sample, sample_hidden
+from grpo.models.model import Transformer
 
 QUESTIONS = ["Hi", "What is 12 times 7?", "Write a haiku about the sea, the wind and the long winter nights.",
              "Name three prime numbers.", "Tell me a short fact about Paris."]
@@ -165,8 +165,8 @@ def test_seeded_sampling_independent_of_batch(tiny_dir):
 
 
 def _decoded_rows(monkeypatch) -> list[int]:
-    """The batch of every decode step from here on (grpo.window.decode_hidden wrapped)."""
-    import grpo.window as window
+    """The batch of every decode step from here on (grpo.engine.window.decode_hidden wrapped)."""
+    import grpo.engine.window as window
     rows, inner = [], window.decode_hidden
     monkeypatch.setattr(window, "decode_hidden", lambda w, cache, tok, pos, n, span: rows.append(n)
                         or inner(w, cache, tok, pos, n, span))
@@ -215,7 +215,7 @@ def test_batch_buckets(tiny_dir, monkeypatch):
     """buckets=True (what CUDA graphs decode): each step computes the live rows' count rounded up
     to a power of two (capped at the slots), the extra slots idle, and the tokens and log-probs
     are those of exact batches."""
-    from grpo.sampler import bucket
+    from grpo.engine.sampler import bucket
     assert [bucket(n, 48) for n in (1, 2, 3, 5, 17, 33, 48)] == [1, 2, 4, 8, 32, 48, 48]
     path, _ = tiny_dir("qwen2", vocab_size=1000)
     model = Transformer.from_pretrained(path)
@@ -239,7 +239,7 @@ def test_batch_buckets(tiny_dir, monkeypatch):
 def _mock_graphs(sampler, monkeypatch) -> list:
     """CUDA graphs on a CPU: the sampler takes its graphed path (buckets, a window a graph), each
     'capture' recorded by its key and 'replayed' as the same decode steps run eagerly."""
-    import grpo.sampler as sampler_module
+    import grpo.engine.sampler as sampler_module
     captured = []
 
     def graph(self, call, num_slots, cache_len):
@@ -262,7 +262,7 @@ def test_graphs_captured_per_power_of_two_cache_bucket_and_kept_across_calls(tin
     from 256 (a row of 2,000 tokens: 256, 512, 1024 and the cap, 2048; a step of 256 made 8), and a
     later call, with the rollouts' settings or an eval's, replays what was captured: only new
     settings capture (an eval's greedy decode, once)."""
-    from grpo.sampler import cache_bucket
+    from grpo.engine.sampler import cache_bucket
     assert [cache_bucket(n, 8704) for n in (1, 256, 257, 1000, 4097, 8193)] == [256, 256, 512, 1024, 8192, 8704]
     path, _ = tiny_dir("llama", vocab_size=1000)
     model = Transformer.from_pretrained(path)
@@ -296,7 +296,7 @@ def test_no_pageable_host_to_device_copy_in_the_loop(tiny_dir, monkeypatch):
     on the graphed path (mocked) with more rows than slots, tool calls and early stops."""
     import inspect
 
-    import grpo.kv_cache as kv_cache
+    import grpo.engine.kv_cache as kv_cache
     direct, inner = [], torch.tensor
 
     def tensor(*args, **kw):
@@ -420,7 +420,7 @@ def test_bf16_lm_head_samples_from_fp32_logits(tiny_dir, filtered):
     rounding of each logit (a relative 2^-9: ~3e-2 at these logits' size). The decode's LM head
     (sample_hidden, both paths) and prefill's (the model's output_index) alike; on a GPU the same
     comes from one cuBLAS GEMM with an fp32 output (checked here for its shape and dtype on meta)."""
-    from grpo.model import lm_logits
+    from grpo.models.model import lm_logits
     g = torch.Generator().manual_seed(5)
     B, H, V = 6, 64, 999
     hidden = (torch.randn(B, H, generator=g) * 2).bfloat16()

@@ -4,19 +4,18 @@ import json
 
 import pytest
 import torch
+from toy import ToyEnv, make_toy_dir
 
-from grpo import dist
-from grpo.config import Config
-from grpo.model import Transformer
-from grpo.rollout import rollout, sampling_params, assign_rewards
-from grpo.sampler import Sampler
-from grpo.loss import LossOptions, group_advantages, policy_loss
 from grpo import sft, shared_prompt, trainer, update
-from grpo.sampling import request_key
+from grpo.config import Config
+from grpo.engine.sampler import Sampler
+from grpo.engine.sampling import request_key
+from grpo.infra import dist
+from grpo.loss import LossOptions, group_advantages, policy_loss
+from grpo.models.model import Transformer
+from grpo.rollout import assign_rewards, rollout, sampling_params
 from grpo.trainer import prompt_batch, refill, train
 from grpo.update import batch_logprobs, collate, micro_batches, policy_update, update_batches
-
-from toy import ToyEnv, make_toy_dir
 
 EXAMPLES = [{"question": f"w{i} w{i + 1}", "answer": ""} for i in range(40)]
 
@@ -301,7 +300,8 @@ def raised_in(filename: str, cause: Exception | None = None) -> Exception:
 def test_a_failure_inside_triton_or_graph_capture_names_the_way_around(tmp_path, monkeypatch):
     import importlib.util
     import os
-    from grpo import fallback
+
+    from grpo.fit import fallback
     pytest.importorskip("triton")
     triton_dir = os.path.dirname(importlib.util.find_spec("triton").origin)
     in_triton = raised_in(os.path.join(triton_dir, "runtime", "jit.py"))

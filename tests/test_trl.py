@@ -11,14 +11,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from toy import make_toy_dir
 
 from grpo.api import GRPOTrainer
-from grpo.config import Config
 from grpo.cli.reward_funcs import import_functions
+from grpo.config import Config
 from grpo.rewards import RewardFunctionsEnv, weighted_sum
-from grpo.rollout import render_prompt, assign_rewards
+from grpo.rollout import assign_rewards, render_prompt
 from grpo.trainer import final_rewards
-from toy import make_toy_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 CONVERSATIONAL = [{"prompt": [{"role": "system", "content": "w1"}, {"role": "user", "content": f"w{i} w{i + 1}"}],
@@ -104,15 +104,16 @@ def test_unscorable_and_infinite_rewards_in_a_step(toy, tmp_path, one_thread):
     its group's others those of the group without it; a group holding an infinite reward gets 0,
     and the optimizer step still updates the weights (it was skipped: the group's advantages were
     NaN). Both are counted in the step's metrics."""
+    import torch
     from transformers import AutoTokenizer
+
+    from grpo.engine.sampler import Sampler
+    from grpo.infra.metrics import step_metrics
     from grpo.loss import group_advantages
-    from grpo.metrics import step_metrics
-    from grpo.model import Transformer
+    from grpo.models.model import Transformer
     from grpo.rollout import rollout, sampling_params
-    from grpo.sampler import Sampler
     from grpo.trainer import advantages_of, flat_groups
     from grpo.update import policy_update
-    import torch
 
     def score(prompts, completions, completion_ids, **kw):  # None for row 1, inf for row 6
         return [None if i == 1 else math.inf if i == 6 else len(ids) + 0.1 * i for i, ids in enumerate(completion_ids)]
@@ -283,7 +284,7 @@ def test_the_readme_task_works_as_written_from_a_fresh_folder(toy, tmp_path):
     assert len((folder / "train.jsonl").read_text().splitlines()) == 10
     small_flags = ("--max_completion_length=8 --max_prompt_length=64 --micro_batch_tokens=512 --gen_batch=16 "
                    "--eval_limit=3 --profile=none")
-    script = commands.replace("$(python -m grpo.smollm2)", toy)
+    script = commands.replace("$(python -m grpo.models.smollm2)", toy)
     script = "\n".join(line + (" " + small_flags if "custom_task.py" in line and not line.endswith("\\") else "")
                        for line in script.replace("\\\n", "").splitlines())
     env = {**os.environ, "GRPO": str(ROOT), "OMP_NUM_THREADS": "1"}

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from grpo import lora, update
-from grpo.config import Config, parse_args
-from grpo.model import SUPPORTED, Transformer
-from grpo.rollout import Trajectory
-
 from toy import make_toy_dir
+
+from grpo import update
+from grpo.config import PEFT_DEFAULT_TARGETS, TARGETS, Config, parse_targets
+from grpo.flags import parse_args
+from grpo.models import lora
+from grpo.models.model import SUPPORTED, Transformer
+from grpo.rollout import Trajectory
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "trl.md"
 
@@ -96,12 +97,12 @@ def test_no_target_modules_is_pefts_default_for_every_architecture():
     constants = pytest.importorskip("peft.utils.constants")
     for model_type in SUPPORTED:
         assert tuple(constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING[model_type]) == \
-            lora.PEFT_DEFAULT_TARGETS[model_type] == lora.parse_targets(None)
+            PEFT_DEFAULT_TARGETS[model_type] == parse_targets(None)
     cfg = parse_args(Config, ["--use_peft", "--profile=none"])
     assert cfg.lora_target_modules == "q_proj,v_proj" and lora.settings_of(cfg).targets == ("q_proj", "v_proj")
     assert lora.LoraSettings().targets == ("q_proj", "v_proj")
     assert parse_args(Config, ["--use_peft", "--lora_target_modules=all-linear", "--profile=none"]
-                      ).lora_target_modules == ",".join(lora.TARGETS)
+                      ).lora_target_modules == ",".join(TARGETS)
 
 
 def test_trl_yaml_lists_are_comma_separated_fields(tmp_path):
@@ -166,7 +167,7 @@ def test_a_bf16_merge_is_written_in_bf16_by_default_and_float32_keeps_a_small_up
 
 
 def test_the_export_command_writes_a_lora_merge_in_the_bases_dtype():
-    from grpo.export import export_dtype
+    from grpo.infra.export import export_dtype
     assert export_dtype("auto", {"dtype": "bfloat16"}, lora=True) == torch.bfloat16
     assert export_dtype("auto", {"torch_dtype": "bfloat16"}, lora=False) == torch.float32  # fp32 masters as they are
     assert export_dtype("float32", {"dtype": "bfloat16"}, lora=True) == torch.float32

@@ -5,7 +5,7 @@
     python -m grpo.cli.eval --model_path PATH --task calculator --protocol reference --data basic_calculations_eval.csv
 
 Tasks and their default data (Hugging Face dataset ids) are in grpo.envs.tasks; `--data` takes a
-local JSONL, CSV or Parquet file or another dataset id (grpo.data.load_examples), with a
+local JSONL, CSV or Parquet file or another dataset id (grpo.infra.data.load_examples), with a
 `question` (or `prompt`) column and an `answer` column unless --question_field/--answer_field
 say otherwise. `--protocol reference` (calculator): the reference run's own evaluation
 (grpo.envs.calculator.REFERENCE_EVAL: one sample at T 0.2, 5 calls, 1,000 tokens a turn, right within
@@ -20,9 +20,9 @@ import sys
 
 import torch
 
-from grpo.cpu import set_autocast
 from grpo.eval import evaluate, run_eval_settings
-from grpo.fallback import add_arguments, kernels_of
+from grpo.fit.fallback import add_arguments, kernels_of
+from grpo.fit.precision import set_autocast
 
 
 def _flag(text: str) -> bool:
@@ -35,8 +35,8 @@ def _flag(text: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from grpo.data import DataError
     from grpo.envs.tasks import SOURCES, TASKS, load_task
+    from grpo.infra.data import DataError
     defaults = ", ".join(f"{task}: {source}" for task, source in SOURCES.items())
     p = argparse.ArgumentParser(prog="python -m grpo.cli.eval", description=__doc__.split("\n")[0])
     p.add_argument("--model_path", help="HF checkpoint folder (with --task)")
@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
         from grpo.envs.retool import ReToolEnv
         env = ReToolEnv()   # the same boxed-answer score, with the interpreter (and ReTool's system prompt)
     from transformers import AutoTokenizer
-    from grpo.model import Transformer
+
+    from grpo.models.model import Transformer
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = Transformer.from_pretrained(args.model_path, dtype=dtype, device=device).eval()
@@ -156,8 +157,10 @@ def evaluate_run(run_dir: str, out: str | None = None, kernels: str | None = Non
     """The run's export on the run's eval questions with the run's settings (one process);
     `kernels`, `cuda_graphs`: in place of the run's, when given."""
     import os
+
     from transformers import AutoTokenizer
-    from grpo.model import Transformer
+
+    from grpo.models.model import Transformer
     module, cfg = run_config(run_dir)
     cfg.kernels = kernels or getattr(cfg, "kernels", "auto")
     cfg.cuda_graphs = getattr(cfg, "cuda_graphs", True) if cuda_graphs is None else cuda_graphs
@@ -171,7 +174,7 @@ def evaluate_run(run_dir: str, out: str | None = None, kernels: str | None = Non
     export = os.path.join(run_dir, "export")
     if not os.path.exists(os.path.join(export, "config.json")):   # export=False, or stopped by SIGTERM
         raise SystemExit(f"python -m grpo.cli.eval: {export} not found: make one from a checkpoint with "
-                         f"python -m grpo.export {run_dir}/checkpoints/step_NNNNNN {export}")
+                         f"python -m grpo.cli.export {run_dir}/checkpoints/step_NNNNNN {export}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = Transformer.from_pretrained(export, dtype=dtype, device=device).eval()

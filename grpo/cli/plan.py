@@ -1,9 +1,9 @@
-"""`python -m grpo.plan`: a recipe's memory plan on a GPU or a CPU, with no GPU, no weights and no network.
+"""`python -m grpo.cli.plan`: a recipe's memory plan on a GPU or a CPU, with no GPU, no weights and no network.
 
-    python -m grpo.plan recipes/calculator_qwen25_3b.py --gpus 8 --gpu "RTX 6000 Ada"
-    python -m grpo.plan recipes/retool_qwen3_4b.py --gpus 8 --gpu H200 --micro_batch_tokens 8704
-    python -m grpo.plan recipes/calculator_smollm2_cpu.py --cpu --memory_gb 8
-    python -m grpo.plan --table         # every GPU recipe on 1 and 8 of each GPU below (docs/gpu.md's table)
+    python -m grpo.cli.plan recipes/calculator_qwen25_3b.py --gpus 8 --gpu "RTX 6000 Ada"
+    python -m grpo.cli.plan recipes/retool_qwen3_4b.py --gpus 8 --gpu H200 --micro_batch_tokens 8704
+    python -m grpo.cli.plan recipes/calculator_smollm2_cpu.py --cpu --memory_gb 8
+    python -m grpo.cli.plan --table         # every GPU recipe on 1 and 8 of each GPU below (docs/gpu.md's table)
 
 --gpu names a GPU (its memory, and the sizes a run there would take from the plan where the recipe
 and the flags leave them);
@@ -17,9 +17,10 @@ import importlib.util
 import os
 import sys
 
-from grpo.config import Config, parse_args, required_fields
-from grpo.memory import GIB, GPU_MEMORY_GIB, fixes_text, memory_plan, model_config, size, what_fits
-from grpo.model import ModelArgs
+from grpo.config import Config
+from grpo.fit.memory import GIB, GPU_MEMORY_GIB, fixes_text, memory_plan, model_config, size, what_fits
+from grpo.flags import parse_args, required_fields
+from grpo.models.model import ModelArgs
 
 
 def recipe_module(path: str):
@@ -94,7 +95,7 @@ def main(argv: list[str]):
     if argv == ["--table"]:  # every GPU recipe on every GPU: docs/gpu.md's table
         print(gpu_table())
         return
-    ap = argparse.ArgumentParser(prog="python -m grpo.plan", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m grpo.cli.plan", description=__doc__.split("\n")[0])
     ap.add_argument("recipe", help="a recipe file (recipes/*.py), or 'config' for Config's defaults")
     ap.add_argument("--gpus", type=int, default=1, help="ranks (one GPU each)")
     ap.add_argument("--gpu", default=None, help=f"one of {', '.join(GPU_MEMORY_GIB)} (default: 80 GiB, Config's sizes)")
@@ -110,7 +111,7 @@ def main(argv: list[str]):
     try:
         plan, args, cfg, extra = plan_for(known.recipe, known.gpus, known.gpu, known.memory_gb, known.cpu, flags)
     except ValueError as e:
-        raise SystemExit(f"python -m grpo.plan: {e}") from None
+        raise SystemExit(f"python -m grpo.cli.plan: {e}") from None
     where = "CPU" if known.cpu else f"{known.gpus} x {known.gpu or 'GPU'}"
     print(f"{known.recipe} on {where}: {cfg.model_path or 'SmolLM2-135M'} ({args.n_layers} layers, hidden {args.dim}), "
           f"gen_batch {cfg.gen_batch}, kv_budget_gb {cfg.kv_budget_gb:g}, micro_batch_tokens {cfg.micro_batch_tokens}, "

@@ -4,13 +4,13 @@ gain over a base model) on the fresh multi-step problems, by operation count.
     python -m grpo.envs.processgrpo --model_path PATH [--base Qwen/Qwen2.5-0.5B-Instruct] [--data SOURCE]
 evaluates the 700 fresh multi-step problems (or SOURCE) greedily with up to 3,072 new tokens,
 by operation count, with the paired gain over --base and its paired bootstrap 95% interval
-(grpo.eval.paired_bootstrap, as the reference reports).
+(grpo.infra.stats.paired_bootstrap, as the reference reports).
 """
 import argparse
 import json
 
-from grpo.data import DataError
 from grpo.envs.processgrpo import OneShotMathEnv, accuracy_by_ops, load_sources
+from grpo.infra.data import DataError
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -21,14 +21,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max_completion_length", type=int, default=3072)
     p.add_argument("--out", default="eval_processgrpo.jsonl", help="per-question records")
     from grpo.cli.eval import _flag
-    from grpo.fallback import add_arguments, kernels_of
+    from grpo.fit.fallback import add_arguments, kernels_of
     add_arguments(p, _flag)
     args = p.parse_args(argv)
     import torch
     from transformers import AutoTokenizer
-    from grpo.cpu import set_autocast
-    from grpo.eval import evaluate, paired_bootstrap
-    from grpo.model import Transformer
+
+    from grpo.eval import evaluate
+    from grpo.fit.precision import set_autocast
+    from grpo.infra.stats import paired_bootstrap
+    from grpo.models.model import Transformer
     try:
         examples = load_sources(args.data)
     except DataError as e:
