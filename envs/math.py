@@ -112,7 +112,7 @@ _CHILD = _Child()
 
 
 # ----------------------------------------------------------------------------
-# data (rows come from grpo.data.load_examples; MATH-500's `problem` column is its question)
+# data (rows come from grpo.infra.data.load_examples; MATH-500's `problem` column is its question)
 
 
 def aime_example(example: dict) -> dict:

@@ -22,7 +22,7 @@ problems are kept for the final benchmark.
     python -m grpo.envs.processgrpo --model_path PATH [--base Qwen/Qwen2.5-0.5B-Instruct] [--data SOURCE]
 evaluates the 700 fresh multi-step problems (or SOURCE) greedily with up to 3,072 new tokens,
 by operation count, with the paired gain over --base and its paired bootstrap 95% interval
-(grpo.eval.paired_bootstrap, as the reference reports).
+(grpo.infra.stats.paired_bootstrap, as the reference reports).
 """
 import hashlib
 import re
@@ -30,7 +30,7 @@ import sys
 import time
 from fractions import Fraction
 
-from grpo.data import DataError, load_examples
+from grpo.infra.data import DataError, load_examples
 from grpo.envs import multistep
 from grpo.envs.math import last_boxed
 from grpo.envs.tasks import gsm8k_example
@@ -118,7 +118,7 @@ def heldout(question: str) -> bool:
 
 
 def load_sources(spec: str, question_field: str = "question", answer_field: str = "answer") -> list[dict]:
-    """Comma-separated sources, concatenated: files and dataset ids (grpo.data.load_examples),
+    """Comma-separated sources, concatenated: files and dataset ids (grpo.infra.data.load_examples),
     `heldout:SOURCE` (only SOURCE's heldout() rows), or `multistep:SPLIT:N[:SEED]`, N generated
     problems per operation count 2..8 of SPLIT. Rows whose answer is not a number are dropped,
     with a count; a source left with none is an error."""
@@ -167,7 +167,7 @@ def filter_by_solve_rate(sampler, tokenizer, env, examples: list[dict], n: int =
     """(the examples solved lo..hi times in n samples, each example's solve count, the pass's
     cost): the reference kept problems its base model solves 1 to 7 times in 8, the ones whose
     groups have a reward spread. `sampler` runs the model (e.g. the frozen copy's
-    grpo.sampler.Sampler). cost = {samples, completion_tokens (sampled), prompt_tokens (one
+    grpo.engine.sampler.Sampler). cost = {samples, completion_tokens (sampled), prompt_tokens (one
     prefill per problem), seconds}."""
     from grpo.rollout import assign_rewards, rollout, sampling_params
     params = sampling_params(env, tokenizer, n, temperature, max_tokens, seed)

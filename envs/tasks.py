@@ -2,7 +2,7 @@
 
 Default data are Hugging Face dataset ids, read through the optional `datasets` library (one
 download into its cache); offline, pass a local JSONL, CSV or Parquet file as `data` (`--data`).
-A task's rows go through grpo.data.load_examples plus that task's own rules below.
+A task's rows go through grpo.infra.data.load_examples plus that task's own rules below.
 
 The ProcessGRPO card's table (zaydsyed/TactLM-Math-ProcessGRPO-Qwen2.5-0.5B) is `gsm_symbolic`,
 `svamp` and `math500_numeric`: its one-shot prompt and exact-number score
@@ -11,7 +11,7 @@ A local file for one of them has the dataset's own columns: GSM-Symbolic `questi
 `answer` ending '#### n' (as GSM8K); SVAMP `Body`, `Question` and a numeric `Answer`;
 MATH-500 `problem` and `answer` (rows whose answer is not a number are dropped, counted).
 """
-from grpo.data import load_examples
+from grpo.infra.data import load_examples
 from grpo.envs import calculator, gsm8k
 from grpo.envs import math as math_env
 

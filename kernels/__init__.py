@@ -5,8 +5,8 @@ that imports torch and triton, never `grpo.*` (tests/test_layers.py).
   the same chunked algorithm in PyTorch elsewhere (the CPU training path).
 - grpo_token_loss, group_advantages: Triton only. Their PyTorch references are the plain
   functions of grpo/loss.py, which calls these kernels on CUDA and the references elsewhere.
-- fused_sample: grpo.sampling's unfiltered Gumbel-max draw and the token's log-prob in one
-  pass over the logits, bit-identical tokens; grpo/sampling.py calls it for CUDA logits.
+- fused_sample: grpo.engine.sampling's unfiltered Gumbel-max draw and the token's log-prob in one
+  pass over the logits, bit-identical tokens; grpo/engine/sampling.py calls it for CUDA logits.
   Inference only.
 - add_rmsnorm, silu_mul, qkv_rope_write (kernels/layers.py): a decode layer's elementwise work
   in three kernels (residual add + RMSNorm; SwiGLU; q|k|v split + q/k norm + rotary + KV-cache

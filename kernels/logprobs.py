@@ -2,7 +2,7 @@
 
     logprobs[n] = z[n, labels[n]] - logsumexp(z[n]),   z = hidden @ weight.T / T
 
-or, given a threshold per token (the sampler's kept set under top-k/top-p/min-p, grpo/sampling.py),
+or, given a threshold per token (the sampler's kept set under top-k/top-p/min-p, grpo/engine/sampling.py),
 the log-sum-exp over that set only, renormalised: K_n = {v : z[n, v] >= threshold[n]} plus the label,
     logprobs[n] = z[n, labels[n]] - logsumexp(z[n, K_n])
 (a threshold of -inf keeps the whole vocabulary). The mask is applied chunk by chunk, in the forward
@@ -312,7 +312,7 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature:
     grad_dtype: the input dtype of the backward's two gradient matmuls (dz @ W, dz.T @ hidden);
     None = the forward's. threshold (...) fp32 or None: each token's log-prob (and entropy) over its
     kept set {v : z_v >= threshold} plus the label, renormalised (-inf: the whole vocabulary); the
-    sampler records it when top-k/top-p/min-p filter the vocabulary (grpo/sampling.py). The CPU trainer under autocast_bf16 passes bf16: the forward and the
+    sampler records it when top-k/top-p/min-p filter the vocabulary (grpo/engine/sampling.py). The CPU trainer under autocast_bf16 passes bf16: the forward and the
     recompute stay fp32 (log-probs exact, matching the sampler's); the two matmuls run at bf16's
     rate, with bf16's rounding of the gradients (normwise ~3e-3), as the blocks' own matmuls have
     under autocast (the backward at 9,600 tokens of SmolLM2: 5.4 s instead of 9.6).

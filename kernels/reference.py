@@ -3,7 +3,7 @@ as memory-hungry as they look.
 
 The GRPO loss and advantage references are the plain functions of grpo/loss.py (kernels/ is
 a leaf and does not import grpo): tests import them from there. sample_ref is a copy of
-grpo.sampling's unfiltered rule for the same reason; a test checks the two agree bit for bit.
+grpo.engine.sampling's unfiltered rule for the same reason; a test checks the two agree bit for bit.
 """
 import torch
 from torch import Tensor
@@ -32,7 +32,7 @@ def entropy_ref(hidden: Tensor, weight: Tensor, temperature: float = 1.0) -> Ten
 
 
 # -----------------------------------------------------------------------------
-# sampling: grpo/sampling.py's sample with no top-k/top-p/min-p
+# sampling: grpo/engine/sampling.py's sample with no top-k/top-p/min-p
 
 MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: the Weyl-sequence step of SplitMix-style counters
@@ -105,10 +105,10 @@ def sample_ref(logits: Tensor, key: Tensor, step: Tensor, temperature: float) ->
     return tokens, z.gather(-1, tokens[:, None])[:, 0] - z.logsumexp(-1)
 
 # -----------------------------------------------------------------------------
-# decode layers: grpo/model.py's eager ops, one decode token per row; inference only
+# decode layers: grpo/models/model.py's eager ops, one decode token per row; inference only
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """grpo.model.RMSNorm: normalize in fp32, round to x's dtype, scale; returned in x's dtype."""
+    """grpo.models.model.RMSNorm: normalize in fp32, round to x's dtype, scale; returned in x's dtype."""
     xf = x.float()
     return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)).to(x.dtype)
 
@@ -126,7 +126,7 @@ def silu_mul_ref(gu: Tensor) -> Tensor:
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """grpo.model.apply_rope ("rotate half"): x (..., D), cos, sin (..., D/2), in fp32."""
+    """grpo.models.model.apply_rope ("rotate half"): x (..., D), cos, sin (..., D/2), in fp32."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 

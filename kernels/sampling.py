@@ -1,10 +1,10 @@
-"""Fused sampling: grpo/sampling.py's Gumbel-max race, with no top-k/top-p/min-p, in one pass
+"""Fused sampling: grpo/engine/sampling.py's Gumbel-max race, with no top-k/top-p/min-p, in one pass
 over the logits, and the chosen token's log-prob from the same pass.
 
     z = logits / T,   token = argmax_v (z_v + g_v),   logprob = z[token] - logsumexp(z)
 
 g_v = -log(-log u_v) with u_v a hash of (request key, step, v): the exact rule of
-grpo.sampling.sample, so a request draws the same tokens whether its step runs here or there.
+grpo.engine.sampling.sample, so a request draws the same tokens whether its step runs here or there.
 The eager path costs ~15 (B, V) passes (the hash's int64 passes, two logs, the add, argmax,
 gather, logsumexp) and a (B, V) int64 buffer: 311 MB at B 256 and Qwen's V 151936. Here each
 program walks its slice of a row in blocks, keeping a running best (score, index, z) and an
@@ -50,7 +50,7 @@ from .target import gpu, sm_count, use_triton
 if HAS_KERNEL:
     @triton.jit
     def _mix32(x):
-        # murmur3's 32-bit finalizer on uint32 (grpo.sampling.mix32); the products wrap mod 2^32
+        # murmur3's 32-bit finalizer on uint32 (grpo.engine.sampling.mix32); the products wrap mod 2^32
         x = (x ^ (x >> 16)) * 0x85EBCA6B
         x = (x ^ (x >> 13)) * 0xC2B2AE35
         return x ^ (x >> 16)
@@ -71,7 +71,7 @@ if HAS_KERNEL:
         if not GREEDY:
             key = tl.load(key_ptr + b)
             step = tl.load(step_ptr + b)
-            # grpo.sampling.gumbel's seed, in uint32: only the low 32 bits of each int64 term survive
+            # grpo.engine.sampling.gumbel's seed, in uint32: only the low 32 bits of each int64 term survive
             seed = _mix32(step.to(tl.uint32) * 0x9E3779B9 + 0x165667B1)
             seed = _mix32(key.to(tl.uint32) ^ seed)
             seed = _mix32((key >> 32).to(tl.uint32) ^ seed)
@@ -195,7 +195,7 @@ _said = False
 
 def fused_sample(logits: Tensor, key: Tensor, step: Tensor, temperature: float,
                  backend: str | None = None) -> tuple[Tensor, Tensor]:
-    """grpo.sampling.sample without filters, in one pass over the logits.
+    """grpo.engine.sampling.sample without filters, in one pass over the logits.
 
     logits (B, V) fp32 or bf16, key (B,) int64 request keys, step (B,) int64 completion
     positions -> tokens (B,) int64, logprobs (B,) fp32 of the token under softmax(logits / T)

@@ -1,5 +1,5 @@
 """Where a kernel's work runs, decided in one place for every wrapper in grpo.kernels and for
-grpo.loss, grpo.sampling and grpo.decode.
+grpo.loss, grpo.engine.sampling and grpo.engine.decode.
 
 - gpu(t): does t's work take the GPU's way (the Triton kernel, with the GPU's tile sizes and
   warps)? True for CUDA tensors, and for any tensor inside compile_for() below.
