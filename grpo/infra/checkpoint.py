@@ -243,7 +243,7 @@ def run_meta(profile: dict) -> dict:
         version = importlib.metadata.version("grpo")
     except importlib.metadata.PackageNotFoundError:
         version = None
-    root = Path(__file__).resolve().parents[1]  # the clone, for an editable install
+    root = Path(__file__).resolve().parents[2]  # the clone (grpo/infra/ up two), for an editable install
     commit = dirty = None
     try:
         def git(*args) -> str:
