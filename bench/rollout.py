@@ -11,7 +11,7 @@ every row gets a seeded plan, the sampled length of each of its assistant turns 
 30-90 sampled tokens, a fifth 90-200, at least one filling max_tokens; turns of equal length),
 and both sides are made to stop exactly there by the same logits rule, `force_eos`: EOS is
 banned before a turn's planned last token and is the only choice at it. The baseline applies
-it as a LogitsProcessor; ours through `sample`, patched here in grpo.engine.sampler for the run (its
+it as a LogitsProcessor; ours through `sample`, patched here in grpo.engine.runner for the run (its
 keys and completion positions name the row and the token). Every turn but the last ends in a
 tool call: ours runs with stop_token_ids=[] and tool_stop_token_ids=[EOS], so the forced EOS
 calls the tool, which answers with the template's next user turn (a fixed ~25-token calculator
@@ -40,7 +40,7 @@ from unittest import mock
 import torch
 import transformers
 
-import grpo.engine.sampler
+import grpo.engine.runner
 import grpo.engine.window
 from grpo.measure.baseline import TOOL_CALL, force_eos, plan_turns, run_hf  # the baseline and the oracle's rule
 from grpo.envs.calculator import SHORT_SYSTEM_PROMPT, CalculatorEnv, generate_questions
@@ -56,7 +56,7 @@ from table import print_table  # noqa: E402
 
 @contextmanager
 def planned_sample(plans: list[list[int]], keys: list[int], obs_len: int, eos: int):
-    """Ours' half: grpo.engine.sampler's `sample` with force_eos in front. A request's key names its row
+    """Ours' half: grpo.engine.runner's `sample` with force_eos in front. A request's key names its row
     and `step` is the completion position of the token being drawn (observations included)."""
     ends = {}  # key -> completion positions where the row's turns end
     for key, plan in zip(keys, plans):
@@ -64,7 +64,7 @@ def planned_sample(plans: list[list[int]], keys: list[int], obs_len: int, eos: i
         for n in plan:
             pos += obs_len + n
             ends[key].add(pos - 1)
-    real = grpo.engine.sampler.sample
+    real = grpo.engine.runner.sample
 
     def sample(logits, key, step, *args, **kw):
         end = [s in ends.get(k, ()) for k, s in zip(key.tolist(), step.tolist())]  # host sync: CPU bench
@@ -72,7 +72,7 @@ def planned_sample(plans: list[list[int]], keys: list[int], obs_len: int, eos: i
 
     def sample_hidden(hidden, weight, key, step, *args, packed=None, **kw):  # decode steps: the logits, the rule above
         return sample(torch.nn.functional.linear(hidden.to(weight.dtype), weight), key, step, *args, **kw)
-    with mock.patch.object(grpo.engine.sampler, "sample", sample), \
+    with mock.patch.object(grpo.engine.runner, "sample", sample), \
             mock.patch.object(grpo.engine.window, "sample_hidden", sample_hidden):  # decode_step's, grpo/engine/window.py
         yield
 

@@ -90,11 +90,13 @@ def lora_fields(peft_config) -> dict:
     if peft_config is None:
         return {}
     if str(getattr(peft_config, "peft_type", "LORA")).rsplit(".", 1)[-1] != "LORA":
-        raise ValueError(f"peft_config: {type(peft_config).__name__} is not a LoRA config (only LoRA is supported)")
+        raise ValueError(f"peft_config: {type(peft_config).__name__} is not a LoRA config "
+                         "(only LoRA is supported)")
     from grpo.models.lora import IMPLEMENTED, refused_options
     fields = dataclasses.fields(peft_config) if dataclasses.is_dataclass(peft_config) else ()
     options = {f.name: getattr(peft_config, f.name) for f in fields} or dict(vars(peft_config))
-    # adapters start as ours do: PEFT's default init (True), nothing else; every field we do not implement is off
+    # adapters start as ours do: PEFT's default init (True), nothing else; every field we do not
+    # implement is off
     odd = refused_options(options, inits=(True,))
     if odd:
         raise ValueError(f"peft_config: unsupported LoRA options {', '.join(odd)} (plain LoRA only: "
@@ -104,7 +106,8 @@ def lora_fields(peft_config) -> dict:
     if targets is not None and not isinstance(targets, str):
         targets = ",".join(sorted(targets))
     return dict(use_peft=True, lora_r=int(peft_config.r), lora_alpha=peft_config.lora_alpha,
-                lora_dropout=float(peft_config.lora_dropout), use_rslora=bool(getattr(peft_config, "use_rslora", False)),
+                lora_dropout=float(peft_config.lora_dropout),
+                use_rslora=bool(getattr(peft_config, "use_rslora", False)),
                 lora_target_modules=targets)
 
 
@@ -116,7 +119,8 @@ class GRPOTrainer:
             raise ValueError("processing_class: the tokenizer is the model folder's own; pass None")
         if train_dataset is None:
             raise ValueError("train_dataset is required")
-        funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs] if reward_funcs else []
+        funcs = (reward_funcs if isinstance(reward_funcs, (list, tuple))
+                 else [reward_funcs] if reward_funcs else [])
         self.reward_funcs = reward_names(funcs)
         if not self.reward_funcs and env is None:
             raise ValueError("reward_funcs: pass at least one reward function (or an env that rewards)")

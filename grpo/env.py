@@ -12,13 +12,17 @@ docs/your_task.md lists the same members.
 
 class Env:
     """The contract with its defaults. Multi-turn (a tool): set stop_strings and write step()."""
-    stop_strings: tuple = ()          # tool-call stops: the sampler pauses there and calls step(); () = single turn
+    stop_strings: tuple = ()          # tool-call stops: the sampler pauses there and calls step();
+                                      # () = single turn
     max_turns: int = 1                # assistant turns per episode (with stop_strings)
-    observation_role: str = "user"    # the chat role step()'s text is rendered as ("tool" for native tool calls)
+    observation_role: str = "user"    # the chat role step()'s text is rendered as ("tool" for native
+                                      # tool calls)
     chat_kwargs: dict = {}            # passed to the chat template with every prompt (e.g. tools=[...])
     score_term: str = "correct"       # the reward term that means "solved": evals, ProcessGRPO's success rate
-    reward_batch = None               # reward_batch(examples, trajectories) -> [terms], in place of reward() a row
-    gold_messages = None              # gold_messages(example) -> [assistant, observation, ...]: the SFT warm-start
+    reward_batch = None               # reward_batch(examples, trajectories) -> [terms], in place of
+                                      # reward() a row
+    gold_messages = None              # gold_messages(example) -> [assistant, observation, ...]: the SFT
+                                      # warm-start
 
     def prompt(self, example: dict):
         raise NotImplementedError
@@ -55,7 +59,8 @@ class EnvView:
         except AttributeError:
             if name not in self.optional:
                 raise
-        if name == "reward":  # an env asked only for its prompts and tool (rewards=False): no terms of its own
+        # an env asked only for its prompts and tool (rewards=False): no terms of its own
+        if name == "reward":
             return lambda example, trajectory: {}
         default = vars(Env)[name]
         return default.__get__(self) if callable(default) else default
@@ -70,6 +75,7 @@ def as_env(env, rewards: bool = True) -> Env | EnvView:
     required = REQUIRED if rewards else ("prompt",)
     missing = [k for k in required if not callable(getattr(env, k, None))]
     if missing:
-        raise TypeError(f"{type(env).__name__} is not an env: it needs {' and '.join(f'{k}()' for k in missing)} "
+        raise TypeError(f"{type(env).__name__} is not an env: "
+                        f"it needs {' and '.join(f'{k}()' for k in missing)} "
                         "(grpo.env.Env lists the contract)")
     return EnvView(env, OPTIONAL if rewards else OPTIONAL + ("reward",))

@@ -30,8 +30,9 @@ def evaluate(model, tokenizer, env, examples: list[dict], n: int = 1, temperatur
                                  cuda_graphs=cuda_graphs)
     params = sampling_params(env, tokenizer, n, temperature, max_tokens, seed, max_turns=max_turns,
                              max_turn_tokens=max_turn_tokens)
-    trajs = assign_rewards(env, rollout(sampler, tokenizer, env, list(examples), params, prompt_offset=prompt_offset,
-                               chat_kwargs=chat_kwargs, progress=progress))
+    trajs = assign_rewards(env, rollout(sampler, tokenizer, env, list(examples), params,
+                                        prompt_offset=prompt_offset, chat_kwargs=chat_kwargs,
+                                        progress=progress))
     failed = [t for t in trajs if t.finish_reason == "error"]
     if failed:  # a refused prompt would silently score 0: an accuracy must not hide that
         raise RuntimeError(f"eval: {len(failed)} of {len(trajs)} completions failed in the sampler "
@@ -65,7 +66,8 @@ def run_eval_settings(cfg, greedy: bool = False) -> dict:
     n, temperature = (1, 0.0) if greedy else (cfg.eval_n, cfg.eval_temperature)
     max_tokens = getattr(cfg, "eval_max_completion_length", 0) or cfg.max_completion_length
     return dict(n=n, temperature=temperature, max_tokens=max_tokens, max_turns=cfg.max_turns,
-                max_turn_tokens=getattr(cfg, "eval_turn_tokens", 0), chat_kwargs={"enable_thinking": cfg.enable_thinking},
+                max_turn_tokens=getattr(cfg, "eval_turn_tokens", 0),
+                chat_kwargs={"enable_thinking": cfg.enable_thinking},
                 gen_batch=cfg.gen_batch, kv_budget_bytes=int(cfg.kv_budget_gb * 2**30) or None)
 
 

@@ -1,12 +1,12 @@
 """The command line of a Config: `parse_args(cls, argv)`, `--help`, `--config run.yaml`, one-line errors.
 
     cfg = parse_args(MyRecipe)      # --name=value or --name value; a bare --flag sets a bool
-Precedence: the dataclass's defaults < the profile (grpo.fit.profile.apply_profile) < the recipe's own defaults
-< the YAML file < the command line. Each field's trailing comment in the class source is its --help text,
-and the class's `# ---- name` lines are --help's sections (a recipe's own fields join the first): both
-read from the source once, here (field_docs). TRL GRPOConfig and ModelConfig names with no field here
-are refused with what to use instead (TRL_NAMES; docs/trl.md lists them all); names from before TRL's
-vocabulary point to theirs (RENAMED).
+Precedence: the dataclass's defaults < the profile (grpo.fit.profile.apply_profile) < the recipe's
+own defaults < the YAML file < the command line. Each field's trailing comment in the class source
+is its --help text, and the class's `# ---- name` lines are --help's sections (a recipe's own
+fields join the first): both read from the source once, here (field_docs). TRL GRPOConfig and
+ModelConfig names with no field here are refused with what to use instead (TRL_NAMES; docs/trl.md
+lists them all); names from before TRL's vocabulary point to theirs (RENAMED).
 """
 import dataclasses
 import difflib
@@ -29,8 +29,9 @@ RENAMED = {"lr": "learning_rate", "num_steps": "max_steps", "group_size": "num_g
            "drop_zero_variance": "drop_flat_groups"}
 # TRL GRPOConfig / ModelConfig names with no field here: what to do instead, said where the name is refused
 TRL_NAMES = {
-    "per_device_train_batch_size": "TRL counts completions per device; here a step is prompts_per_step prompts "
-                                   "(all ranks) x num_generations completions: use --prompts_per_step",
+    "per_device_train_batch_size": "TRL counts completions per device; here a step is prompts_per_step "
+                                   "prompts (all ranks) x num_generations completions: "
+                                   "use --prompts_per_step",
     "per_device_eval_batch_size": "evals sample gen_batch rows at a time: use --gen_batch (and --eval_limit)",
     "generation_batch_size": "a step samples prompts_per_step x num_generations completions: use "
                              "--prompts_per_step (--gen_batch: rows decoded together)",
@@ -43,8 +44,8 @@ TRL_NAMES = {
     "vllm_importance_sampling_clip_max": "use --tis_cap (here per token, truncated: TRL's default mode "
                                          "sequence_mask with 3.0 drops whole sequences instead)",
     "vllm_importance_sampling_mode": "per-token truncation only (TRL's token_truncate), capped by --tis_cap",
-    "peft_config": "in Python GRPOTrainer(peft_config=peft.LoraConfig(...)); on the command line --use_peft with "
-                   "--lora_r, --lora_alpha, --lora_dropout, --lora_target_modules, --use_rslora",
+    "peft_config": "in Python GRPOTrainer(peft_config=peft.LoraConfig(...)); on the command line --use_peft "
+                   "with --lora_r, --lora_alpha, --lora_dropout, --lora_target_modules, --use_rslora",
     "use_dora": "not supported: LoRA only (--use_peft)",
     "lora_target_parameters": "not supported: --lora_target_modules adapts the blocks' linear layers",
     "lora_modules_to_save": "not supported: under --use_peft only the adapters train",
@@ -69,8 +70,10 @@ TRL_NAMES = {
     "save_strategy": "use --save_steps (0 = off)",
     "log_completions": "use --log_completions_steps (0 = off)",
     "num_completions_to_print": "use --log_completions_steps: every completion goes to rollouts/step_N.jsonl",
-    "reward_weights": "a recipe's field (recipes/custom_task.py --reward_weights) or GRPOTrainer(reward_weights=...)",
-    "push_to_hub": "not supported: the export (output_dir/export) is a Hugging Face folder to upload yourself",
+    "reward_weights": "a recipe's field (recipes/custom_task.py --reward_weights) "
+                      "or GRPOTrainer(reward_weights=...)",
+    "push_to_hub": "not supported: the export (output_dir/export) is a Hugging Face folder "
+                   "to upload yourself",
     "sync_ref_model": "not supported: the reference model (beta > 0) is the initial policy",
     "repetition_penalty": "not supported by the sampler",
     "shuffle_dataset": "always: each epoch is a permutation seeded by --seed",
@@ -80,8 +83,8 @@ TRL_NAMES = {
     "generation_kwargs": "the sampler takes --temperature, --top_p, --top_k and --min_p",
     "num_generations_eval": "use --eval_n (samples per eval question)",
     "remove_unused_columns": "not needed: every data column reaches the reward functions",
-    "multi_objective_aggregation": "rewards are weighted and summed, then the sum is normalised (TRL's default, "
-                                   "sum_then_normalize)",
+    "multi_objective_aggregation": "rewards are weighted and summed, then the sum is normalised "
+                                   "(TRL's default, sum_then_normalize)",
     "top_entropy_quantile": "not supported: every completion token is trained on",
     "entropy_coef": "not supported: no entropy bonus",
     "off_policy_mask_threshold": "not supported: no off-policy sequence masking",
@@ -130,8 +133,10 @@ def unknown_field(name: str, fields, where: str = "") -> str:
     """The one line for a name that is not a field: TRL's names say what to use instead, old names
     their new one, typos the closest fields."""
     if name in TRL_NAMES:
-        return f"{where}--{name} is a TRL option (GRPOConfig, ModelConfig) with no field here: {TRL_NAMES[name]}"
-    close = [RENAMED[name]] if RENAMED.get(name) in fields else difflib.get_close_matches(name, fields, 3, 0.75)
+        return (f"{where}--{name} is a TRL option (GRPOConfig, ModelConfig) with no field here: "
+                f"{TRL_NAMES[name]}")
+    close = ([RENAMED[name]] if RENAMED.get(name) in fields
+             else difflib.get_close_matches(name, fields, 3, 0.75))
     hint = f" (did you mean {', '.join('--' + c for c in close)}?)" if close else ""
     return f"{where}unknown field --{name}{hint}"
 
@@ -150,7 +155,8 @@ def field_docs(cls) -> tuple[dict[str, str], dict[str, list[str]]]:
             continue
         last, section = None, None
         for line in source.splitlines():
-            field = re.match(r"^\s+(\w+):[^=\n]+=[^#\n]*#\s*(.+)$", line) or re.match(r"^\s+(\w+):[^=\n]+=", line)
+            field = (re.match(r"^\s+(\w+):[^=\n]+=[^#\n]*#\s*(.+)$", line)
+                     or re.match(r"^\s+(\w+):[^=\n]+=", line))
             more = re.match(r"^\s+#\s*(.+)$", line)
             if more and more.group(1).startswith("----"):
                 section, last = more.group(1).strip("- ").split(" (")[0], None
@@ -189,7 +195,8 @@ def print_help(cls):
     first = next(iter(groups), "fields")
     groups[first] = unread + groups.get(first, [])
     if required:
-        groups = {"required": list(required)} | {g: [n for n in ns if n not in required] for g, ns in groups.items()}
+        groups = {"required": list(required)} | {g: [n for n in ns if n not in required]
+                                                 for g, ns in groups.items()}
     for group, members in groups.items():
         if members:
             print(f"\n{group}:")

@@ -80,7 +80,8 @@ def group_advantages(rewards: Tensor, G: int, scale: str = "group", batch_reward
     if scale == "none":
         return centered.view(-1)
     # group: the std of the scorable rewards (the others are 0 in `centered`)
-    std = (centered.square().sum(1, keepdim=True) / (n - 1).clamp(min=1)).sqrt() if scale == "group" else batch_std
+    std = ((centered.square().sum(1, keepdim=True) / (n - 1).clamp(min=1)).sqrt() if scale == "group"
+           else batch_std)
     return (centered / (std + 1e-4)).view(-1)
 
 
@@ -278,12 +279,14 @@ class LossOptions:
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type={self.loss_type!r} not in {'|'.join(LOSS_TYPES)}")
         if self.importance_sampling_level not in ("token", "sequence"):
-            raise ValueError(f"importance_sampling_level={self.importance_sampling_level!r} not in token|sequence")
+            raise ValueError(f"importance_sampling_level={self.importance_sampling_level!r} "
+                             "not in token|sequence")
         if self.loss_type == "cispo" and self.importance_sampling_level == "sequence":
             raise ValueError("loss_type='cispo' weighs each token's log-prob by its own ratio: "
                              "importance_sampling_level='sequence' is not supported with it")
         if min(self.sapo_temperature_pos, self.sapo_temperature_neg) <= 0:
-            raise ValueError(f"sapo temperatures {self.sapo_temperature_pos}, {self.sapo_temperature_neg} must be > 0")
+            raise ValueError(f"sapo temperatures {self.sapo_temperature_pos}, {self.sapo_temperature_neg} "
+                             "must be > 0")
 
     @property
     def surrogate(self) -> str:  # token_loss's name for the token loss: clip | cispo | sapo
@@ -293,7 +296,8 @@ class LossOptions:
 @torch.no_grad()
 def loss_metrics(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor,
                  opts: LossOptions, ref_logprobs: Tensor | None = None,
-                 sampler_logprobs: Tensor | None = None, ratio_logprobs: Tensor | None = None) -> dict[str, Tensor]:
+                 sampler_logprobs: Tensor | None = None,
+                 ratio_logprobs: Tensor | None = None) -> dict[str, Tensor]:
     """Detached sums over the micro-batch's mask tokens; add them over micro-batches (and
     ranks), then divide by "tokens" for means (`ratio_logprobs`: what rho reads; GSPO's per sequence):
       tokens      number of mask tokens
@@ -360,7 +364,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss
               sampler_logprobs=sampler_logprobs, tis_cap=opts.tis_cap, surrogate=opts.surrogate,
               tau_pos=opts.sapo_temperature_pos, tau_neg=opts.sapo_temperature_neg,
               kl_ratio=opts.use_bias_correction_kl)
-    token = kernels.grpo_token_loss if kernels.use_triton(logprobs, opts.backend, "the GRPO token loss") else token_loss
+    token = (kernels.grpo_token_loss if kernels.use_triton(logprobs, opts.backend, "the GRPO token loss")
+             else token_loss)
     losses = token(ratio_logprobs, old_logprobs, advantages, loss_mask, **kw)   # (B, T) fp32, 0 off the mask
     if sequence and ref_logprobs is not None and opts.beta > 0:  # w_t l_t + beta k3_t, as token_loss adds it
         m = loss_mask.bool()  # padding may hold inf: zero it before the exp (as token_loss does)

@@ -141,7 +141,8 @@ class ProcessCredit:
         from grpo.fit.memory import frozen_copy_terms
         s, args = self.sampler, self.sampler.model.args
         length = cfg.max_prompt_length + cfg.max_completion_length + self.max_continuation_tokens
-        return frozen_copy_terms(args, next(s.model.parameters()).element_size(), s.gen_batch, length, s.kv_budget_bytes)
+        return frozen_copy_terms(args, next(s.model.parameters()).element_size(), s.gen_batch, length,
+                                 s.kv_budget_bytes)
 
     def __call__(self, trajs: list[Trajectory], advantages: torch.Tensor, step: int = 0) -> torch.Tensor:
         """(N,) outcome advantages -> (N, C_max) token advantages (0 past each completion)."""
@@ -177,7 +178,8 @@ class ProcessCredit:
         for i in kept:
             carrier.setdefault(trajs[i].prompt_index, i)
         # boundary k (0 = the prompt) of solution i, for the boundaries it samples
-        own = {i: [(k, b) for k, b in enumerate([0] + ends[i][:-1]) if k or carrier[trajs[i].prompt_index] == i]
+        own = {i: [(k, b) for k, b in enumerate([0] + ends[i][:-1])
+                   if k or carrier[trajs[i].prompt_index] == i]
                for i in kept}
         sequences = [trajs[i].prompt_ids + trajs[i].completion_ids for i in kept]
         cuts = [[len(trajs[i].prompt_ids) + b for _, b in own[i]] for i in kept]

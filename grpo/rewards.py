@@ -24,7 +24,8 @@ from grpo.env import Env, as_env
 
 def is_conversational(prompt) -> bool:
     """TRL's test: a list of {"role", "content"} messages (not text)."""
-    return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) and "role" in m for m in prompt)
+    return (isinstance(prompt, list) and bool(prompt)
+            and all(isinstance(m, dict) and "role" in m for m in prompt))
 
 
 class RewardFunctionsEnv(Env):
@@ -39,13 +40,15 @@ class RewardFunctionsEnv(Env):
         self.base = None if base is None else as_env(base, rewards=False)
         # a base that scores (a plain class without reward() gets a view that gives no terms; an Env subclass
         # that does not override it has none to give)
-        self.base_rewards = self.base is not None and not (isinstance(base, Env) and type(base).reward is Env.reward)
+        self.base_rewards = self.base is not None and not (isinstance(base, Env)
+                                                           and type(base).reward is Env.reward)
         self.score_term = next(iter(funcs), None) or (self.base or Env).score_term  # what grpo.eval reports
         if self.base is not None:  # the base env's tool protocol, as its own
             b = self.base
             self.stop_strings, self.max_turns, self.observation_role, self.chat_kwargs = (
                 b.stop_strings, b.max_turns, b.observation_role, b.chat_kwargs)
-            self.step, self.gold_messages, self.extract, self.answered = b.step, b.gold_messages, b.extract, b.answered
+            self.step, self.gold_messages, self.extract, self.answered = (b.step, b.gold_messages, b.extract,
+                                                                          b.answered)
 
     def prompt(self, example: dict):
         if self.base is not None:
@@ -84,7 +87,8 @@ class RewardFunctionsEnv(Env):
             values = fn(prompts=prompts, completions=completions, completion_ids=ids, **columns)
             if values is None or len(values) != len(trajectories):
                 raise ValueError(f"reward function {name} returned {None if values is None else len(values)} "
-                                 f"values for {len(trajectories)} completions (one per completion, None = n/a)")
+                                 f"values for {len(trajectories)} completions "
+                                 "(one per completion, None = n/a)")
             for terms, v in zip(out, values):
                 terms[name] = None if v is None or isinstance(v, float) and math.isnan(v) else float(v)
         return out

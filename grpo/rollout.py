@@ -33,7 +33,8 @@ class Trajectory:
     rewards: dict = field(default_factory=dict)            # named terms from env.reward
     reward: float = 0.0           # their weighted sum
     answered: bool = False        # cut at the token limit after it answered (assign_rewards(): env.answered)
-    kept_thresholds: list[float] = field(default_factory=list)  # per token, the kept set (sampling.py); [] = all
+    # per token, the kept set (sampling.py); [] = all
+    kept_thresholds: list[float] = field(default_factory=list)
 
 
 def render_prompt(tokenizer, messages: list[dict] | str, **chat_kwargs) -> list[int]:
@@ -42,7 +43,8 @@ def render_prompt(tokenizer, messages: list[dict] | str, **chat_kwargs) -> list[
     if isinstance(messages, str):  # a raw text prompt (TRL's standard form): no chat template, as TRL
         return tokenizer.encode(messages, add_special_tokens=False)
     if not any(_added_in(tokenizer, m.get("content")) for m in messages):  # the common case: one encode
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **chat_kwargs)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            **chat_kwargs)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **chat_kwargs)
     return _encode_framed(tokenizer, messages, range(len(messages)), text, 0, chat_kwargs)
@@ -97,7 +99,8 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return [i for a, b in zip(cuts, cuts[1:]) for i in tokenizer.encode(text[a:b], add_special_tokens=False)]
 
 
-def _encode_framed(tokenizer, messages: list[dict], guarded, text: str, start: int, chat_kwargs: dict) -> list[int]:
+def _encode_framed(tokenizer, messages: list[dict], guarded, text: str, start: int,
+                   chat_kwargs: dict) -> list[int]:
     """text[start:] as ids: the template's framing (its control tokens) encoded as usual and the
     `guarded` messages' contents as text. The framing is found by rendering those contents as
     placeholders; a content must then appear in its place as given, or trimmed (as some

@@ -58,7 +58,8 @@ def pack(trajs: list, device) -> dict:
     rows = [collate([t], "cpu") for t in trajs]
     cat = lambda key: torch.cat([r[key][0] for r in rows])[None].to(device)  # noqa: E731
     positions = torch.cat([torch.arange(r["input_ids"].shape[1]) for r in rows])[None].to(device)
-    return dict(input_ids=cat("input_ids"), position_ids=positions, labels=cat("labels"), loss_mask=cat("loss_mask"))
+    return dict(input_ids=cat("input_ids"), position_ids=positions, labels=cat("labels"),
+                loss_mask=cat("loss_mask"))
 
 
 def _split(trajs: list, sizes: list[int], n: int) -> list[list]:
@@ -70,7 +71,8 @@ def _split(trajs: list, sizes: list[int], n: int) -> list[list]:
     return parts
 
 
-def _masked(t, device) -> dict:  # a one-token micro-batch that trains nothing: a rank's turn in the collectives
+# a one-token micro-batch that trains nothing: a rank's turn in the collectives
+def _masked(t, device) -> dict:
     b = pack([t], device)
     return {k: v[:, :1] for k, v in b.items()} | {"loss_mask": torch.zeros_like(b["loss_mask"][:, :1])}
 
@@ -95,12 +97,15 @@ def warm_start(model, tokenizer, env, examples: list, cfg: Config, device, log):
         # peak memory); every rank runs as many (FSDP's collectives pair up), an empty one a masked token
         sizes = [len(t.prompt_ids) + len(t.completion_ids) for t in trajs]
         n = int(dist.all_max_floats([math.ceil(sum(sizes) / cfg.micro_batch_tokens)])[0])
-        packs = [pack(part, device) if part else _masked(trajs[0], device) for part in _split(trajs, sizes, n)]
-        tokens = dist.all_sum(sum(b["loss_mask"].sum().item() for b in packs))  # host sync: the global normalizer
+        packs = [pack(part, device) if part else _masked(trajs[0], device)
+                 for part in _split(trajs, sizes, n)]
+        # host sync: the global normalizer
+        tokens = dist.all_sum(sum(b["loss_mask"].sum().item() for b in packs))
         nll_sum = 0.0
         for b in packs:  # (1, sum of lengths) each
             nll = -(model(b["input_ids"], b["position_ids"], labels=b["labels"]) * b["loss_mask"]).sum()
-            (nll * world / tokens).backward()  # FSDP averages gradients over ranks: scale the local sum by world
+            # FSDP averages gradients over ranks: scale the local sum by world
+            (nll * world / tokens).backward()
             nll_sum += nll.item()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()

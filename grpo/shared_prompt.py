@@ -5,8 +5,8 @@ token again and the completion: the last prompt token's output predicts a differ
 for each completion, so each needs its own copy. Each completion attends to the prompt and to
 itself, never to its siblings (grpo/models/prompt_attention.py, which the model's attention calls for a
 SharedPrompts layout); grpo.update gathers the log-probs back into the per-sequence layout its
-loss reads. CPU, SmolLM2, 8 prompts x G=6: 37% fewer tokens, the update 1.14-1.34x faster
-(bench/shared_prompt.py).
+loss reads. Fewer tokens forwarded, and a faster update, the longer the prompt and the larger G
+(bench/shared_prompt.py; bench/RESULTS.md has the figures).
 """
 import torch
 
@@ -45,7 +45,8 @@ def shared_prompt_batch(rows: list[list], device) -> dict:
     input_ids, position_ids = torch.zeros(R, L, dtype=torch.long), torch.zeros(R, L, dtype=torch.long)
     labels = torch.full((R, L), -100, dtype=torch.long)
     index, n = torch.full((N, T), R * L, dtype=torch.long), 0
-    prompt_at, segment_at = torch.full((R, Pm), R * L, dtype=torch.long), torch.full((N, Mm), R * L, dtype=torch.long)
+    prompt_at, segment_at = (torch.full((R, Pm), R * L, dtype=torch.long),
+                             torch.full((N, Mm), R * L, dtype=torch.long))
     segment_row, mask = torch.zeros(N, dtype=torch.long), torch.zeros(N, 1, Mm, Pm + Mm, dtype=torch.bool)
     causal = torch.ones(Mm, Mm, dtype=torch.bool).tril()
     for r, row in enumerate(rows):

@@ -45,7 +45,8 @@ def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
 def collate(trajs: list, device) -> dict:
     """Right-padded rows; position t scores token t+1, so completion token j of a sequence with
     prompt length P is the label at position P-1+j. Returns (B, T) tensors."""
-    T = max(1, *(len(t.prompt_ids) + len(t.completion_ids) for t in trajs))  # 1: rows of a failed, empty prompt
+    # at least 1: the rows of a failed, empty prompt
+    T = max(1, *(len(t.prompt_ids) + len(t.completion_ids) for t in trajs))
     B = len(trajs)
     input_ids = torch.zeros(B, T, dtype=torch.long)
     labels = torch.full((B, T), -100, dtype=torch.long)
@@ -72,8 +73,8 @@ def sequence_logprobs(model, b: dict, temperature: float, return_entropy: bool =
     or from its shared-prompt rows (b["prompt_rows"]) gathered back into that layout."""
     shared = b.get("prompt_rows")
     if shared is None:
-        return model(b["input_ids"], labels=b["labels"], temperature=temperature, return_entropy=return_entropy,
-                     thresholds=b.get("thresholds"))
+        return model(b["input_ids"], labels=b["labels"], temperature=temperature,
+                     return_entropy=return_entropy, thresholds=b.get("thresholds"))
     out = model(shared["input_ids"], shared["position_ids"], labels=shared["labels"], temperature=temperature,
                 return_entropy=return_entropy, shared=shared["layout"], thresholds=shared.get("thresholds"))
     unpack = lambda x: torch.cat([x.reshape(-1), x.new_zeros(1)])[shared["index"]]  # noqa: E731
@@ -122,7 +123,8 @@ def update_batches(trajs: list, advantages: torch.Tensor, cfg: Config, device) -
         zero = (advantages.reshape(len(trajs), -1) == 0).all(1).tolist()
         keep = [i for i in keep if not zero[i] and not masked_out(trajs[i], cfg)]
     if cfg.share_prompt:  # rows of one prompt and its completions
-        units, lengths = map(list, zip(*prompt_rows(trajs, keep, cfg.micro_batch_tokens))) if keep else ([], [])
+        units, lengths = (map(list, zip(*prompt_rows(trajs, keep, cfg.micro_batch_tokens))) if keep
+                          else ([], []))
     else:
         units = [[i] for i in keep]
         lengths = [len(trajs[i].prompt_ids) + len(trajs[i].completion_ids) for i in keep]
@@ -153,7 +155,8 @@ def loss_options(cfg: Config) -> LossOptions:
                        delta=cfg.delta or None, dual_clip=cfg.dual_clip or None, beta=cfg.beta,
                        tis_cap=cfg.tis_cap or None, max_completion_length=cfg.max_completion_length,
                        importance_sampling_level=getattr(cfg, "importance_sampling_level", "token"),
-                       use_bias_correction_kl=cfg.use_bias_correction_kl, sapo_temperature_pos=cfg.sapo_temperature_pos,
+                       use_bias_correction_kl=cfg.use_bias_correction_kl,
+                       sapo_temperature_pos=cfg.sapo_temperature_pos,
                        sapo_temperature_neg=cfg.sapo_temperature_neg)
 
 
@@ -207,7 +210,8 @@ def policy_update(model, ref_model, optimizer, scheduler, trajs: list, advantage
     num_tokens = dist.all_sum(float(sum(sum(t.loss_mask) for t in trajs if not masked_out(t, cfg)))) / S
     steps = []  # per mini-batch: its micro-batches and its normalizers (all ranks)
     for c in range(S):
-        rows = list(range(c * groups // S * G, (c + 1) * groups // S * G)) if S > 1 else list(range(len(trajs)))
+        rows = (list(range(c * groups // S * G, (c + 1) * groups // S * G)) if S > 1
+                else list(range(len(trajs))))
         sub, adv = [trajs[i] for i in rows], advantages[rows]
         num_sequences = dist.all_sum(float(len(sub)))
         steps.append((update_batches(sub, adv, cfg, device), num_sequences, num_tokens))
@@ -218,7 +222,8 @@ def policy_update(model, ref_model, optimizer, scheduler, trajs: list, advantage
     training = model.training
     model.eval()  # the old policy and the reference as the sampler ran them: no dropout (LoRA's lora_dropout)
     old = [batch_logprobs(model, b, cfg.temperature) for b, _, _ in steps] if from_rollout else None
-    ref = [batch_logprobs(ref_model, b, cfg.temperature) for b, _, _ in steps] if ref_model is not None else None
+    ref = ([batch_logprobs(ref_model, b, cfg.temperature) for b, _, _ in steps] if ref_model is not None
+           else None)
     model.train(training)
     sums, grad_norm, skipped, gap_max = {}, 0.0, 0, torch.zeros((), device=device)
     total_mbs = cfg.num_iterations * sum(len(b) for b, _, _ in steps)
@@ -235,7 +240,8 @@ def policy_update(model, ref_model, optimizer, scheduler, trajs: list, advantage
                 loss.backward()
                 done_tokens += b["input_ids"].numel()  # rows x padded length: what the forward computed
                 if not bar.disable:
-                    bar.set_postfix_str(f"{done_tokens / max(time.time() - t0, 1e-9):.0f} tok/s", refresh=False)
+                    bar.set_postfix_str(f"{done_tokens / max(time.time() - t0, 1e-9):.0f} tok/s",
+                                        refresh=False)
                     bar.update(1)
                 m["loss"] = loss.detach()
                 if it == 0:  # what the update trains on, counted once (not per iteration)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from calculator_qwen25_3b import CalculatorQwen, main
 
+from grpo.fit.sizing import run_command
+
 
 @dataclass
 class CalculatorQwen05B(CalculatorQwen):
@@ -24,4 +26,4 @@ class CalculatorQwen05B(CalculatorQwen):
 
 
 if __name__ == "__main__":
-    main(CalculatorQwen05B)
+    run_command(main, CalculatorQwen05B)

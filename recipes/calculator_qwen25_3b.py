@@ -60,6 +60,7 @@ from grpo.flags import parse_args
 from grpo.infra.data import epoch_steps, load_or_exit
 from grpo.envs.calculator import DEFAULT_WEIGHTS, JUDGE_WEIGHTS, CalculatorEnv, generate_questions
 from grpo.envs.tasks import calculator_example
+from grpo.fit.sizing import run_command
 from grpo.trainer import train
 
 
@@ -148,4 +149,4 @@ def main(cls=CalculatorQwen):
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)  # a run the memory plan refuses: its line and table

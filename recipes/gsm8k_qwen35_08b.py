@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 from gsm8k_qwen3_06b import GSM8KQwen3, main
 
+from grpo.fit.sizing import run_command
+
 
 @dataclass
 class GSM8KQwen35(GSM8KQwen3):
@@ -36,4 +38,4 @@ class GSM8KQwen35(GSM8KQwen3):
 
 
 if __name__ == "__main__":
-    main(GSM8KQwen35)
+    run_command(main, GSM8KQwen35)

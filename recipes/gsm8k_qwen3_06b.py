@@ -46,6 +46,7 @@ from grpo.flags import parse_args
 from grpo.infra.data import load_or_exit
 from grpo.envs import gsm8k
 from grpo.envs.tasks import gsm8k_example
+from grpo.fit.sizing import run_command
 from grpo.trainer import train
 
 
@@ -96,4 +97,4 @@ def main(cls=GSM8KQwen3):
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)  # a run the memory plan refuses: its line and table

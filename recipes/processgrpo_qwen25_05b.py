@@ -130,6 +130,7 @@ from grpo.models.model import Transformer
 from grpo.process import ProcessCredit
 from grpo.engine.sampler import Sampler
 from grpo.fit.fallback import kernels_of
+from grpo.fit.sizing import run_command
 from grpo.trainer import train
 
 CREDITS = ("process", "outcome", "shuffled")
@@ -275,4 +276,4 @@ def main(cls=ProcessGRPOQwen):
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)  # a run the memory plan refuses: its line and table

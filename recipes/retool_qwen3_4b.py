@@ -79,6 +79,7 @@ from grpo.flags import parse_args
 from grpo.infra.data import epoch_steps, load_or_exit
 from grpo.envs.math import aime_example
 from grpo.envs.retool import REWARD_WEIGHTS, ReToolEnv, dapo_example
+from grpo.fit.sizing import run_command
 from grpo.trainer import train
 
 
@@ -141,4 +142,4 @@ def main(cls=ReToolQwen3, make_env=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)  # a run the memory plan refuses: its line and table

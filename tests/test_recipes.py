@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from parallel import at_once
 
 import grpo.eval
 import grpo.trainer
@@ -97,11 +98,13 @@ def check_run(out: Path, family: str, eval_rows: int = 4):
 
 # ----------------------------------------------------------------------------- calculator (Qwen2.5)
 
-@pytest.mark.parametrize("recipe", ["calculator_qwen25_3b.py", "calculator_qwen25_05b.py"])
-def test_calculator_recipe_two_steps(recipe, tmp_path, smollm2_path):
+def test_calculator_recipe_two_steps(tmp_path, smollm2_path):
+    """calculator_qwen25_05b.py runs calculator_qwen25_3b.py's main() with its own defaults (model and
+    output folder, both given here): the 3B file's whole path too, but for its own last line, which
+    test_every_recipe_has_help runs."""
     model = make_tiny_chat_model(tmp_path / "tiny-qwen2", "qwen2", smollm2_path)
     out = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "recipes" / recipe), *tiny_flags(model, out),
+    cmd = [sys.executable, str(ROOT / "recipes" / "calculator_qwen25_05b.py"), *tiny_flags(model, out),
            "--train_questions=8", "--eval_questions=4", "--max_prompt_length=512"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=ONE_THREAD)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -178,10 +181,21 @@ def test_retool_recipe_two_steps(tmp_path, smollm2_path):
     assert all(r["reward/mean"] == 2 * r["reward/correct"] - 1 for r in rows)   # +-1, as the reference
 
 
-@pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "recipes").glob("*.py")))
-def test_every_recipe_has_help(recipe):
-    r = subprocess.run([sys.executable, f"recipes/{recipe}", "--help"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300, env=ONE_THREAD)
+RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.py"))
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict:
+    """Every recipe's --help, the processes started together (tests/parallel.py: each mostly imports)."""
+    def run(recipe):
+        return subprocess.run([sys.executable, f"recipes/{recipe}", "--help"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300, env=ONE_THREAD)
+    return dict(zip(RECIPES, at_once(*(lambda recipe=recipe: run(recipe) for recipe in RECIPES))))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_has_help(recipe, helps):
+    r = helps[recipe]
     assert r.returncode == 0, r.stderr[-2000:]
     assert all(f"--{name} (" in r.stdout for name in ("model_path", "learning_rate", "num_generations"))
 

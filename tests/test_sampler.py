@@ -91,15 +91,18 @@ def test_seeded_tokens_independent_of_batch_on_smollm2(smol, one_thread):
     """The sampler's guarantee: a seeded request draws the same tokens in any batch. Batches
     of 8, of 1 and a changing mix of 20 rows round the logits differently (fp32 matmul noise);
     the race over per-token noise must not let that flip a choice. With inverse-CDF sampling
-    this failed: one row of the mixed run left the others at token 114."""
+    this failed: one row of the mixed run left the others at token 114. Alone (a batch of 1, a
+    row's decode step at a time: the costly run) the first sample of each prompt, whose request
+    key is the same whatever n."""
     model, _, prompts = smol
     p = SamplingParams(n=4, temperature=1.0, max_tokens=128, stop_token_ids=[], seed=0)  # no stop: 128 each
-    runs = [Sampler(model, gen_batch=b).generate(prompts[1:3], p, prompt_ids=[1, 2]) for b in (8, 1)]
+    rows = [c.token_ids for c in Sampler(model, gen_batch=8).generate(prompts[1:3], p, prompt_ids=[1, 2])]
+    one = dataclasses.replace(p, n=1)
+    alone = Sampler(model, gen_batch=1).generate(prompts[1:3], one, prompt_ids=[1, 2])
     mixed = Sampler(model, gen_batch=7).generate(prompts, p)  # 20 rows in 7 slots: the batch keeps changing
-    runs.append(mixed[4:12])  # prompts 1 and 2
-    rows = [[c.token_ids for c in run] for run in runs]
-    assert all(len(x) == 128 for x in rows[0])
-    assert rows[1] == rows[0] and rows[2] == rows[0]
+    assert all(len(x) == 128 for x in rows)
+    assert [c.token_ids for c in alone] == rows[::4]
+    assert [c.token_ids for c in mixed[4:12]] == rows  # prompts 1 and 2
 
 
 @pytest.fixture(scope="module")
@@ -168,8 +171,8 @@ def _decoded_rows(monkeypatch) -> list[int]:
     """The batch of every decode step from here on (grpo.engine.window.decode_hidden wrapped)."""
     import grpo.engine.window as window
     rows, inner = [], window.decode_hidden
-    monkeypatch.setattr(window, "decode_hidden", lambda w, cache, tok, pos, n, span: rows.append(n)
-                        or inner(w, cache, tok, pos, n, span))
+    monkeypatch.setattr(window, "decode_hidden", lambda w, cache, tok, pos, n, span, **kw: rows.append(n)
+                        or inner(w, cache, tok, pos, n, span, **kw))
     return rows
 
 
@@ -239,20 +242,20 @@ def test_batch_buckets(tiny_dir, monkeypatch):
 def _mock_graphs(sampler, monkeypatch) -> list:
     """CUDA graphs on a CPU: the sampler takes its graphed path (buckets, a window a graph), each
     'capture' recorded by its key and 'replayed' as the same decode steps run eagerly."""
-    import grpo.engine.sampler as sampler_module
+    from grpo.engine.runner import Runner
+    from grpo.engine.window import decode_step
     captured = []
 
-    def graph(self, call, num_slots, cache_len):
-        p = call.params
+    def graph(self, p, num_slots, cache_len):
         key = (num_slots, cache_len, p.temperature, p.top_k, p.top_p, p.min_p)
         if key not in self.graphs:
             captured.append(key)
             self.graphs[key] = types.SimpleNamespace(replay=lambda: [
-                sampler_module.decode_step(self.weights, self.cache, self.state, p, num_slots, cache_len, c)
+                decode_step(self.weights, self.cache, self.state, p, num_slots, cache_len, c)
                 for c in range(self.window)])
         return self.graphs[key]
 
-    monkeypatch.setattr(Sampler, "_graph", graph)
+    monkeypatch.setattr(Runner, "_graph", graph)
     sampler.use_graphs = True
     return captured
 
@@ -741,3 +744,137 @@ def test_max_turn_tokens_bounds_each_turn(tiny_dir):
     assert any(c.finish_reason == "length" and len(c.token_ids) < 200 for c in out)
     with pytest.raises(ValueError, match="max_turn_tokens"):
         SamplingParams(max_turn_tokens=-1)
+
+
+def test_tool_turns_read_nothing_back_inside_the_loop(tiny_dir, monkeypatch):
+    """A tool turn's observation reaches the device, and the token after it is drawn there, with no read of
+    the batch state: from the first window on, the loop's only host syncs are each window's one read of its
+    tokens (Runner.read). Counted on the graphed path (mocked CUDA graphs: buckets, pipelined windows) with
+    tool turns, through both observation forwards (a CPU's through the decode weights, the model's own):
+    value reads (tolist, item, int(), bool()) and outputs sized by values (nonzero, ...). Before, each tool
+    turn read its next token back, and a CPU's observation forward its real tokens' places and span."""
+    from grpo.engine.runner import Runner
+    from grpo.measure.kernel_count import OpCount
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counting, syncs, reads = [False], [], []
+
+    class Syncs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__  # repeat_interleave by an int repeat sizes nothing by values
+            if counting[0] and name in OpCount.SYNCS and not (name == "repeat_interleave" and
+                                                              not isinstance(args[1], torch.Tensor)):
+                syncs.append(name)
+            return func(*args, **(kwargs or {}))
+
+    def host_read(method):
+        inner = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method,
+                            lambda t, *a: (counting[0] and syncs.append(method), inner(t, *a))[1])
+
+    def read(self, window):  # the window's own read: not counted
+        counting[0] = False
+        reads.append(1)
+        try:
+            return real_read(self, window)
+        finally:
+            counting[0] = True
+
+    def launch(self, *args):  # counting from the first window on (the first admission's prefill reads its
+        counting[0] = True    # packed documents' bounds back, in the model: once, before the loop decodes)
+        return real_launch(self, *args)
+
+    for method in ("tolist", "item", "numpy"):
+        host_read(method)
+    real_read, real_launch = Runner.read, Runner.launch
+    monkeypatch.setattr(Runner, "read", read)
+    monkeypatch.setattr(Runner, "launch", launch)
+    path, _ = tiny_dir("llama")
+    model = Transformer.from_pretrained(path)
+    p = SamplingParams(n=4, temperature=1.0, max_tokens=40, stop_token_ids=[7], tool_stop_token_ids=[3, 6, 9],
+                       max_turns=3, seed=4)
+    for extend in (True, False):
+        # every row in at once
+        sampler = Sampler(model, gen_batch=8, sync_every=4, buckets=True, pipeline=True)
+        _mock_graphs(sampler, monkeypatch)
+        sampler.runner.extend = extend
+        launched = sampler.decode_steps
+        with Syncs():
+            out = sampler.generate([[4, 5, 6], [8, 9]], p, tool=lambda index, ids: [11, 12])
+        counting[0] = False
+        assert sum(c.num_turns - 1 for c in out) >= 4, "tool turns inside the loop"
+        assert syncs == [] and len(reads) == (sampler.decode_steps - launched) // 4, (extend, syncs)
+        reads.clear()
+
+
+def test_inactive_slots_attend_over_their_first_key(tiny_dir, monkeypatch):
+    """A slot that does not decode in a step (a row in a tool call, a finished or free slot in a bucket)
+    attends over its first key, not over its stale length: each layer's attention reads pos + 1 keys for a
+    decoding row and 1 for the others (on the SDPA path, the key mask says the same). Their outputs are
+    dropped, and what they write at pos is written again before it is read: the tokens are an exact
+    batch's."""
+    import grpo.engine.decode as decode
+    import grpo.engine.window as window
+    step, checked, attend, hidden = {}, [], decode._attend, window.decode_hidden
+
+    def decode_hidden(w, cache, tok, pos, n, span, **kw):
+        step.update(pos=pos.clone(), active=kw["active"].clone())
+        return hidden(w, cache, tok, pos, n, span, **kw)
+
+    def _attend(q, k, v, slot, length, span, bias, kernel):
+        want = torch.where(step["active"], step["pos"] + 1, 1)
+        assert torch.equal(length, want)
+        open_keys = None if bias is None else (bias[:, 0, 0] == 0).sum(-1)  # the SDPA path's key mask
+        assert bias is None or torch.equal(open_keys, torch.minimum(want, torch.tensor(span)))
+        checked.append(int((~step["active"] & (step["pos"] > 0)).sum()))
+        return attend(q, k, v, slot, length, span, bias, kernel)
+
+    path, _ = tiny_dir("qwen3")
+    model = Transformer.from_pretrained(path)
+    p = SamplingParams(n=3, temperature=1.0, max_tokens=30, stop_token_ids=[0], tool_stop_token_ids=[7, 8, 9],
+                       max_turns=4, seed=5)
+    tool = lambda index, ids: [40 + index % 5] * (1 + index % 3)  # noqa: E731
+    exact = Sampler(model, gen_batch=6).generate([[1, 2, 3], [9, 8, 7, 6, 5]], p, tool=tool)
+    monkeypatch.setattr(window, "decode_hidden", decode_hidden)
+    monkeypatch.setattr(decode, "_attend", _attend)
+    bucketed = Sampler(model, gen_batch=6, buckets=True, sync_every=3)
+    out = bucketed.generate([[1, 2, 3], [9, 8, 7, 6, 5]], p, tool=tool)
+    assert sum(checked) > 0, "inactive slots past their first position"
+    assert [c.token_ids for c in out] == [c.token_ids for c in exact]
+    assert any(c.num_turns > 1 for c in out)
+
+
+def test_a_16_bit_lm_head_in_fp32_once_per_call_where_mm_gives_no_fp32(tiny_dir, monkeypatch):
+    """Where torch.mm cannot give 16-bit operands an fp32 output (older PyTorch on CUDA), the logits came from
+    fp32 copies of both operands (grpo.kernels.scaled_logits' fallback), the whole LM head's at every decode
+    step. The decode weights keep one fp32 copy of the head, made once per call, and the tokens and log-probs
+    are the same (mocked: a bf16 model on a CPU taken for such a GPU; top-k reads the whole head's logits)."""
+    import grpo.engine.decode as decode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    path, _ = tiny_dir("qwen2", vocab_size=1000)
+    model = Transformer.from_pretrained(path, dtype=torch.bfloat16)
+    head = model.lm_head.weight
+
+    class HeadCopies(TorchDispatchMode):  # the head read into a new fp32 tensor, or copied into one
+        copies = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+                src = args[0] if func is torch.ops.aten._to_copy.default else args[1]
+                self.copies += src.data_ptr() == head.data_ptr() and src.shape == head.shape
+            return func(*args, **(kwargs or {}))
+
+    p = SamplingParams(n=2, temperature=1.0, top_k=50, max_tokens=12, stop_token_ids=[], seed=3)
+    runs = []
+    for fp32_head in (False, True):
+        monkeypatch.setattr(decode, "needs_head32", lambda w, on=fp32_head: on and w.dtype == torch.bfloat16)
+        sampler, count = Sampler(model), HeadCopies()
+        with count:
+            runs.append(sampler.generate([[5, 6, 7], [8, 9]], p))
+        steps = sampler.decode_steps
+        # prefills read the model's own head (fp32 copies there, once a prefill, not a step)
+        assert (sampler.weights.head32 is not None) == fp32_head
+        assert count.copies == (1 + 1 if fp32_head else steps + 1), (fp32_head, count.copies, steps)
+    assert [c.token_ids for c in runs[0]] == [c.token_ids for c in runs[1]]
+    assert [c.logprobs for c in runs[0]] == [c.logprobs for c in runs[1]]

@@ -270,9 +270,10 @@ def test_kernels_torch_and_cuda_graphs_false_reach_the_run(tmp_path, monkeypatch
     # every grpo.kernels call of the run takes its reference (a CPU takes them anyway: what is
     # checked is that the run is inside references(), and that it is left after); the sampler
     # is built without graphs
+    from grpo.fit import build as setup
     from grpo.kernels import target
     seen = {}
-    real_build, real_sampler = trainer.build, trainer.Sampler
+    real_build, real_sampler = trainer.build, setup.Sampler
 
     def build(cfg, device, *extra):
         seen["references"] = target._references
@@ -282,7 +283,7 @@ def test_kernels_torch_and_cuda_graphs_false_reach_the_run(tmp_path, monkeypatch
         seen["cuda_graphs"] = kwargs.get("cuda_graphs")
         return real_sampler(*args, **kwargs)
     monkeypatch.setattr(trainer, "build", build)
-    monkeypatch.setattr(trainer, "Sampler", sampler)
+    monkeypatch.setattr(setup, "Sampler", sampler)
     train(toy_config(tmp_path, max_steps=1, kernels="torch", cuda_graphs=False), ToyEnv(), EXAMPLES, [])
     assert seen == {"references": True, "cuda_graphs": False} and target._references is False
     train(toy_config(tmp_path, max_steps=1, output_dir=str(tmp_path / "run2")), ToyEnv(), EXAMPLES, [])

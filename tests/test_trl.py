@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from parallel import at_once
 from toy import make_toy_dir
 
 from grpo.api import GRPOTrainer
@@ -198,8 +199,11 @@ def test_recipe_user_errors_are_one_line_and_write_nothing(toy, tmp_path):
              ([f"--model_path={toy}", "--train_data=nope.jsonl"], "error: nope.jsonl: no such file"),
              ([f"--model_path={toy}", "--mask_truncated_completions", "maybe"], "error: unexpected argument 'maybe'"),
              ([f"--model_path={toy}", "--report_to=nosuch"], "error: bad config: report_to='nosuch'")]
-    for flags, message in cases:
-        r = subprocess.run(base + flags, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    def run(flags):
+        return subprocess.run(base + flags, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                              env=env)
+    runs = at_once(*(lambda flags=flags: run(flags) for flags, _ in cases))  # together: each mostly imports
+    for (flags, message), r in zip(cases, runs):
         assert r.returncode != 0 and r.stderr.strip().startswith(message), (flags, r.stderr[-2000:])
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # no traceback
     assert sorted(p.name for p in used.iterdir()) == ["metrics.jsonl"]  # nothing written into the refused folder

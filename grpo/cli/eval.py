@@ -2,17 +2,18 @@
 
     python -m grpo.cli.eval --model_path PATH --task gsm8k [--data SOURCE] [--eval_n K] [--eval_limit N]
     python -m grpo.cli.eval --run runs/NAME      # a run's export, evaluated exactly as the run evaluated it
-    python -m grpo.cli.eval --model_path PATH --task calculator --protocol reference --data basic_calculations_eval.csv
+    python -m grpo.cli.eval --model_path PATH --task calculator --protocol reference \\
+        --data basic_calculations_eval.csv
 
 Tasks and their default data (Hugging Face dataset ids) are in grpo.envs.tasks; `--data` takes a
 local JSONL, CSV or Parquet file or another dataset id (grpo.infra.data.load_examples), with a
 `question` (or `prompt`) column and an `answer` column unless --question_field/--answer_field
 say otherwise. `--protocol reference` (calculator): the reference run's own evaluation
 (grpo.envs.calculator.REFERENCE_EVAL: one sample at T 0.2, 5 calls, 1,000 tokens a turn, right within
-an absolute 0.1) in place of the sampling flags. Per-sample records (prompt, completion, extracted answer, score) go to a JSONL file.
-`--run` reads the run's config.json, imports the recipe that launched it, and calls its
-`eval_setup(cfg) -> (env, examples)`: the same env, system prompt, questions, samples,
-temperature and token budget as the run's own evals.
+an absolute 0.1) in place of the sampling flags. Per-sample records (prompt, completion, extracted
+answer, score) go to a JSONL file. `--run` reads the run's config.json, imports the recipe that
+launched it, and calls its `eval_setup(cfg) -> (env, examples)`: the same env, system prompt,
+questions, samples, temperature and token budget as the run's own evals.
 """
 import argparse
 import json
@@ -59,12 +60,14 @@ def main(argv: list[str] | None = None) -> dict:
                    help="completion tokens, tool output included")
     p.add_argument("--max_turns", type=int, default=0, help="0 = the env's own limit")
     p.add_argument("--enable_thinking", type=_flag, default=True, metavar="{true,false}",
-                   help="chat template switch (Qwen3: false = non-thinking); true/false or 1/0, as the recipes take")
+                   help="chat template switch (Qwen3: false = non-thinking); true/false or 1/0, "
+                        "as the recipes take")
     p.add_argument("--autocast_bf16", default="auto", choices=["auto", "true", "false"],
-                   help="CPU: bf16 matmuls under autocast; auto = where a start-up measurement finds them faster")
+                   help="CPU: bf16 matmuls under autocast; "
+                        "auto = where a start-up measurement finds them faster")
     p.add_argument("--protocol", choices=["default", "reference"], default="default",
-                   help="calculator: 'reference' = the reference run's evaluation (one sample, T 0.2, 5 calls, "
-                        "1,000 tokens a turn, right within 0.1), overriding the sampling flags")
+                   help="calculator: 'reference' = the reference run's evaluation (one sample, T 0.2, "
+                        "5 calls, 1,000 tokens a turn, right within 0.1), overriding the sampling flags")
     p.add_argument("--tool", choices=["none", "code_interpreter"], default="none",
                    help="math tasks: answer with the sandboxed Python tool (ReTool's env) or without")
     add_arguments(p, _flag, " (--run: the run's own)")
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not (args.model_path and args.task):
         p.error("pass --model_path and --task, or --run")
     if args.data is not None and not args.data.strip():  # not the default data set, silently
-        raise SystemExit("python -m grpo.cli.eval: --data is empty: pass a file or a dataset id, or leave it out")
+        raise SystemExit("python -m grpo.cli.eval: --data is empty: "
+                         "pass a file or a dataset id, or leave it out")
     try:  # the data first: a missing file or an offline hub should not wait for the model to load
         env, examples = load_task(args.task, args.data, args.shots, args.question_field, args.answer_field,
                                   args.fewshot_data)
@@ -86,19 +90,22 @@ def main(argv: list[str] | None = None) -> dict:
     turn_tokens = 0  # a turn's own limit: the reference protocol's only
     if args.protocol == "reference":
         if args.task != "calculator":
-            raise SystemExit(f"python -m grpo.cli.eval: --protocol reference is the calculator's, not {args.task}'s")
+            raise SystemExit("python -m grpo.cli.eval: --protocol reference is the calculator's, "
+                             f"not {args.task}'s")
         from grpo.envs.calculator import REFERENCE_EVAL, CalculatorEnv
         ref = REFERENCE_EVAL
         env = CalculatorEnv(rel_tol=ref["rel_tol"], abs_tol=ref["abs_tol"])
         args.eval_n, args.eval_temperature = ref["n"], ref["temperature"]
         args.max_completion_length, args.max_turns, turn_tokens = ref["max_tokens"], ref["max_turns"], \
             ref["max_turn_tokens"]
-        print(f"protocol: the reference's ({ref['n']} sample at T {ref['temperature']}, {ref['max_turns'] - 1} calls, "
+        print(f"protocol: the reference's ({ref['n']} sample at T {ref['temperature']}, "
+              f"{ref['max_turns'] - 1} calls, "
               f"{ref['max_turn_tokens']} tokens a turn, right within {ref['abs_tol']}) on "
               + (args.data if args.data else "200 generated questions (no --data: not the reference's 158)"))
     examples = examples[:args.eval_limit] if args.eval_limit else examples
     if not examples:  # an accuracy over 0 questions would print as 0.0000
-        raise SystemExit(f"python -m grpo.cli.eval: no questions to evaluate (--eval_limit {args.eval_limit})")
+        raise SystemExit("python -m grpo.cli.eval: no questions to evaluate "
+                         f"(--eval_limit {args.eval_limit})")
     if args.tool == "code_interpreter":
         if args.task not in ("math500", "aime24", "aime25"):
             raise SystemExit(f"python -m grpo.cli.eval: --tool code_interpreter is for math tasks, "
@@ -117,7 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
     temperature = args.eval_temperature if args.eval_temperature is not None else (0.0 if n == 1 else 1.0)
     with kernels_of(args):
         r = evaluate(model, tokenizer, env, examples, n=n, temperature=temperature,
-                     max_tokens=args.max_completion_length, max_turns=args.max_turns, max_turn_tokens=turn_tokens,
+                     max_tokens=args.max_completion_length, max_turns=args.max_turns,
+                     max_turn_tokens=turn_tokens,
                      chat_kwargs={"enable_thinking": bool(args.enable_thinking)},
                      cuda_graphs=args.cuda_graphs is not False)
     out = write_records(args.out or f"eval_{args.task}.jsonl", r["records"])
@@ -168,9 +176,11 @@ def evaluate_run(run_dir: str, out: str | None = None, kernels: str | None = Non
         raise SystemExit(f"python -m grpo.cli.eval: {module.__file__} defines no eval_setup(cfg): use --task")
     env, examples = module.eval_setup(cfg)
     meta = json.load(open(os.path.join(run_dir, "config.json"))).get("_meta", {})
-    examples = list(examples[:meta.get("eval_questions", cfg.eval_limit)])  # as many as the run's budget asked
+    # as many as the run's budget asked
+    examples = list(examples[:meta.get("eval_questions", cfg.eval_limit)])
     if not examples:  # an accuracy over 0 questions would print as 0.0000
-        raise SystemExit(f"python -m grpo.cli.eval: the run has no eval questions (eval_limit={cfg.eval_limit})")
+        raise SystemExit("python -m grpo.cli.eval: the run has no eval questions "
+                         f"(eval_limit={cfg.eval_limit})")
     export = os.path.join(run_dir, "export")
     if not os.path.exists(os.path.join(export, "config.json")):   # export=False, or stopped by SIGTERM
         raise SystemExit(f"python -m grpo.cli.eval: {export} not found: make one from a checkpoint with "

@@ -1,9 +1,10 @@
-"""`python -m grpo.cli.plan`: a recipe's memory plan on a GPU or a CPU, with no GPU, no weights and no network.
+"""`python -m grpo.cli.plan`: a recipe's memory plan on a GPU or a CPU, with no GPU, no weights, no network.
 
     python -m grpo.cli.plan recipes/calculator_qwen25_3b.py --gpus 8 --gpu "RTX 6000 Ada"
     python -m grpo.cli.plan recipes/retool_qwen3_4b.py --gpus 8 --gpu H200 --micro_batch_tokens 8704
     python -m grpo.cli.plan recipes/calculator_smollm2_cpu.py --cpu --memory_gb 8
-    python -m grpo.cli.plan --table         # every GPU recipe on 1 and 8 of each GPU below (docs/gpu.md's table)
+    python -m grpo.cli.plan --table         # every GPU recipe on 1 and 8 of each GPU below
+                                            # (docs/gpu.md's table)
 
 --gpu names a GPU (its memory, and the sizes a run there would take from the plan where the recipe
 and the flags leave them);
@@ -41,7 +42,8 @@ def recipe_module(path: str):
 
 def plan_for(recipe: str, gpus: int = 1, gpu: str | None = None, memory_gb: float | None = None,
              cpu: bool = False, flags: list[str] = ()):
-    """(plan, model args, config) of a recipe on `gpus` ranks of a GPU (or a CPU), as its run would size it."""
+    """(plan, model args, config) of a recipe on `gpus` ranks of a GPU (or a CPU), as its run would
+    size it."""
     if gpus < 1:
         raise ValueError(f"--gpus {gpus}: at least 1")
     if gpu and gpu not in GPU_MEMORY_GIB:
@@ -51,7 +53,8 @@ def plan_for(recipe: str, gpus: int = 1, gpu: str | None = None, memory_gb: floa
     if not any(f == "--profile" or f.startswith("--profile=") for f in flags):
         flags += ["--profile", "cpu" if cpu else gpu or "none"]  # the sizes a run there would take
     given = {f.split("=")[0][2:] for f in flags if f.startswith("--")}
-    flags += [f"--{name}=unread" for name in required_fields(cls) if name not in given | {"model_path"}]  # data paths
+    # data paths
+    flags += [f"--{name}=unread" for name in required_fields(cls) if name not in given | {"model_path"}]
     saved = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(gpus)  # recipes size their batches by it (prompts_per_step 0)
     try:
@@ -69,13 +72,13 @@ def plan_for(recipe: str, gpus: int = 1, gpu: str | None = None, memory_gb: floa
     # a recipe's own models, as its run holds them: computed before the sizing, as the run does
     extra = module.memory_terms(cfg, args, gpus, device, total) if hasattr(module, "memory_terms") else []
     free = cfg.profile_applied["sized_by_plan"]
-    if free and not cpu:  # as a run on that GPU sizes itself at start (grpo.trainer.size_to_memory)
+    if free and not cpu:  # as a run on that GPU sizes itself at start (grpo.fit.sizing.size_to_memory)
         cfg = dataclasses.replace(cfg, **size(args, cfg, gpus, device, memory, extra, free))
     return memory_plan(args, cfg, gpus, device, memory, extra), args, cfg, extra
 
 
-GPU_RECIPES = ["calculator_qwen25_05b.py", "calculator_qwen25_3b.py", "gsm8k_qwen3_06b.py", "retool_qwen3_4b.py",
-               "processgrpo_qwen25_05b.py", "gsm8k_qwen35_08b.py"]
+GPU_RECIPES = ["calculator_qwen25_05b.py", "calculator_qwen25_3b.py", "gsm8k_qwen3_06b.py",
+               "retool_qwen3_4b.py", "processgrpo_qwen25_05b.py", "gsm8k_qwen35_08b.py"]
 
 
 def gpu_table(folder: str = "recipes") -> str:
@@ -98,23 +101,29 @@ def main(argv: list[str]):
     ap = argparse.ArgumentParser(prog="python -m grpo.cli.plan", description=__doc__.split("\n")[0])
     ap.add_argument("recipe", help="a recipe file (recipes/*.py), or 'config' for Config's defaults")
     ap.add_argument("--gpus", type=int, default=1, help="ranks (one GPU each)")
-    ap.add_argument("--gpu", default=None, help=f"one of {', '.join(GPU_MEMORY_GIB)} (default: 80 GiB, Config's sizes)")
-    ap.add_argument("--memory_gb", type=float, default=None, help="memory per rank in GiB, instead of --gpu's")
+    ap.add_argument("--gpu", default=None,
+                    help=f"one of {', '.join(GPU_MEMORY_GIB)} (default: 80 GiB, Config's sizes)")
+    ap.add_argument("--memory_gb", type=float, default=None,
+                    help="memory per rank in GiB, instead of --gpu's")
     ap.add_argument("--cpu", action="store_true", help="a CPU run (memory: this machine's RAM / ranks)")
     known, flags = ap.parse_known_args(argv)
     profile = next((f.split("=", 1)[1] if "=" in f else flags[i + 1] if i + 1 < len(flags) else ""
                     for i, f in enumerate(flags) if f == "--profile" or f.startswith("--profile=")), None)
     if known.cpu and profile not in (None, "cpu"):  # a CPU run sizes nothing from the plan
-        print(f"--profile {profile}: ignored on a CPU (a CPU run takes the recipe's sizes; --memory_gb sets the memory)")
+        print(f"--profile {profile}: ignored on a CPU "
+              "(a CPU run takes the recipe's sizes; --memory_gb sets the memory)")
         flags = [f for i, f in enumerate(flags) if not (f == "--profile" or f.startswith("--profile=")
                                                          or i > 0 and flags[i - 1] == "--profile")]
     try:
-        plan, args, cfg, extra = plan_for(known.recipe, known.gpus, known.gpu, known.memory_gb, known.cpu, flags)
+        plan, args, cfg, extra = plan_for(known.recipe, known.gpus, known.gpu, known.memory_gb, known.cpu,
+                                          flags)
     except ValueError as e:
         raise SystemExit(f"python -m grpo.cli.plan: {e}") from None
     where = "CPU" if known.cpu else f"{known.gpus} x {known.gpu or 'GPU'}"
-    print(f"{known.recipe} on {where}: {cfg.model_path or 'SmolLM2-135M'} ({args.n_layers} layers, hidden {args.dim}), "
-          f"gen_batch {cfg.gen_batch}, kv_budget_gb {cfg.kv_budget_gb:g}, micro_batch_tokens {cfg.micro_batch_tokens}, "
+    print(f"{known.recipe} on {where}: {cfg.model_path or 'SmolLM2-135M'} "
+          f"({args.n_layers} layers, hidden {args.dim}), "
+          f"gen_batch {cfg.gen_batch}, kv_budget_gb {cfg.kv_budget_gb:g}, "
+          f"micro_batch_tokens {cfg.micro_batch_tokens}, "
           f"gradient_checkpointing {cfg.gradient_checkpointing}, keep_kv_cache {cfg.keep_kv_cache}")
     print(plan.table())
     for note in plan.notes:
@@ -122,3 +131,6 @@ def main(argv: list[str]):
     if not plan.fits:
         print(fixes_text(what_fits(args, cfg, known.gpus, plan.device, plan.memory / GIB, extra)))
 
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

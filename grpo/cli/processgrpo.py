@@ -44,15 +44,17 @@ def main(argv: list[str] | None = None) -> dict:
         model = Transformer.from_pretrained(name, dtype=dtype, device=device).eval()
         print(set_autocast(model, "auto"))
         with kernels_of(args):
-            r = results[role] = evaluate(model, AutoTokenizer.from_pretrained(name), OneShotMathEnv(), examples,
-                                         max_tokens=args.max_completion_length, cuda_graphs=args.cuda_graphs is not False)
+            r = results[role] = evaluate(model, AutoTokenizer.from_pretrained(name), OneShotMathEnv(),
+                                         examples, max_tokens=args.max_completion_length,
+                                         cuda_graphs=args.cuda_graphs is not False)
         by_ops = " ".join(f"{k}:{v:.3f}" for k, v in accuracy_by_ops(examples, r["per_question"]).items())
         print(f"{role} {name}: {r['mean']:.4f} ± {r['ci95']:.4f} ({r['questions']} questions) | "
               f"by operation count {by_ops}")
         del model
     if args.base:
         gain, lo, hi = paired_bootstrap(results["base"]["per_question"], results["model"]["per_question"])
-        print(f"gain over the base: {100 * gain:+.1f} points, 95% interval [{100 * lo:+.1f}, {100 * hi:+.1f}] "
+        print(f"gain over the base: {100 * gain:+.1f} points, "
+              f"95% interval [{100 * lo:+.1f}, {100 * hi:+.1f}] "
               "(paired bootstrap)")
     with open(args.out, "w") as f:
         f.writelines(json.dumps({"model": role, **rec}) + "\n"

@@ -62,5 +62,6 @@ def _load(where: str):
         spec.loader.exec_module(module)
         return module
     if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # `python recipes/x.py` puts the recipe's folder first, not the current one
+        # `python recipes/x.py` puts the recipe's folder first, not the current one
+        sys.path.insert(0, os.getcwd())
     return importlib.import_module(where)

@@ -17,16 +17,16 @@ def trim() -> None:
         try:
             _libc = ctypes.CDLL("libc.so.6")
             _libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):  # not glibc (musl, macOS): their allocators return memory themselves
+        except (OSError, AttributeError):  # not glibc (musl, macOS): their allocators return memory
             _libc = False
     if _libc:
         _libc.malloc_trim(0)
 
 
 # ----------------------------------------------------------------------------- oneDNN's packed GEMM
-# The sampler's decode GEMMs on a CPU in fp32 (grpo.engine.decode, grpo.engine.sampling.sample_hidden): a weight
-# reordered once per sampler call into oneDNN's blocked layout, then x @ W.T from it. One fp32
-# thread of an AVX512 CPU, SmolLM2's shapes at 4-128 rows: 1.3-2.2x torch's F.linear (MKL's small-M
+# The sampler's decode GEMMs on a CPU in fp32 (grpo.engine.decode, grpo.engine.sampling.sample_hidden): a
+# weight reordered once per sampler call into oneDNN's blocked layout, then x @ W.T from it. One
+# fp32 thread of an AVX512 CPU, SmolLM2's shapes at 4-128 rows: 1.3-2.2x torch's F.linear (MKL's small-M
 # path reads the weights at a fifth of the bandwidth); with both held to AVX2, 1.0-1.2x.
 PACK_ROWS = 64  # the rows the layout is chosen for: packed for 48 or 128, alike at 4-100 rows
 
@@ -41,4 +41,5 @@ def pack(weight: torch.Tensor) -> torch.Tensor:  # (out, in) fp32 -> an opaque o
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")  # (n, in) -> (n, out)
+    # (n, in) -> (n, out)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")

@@ -28,6 +28,7 @@ from torch import Tensor
 from grpo.engine.cpu import can_pack, pack, packed_linear
 from grpo.engine.sampling import HEAD_CHUNK
 from grpo.kernels import add_rmsnorm, decode_attention, qkv_rope_write, silu_mul, use_triton
+from grpo.kernels.logprobs import mm_fp32_out
 from grpo.models.lora import effective_weight
 from grpo.models.model import lm_logits
 
@@ -55,9 +56,9 @@ class DecodeWeights:
       F.linear at 4-128 rows; with oneDNN and MKL held to AVX2, 1.0-1.2x (bench/RESULTS.md). The LM
       head is packed too, in sample_hidden's vocabulary chunks (`head`); the norms and the embedding
       are the model's own tensors. The reorder is ~0.3 s a call there.
-    - "resident" (a CPU without oneDNN, or with bf16 weights; no LoRA, no autocast): no copy at all, the model's own tensors,
-      q, k, v and gate, up as separate GEMMs (0.5 GiB less than a copy of SmolLM2-135M in fp32, and
-      within the +-10% noise of the fused GEMMs at 24-100 rows)."""
+    - "resident" (a CPU without oneDNN, or with bf16 weights; no LoRA, no autocast): no copy at all, the
+      model's own tensors, q, k, v and gate, up as separate GEMMs (0.5 GiB less than a copy of
+      SmolLM2-135M in fp32, and within the +-10% noise of the fused GEMMs at 24-100 rows)."""
 
     def __init__(self, model, mode: str | None = None):
         a = self.args = model.args
@@ -66,6 +67,7 @@ class DecodeWeights:
         self.mode = mode or _mode(model)  # kernel counts ask for "copy": a GPU's layout on a CPU
         self.inv_freq = model.inv_freq.detach().clone().float()  # (D/2,), fixed by the config
         self.head = None  # packed mode: the LM head's vocabulary chunks, packed (sample_hidden)
+        self.head32 = None  # the LM head in fp32, where the logits need a copy of it (logits_head)
         self.adapters = None  # GEMM name -> (A, B) stacks, where LoRA is applied unmerged
         if self.mode != "copy":
             return  # refresh() takes the model's tensors (and packs the GEMMs' weights)
@@ -73,7 +75,8 @@ class DecodeWeights:
         qkv = (a.n_heads + 2 * a.n_kv_heads) * D
         mm = lambda *shape: torch.empty(*shape, dtype=self.mm_dtype, device=self.device)
         act = lambda *shape: torch.empty(*shape, dtype=self.act_dtype, device=self.device)
-        self.wqkv, self.wo, self.w13, self.w2 = mm(L, qkv, H), mm(L, H, a.n_heads * D), mm(L, 2 * F_, H), mm(L, H, F_)
+        self.wqkv, self.wo = mm(L, qkv, H), mm(L, H, a.n_heads * D)
+        self.w13, self.w2 = mm(L, 2 * F_, H), mm(L, H, F_)
         self.bqkv = mm(L, qkv) if a.qkv_bias else None
         self.ln1, self.ln2, self.norm = act(L, H), act(L, H), act(H)
         self.q_norm, self.k_norm = (act(L, D), act(L, D)) if a.qk_norm else (None, None)
@@ -87,8 +90,8 @@ class DecodeWeights:
                 if k:
                     mods = _linears(model.layers[0], names)
                     ins, outs = mods[0].in_features, sum(m.out_features for m in mods)
-                    self.adapters[g] = (mm(L, k * lora.r, ins), torch.zeros(L, outs, k * lora.r, dtype=self.mm_dtype,
-                                                                             device=self.device))
+                    B = torch.zeros(L, outs, k * lora.r, dtype=self.mm_dtype, device=self.device)
+                    self.adapters[g] = (mm(L, k * lora.r, ins), B)
 
     def _lora(self, g: str, i: int, x: Tensor, y: Tensor) -> Tensor:
         """y + s (x A^T) B^T of GEMM g's adapted targets in layer i (unmerged LoRA), else y."""
@@ -101,6 +104,23 @@ class DecodeWeights:
         """Whether these weights' dtypes, device and mode still fit the model (autocast may be switched)."""
         return _layout(model) == (self.act_dtype, self.mm_dtype, self.device) and self.mode == _mode(model)
 
+    def logits_head(self, y: Tensor) -> tuple[Tensor, Tensor]:
+        """The LM head the sampled logits read, and the hidden states (n, H) as they enter it: the head
+        itself, or its fp32 copy (head32, made once per call) with y rounded to the head's dtype, what
+        grpo.kernels.scaled_logits' fallback would compute from fp32 copies made at every step."""
+        return (self.lm_head, y) if self.head32 is None else (self.head32, y.to(self.lm_head.dtype))
+
+    def _refresh_head32(self):
+        """head32: an fp32 copy of a 16-bit LM head on CUDA where torch.mm cannot give it fp32 logits
+        (grpo.kernels.mm_fp32_out), refreshed in place (at a fixed address, for the graphs); else None."""
+        w = self.lm_head
+        if not needs_head32(w):
+            self.head32 = None
+            return
+        if self.head32 is None or self.head32.shape != w.shape:
+            self.head32 = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+        self.head32.copy_(w)
+
     # a layer's four GEMMs, x in the matmuls' dtype: (n, H) -> (n, qd + 2kd) [q | k | v], (n, qd) -> (n, H),
     # (n, H) -> (n, 2F) [gate | up], (n, F) -> (n, H)
     def qkv(self, i: int, x: Tensor) -> Tensor:
@@ -111,7 +131,9 @@ class DecodeWeights:
         return self._lora("qkv", i, x, F.linear(x, self.wqkv[i], None if self.bqkv is None else self.bqkv[i]))
 
     def o(self, i: int, x: Tensor) -> Tensor:
-        return packed_linear(x, self.packs[i][1]) if self.mode == "packed" else self._lora("o", i, x, F.linear(x, self.wo[i]))
+        if self.mode == "packed":
+            return packed_linear(x, self.packs[i][1])
+        return self._lora("o", i, x, F.linear(x, self.wo[i]))
 
     def gate_up(self, i: int, x: Tensor) -> Tensor:
         if self.mode == "packed":
@@ -121,7 +143,9 @@ class DecodeWeights:
         return self._lora("gate_up", i, x, F.linear(x, self.w13[i]))
 
     def down(self, i: int, x: Tensor) -> Tensor:
-        return packed_linear(x, self.packs[i][3]) if self.mode == "packed" else self._lora("down", i, x, F.linear(x, self.w2[i]))
+        if self.mode == "packed":
+            return packed_linear(x, self.packs[i][3])
+        return self._lora("down", i, x, F.linear(x, self.w2[i]))
 
     def matrices(self, i: int) -> list:  # layer i's weights as torch's plain GEMMs read them (benches)
         if self.mode == "copy":
@@ -134,20 +158,22 @@ class DecodeWeights:
         decode reads the new ones. A copy is always a full one: a version counter would miss writes
         through .data, and under FSDP2 the gathered tensors are new in every call (a 0.5B model in bf16
         is 1 GB: ~0.3 ms on an H200; SmolLM2-135M on 2 CPU cores ~0.1 s a call). Under LoRA
-        (grpo/models/lora.py) each adapted weight is merged on the way in, W + s B A, where the copy is fp32, and
-        its adapters copied beside W where it is half precision: either way the sampler samples from the
-        adapted model with no other step. Packed and resident: the model's own tensors as they are
+        (grpo/models/lora.py) each adapted weight is merged on the way in, W + s B A, where the copy is fp32,
+        and its adapters copied beside W where it is half precision: either way the sampler samples from
+        the adapted model with no other step. Packed and resident: the model's own tensors as they are
         now (the optimizer writes them in place; under FSDP2 the gathered ones of this call), and the
         GEMMs' weights packed anew."""
         if self.mode != "copy":
-            return self._take(model)
+            self._take(model)
+            return self._refresh_head32()
         a = self.args
         qd, kd = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
         weight = (lambda m, out: out.copy_(m.weight)) if self.adapters is not None else (
             lambda m, out: effective_weight(m, out=out))
         for i, b in enumerate(model.layers):
             at, mlp = b.self_attn, b.mlp
-            for w, lo, hi in ((at.q_proj, 0, qd), (at.k_proj, qd, qd + kd), (at.v_proj, qd + kd, qd + 2 * kd)):
+            rows = ((at.q_proj, 0, qd), (at.k_proj, qd, qd + kd), (at.v_proj, qd + kd, qd + 2 * kd))
+            for w, lo, hi in rows:
                 weight(w, self.wqkv[i, lo:hi])
                 if self.bqkv is not None:
                     self.bqkv[i, lo:hi].copy_(w.bias)
@@ -159,7 +185,8 @@ class DecodeWeights:
                 row = col = 0
                 for m in _linears(b, GEMMS[g]):
                     if hasattr(m, "lora_A"):
-                        k, block = m.lora_A.shape[0], B[i, row:row + m.out_features, col:col + m.lora_A.shape[0]]
+                        k = m.lora_A.shape[0]
+                        block = B[i, row:row + m.out_features, col:col + k]
                         A[i, col:col + k].copy_(m.lora_A)
                         block.copy_(m.lora_B) if m.enabled else block.zero_()  # adapters_off: the base's
                         col += k
@@ -173,6 +200,7 @@ class DecodeWeights:
         self.embed.copy_(model.embed_tokens.weight)
         if self.lm_head is not self.embed:
             self.lm_head.copy_(model.lm_head.weight)
+        self._refresh_head32()
 
     def _take(self, model):
         layers = model.layers
@@ -185,7 +213,8 @@ class DecodeWeights:
         qk = self.args.qk_norm
         self.q_norm = [b.self_attn.q_norm.weight for b in layers] if qk else None
         self.k_norm = [b.self_attn.k_norm.weight for b in layers] if qk else None
-        self.norm, self.embed, self.lm_head = model.norm.weight, model.embed_tokens.weight, model.lm_head.weight
+        self.norm, self.embed = model.norm.weight, model.embed_tokens.weight
+        self.lm_head = model.lm_head.weight
         if self.mode == "packed":  # each GEMM's weight (fused, LoRA merged) reordered for oneDNN
             self.packs = self.head = None  # the last call's, freed before the new ones exist
             fused = lambda ps: pack(torch.cat([effective_weight(p) for p in ps]))  # noqa: E731
@@ -193,7 +222,8 @@ class DecodeWeights:
                           for q, g, b in zip(self.proj, self.mlp_in, layers)]
             self.bqkv = [torch.cat([p.bias for p in q]) if self.args.qkv_bias else None for q in self.proj]
             # the LM head in sample_hidden's vocabulary chunks: its GEMM 1.6x F.linear's at 24-100 rows
-            self.head = [pack(self.lm_head[s:s + HEAD_CHUNK]) for s in range(0, self.args.vocab_size, HEAD_CHUNK)]
+            self.head = [pack(self.lm_head[s:s + HEAD_CHUNK])
+                         for s in range(0, self.args.vocab_size, HEAD_CHUNK)]
 
 
 GEMMS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
@@ -215,6 +245,13 @@ def _mode(model) -> str:
     return "resident" if getattr(model, "lora", None) is None else "copy"
 
 
+def needs_head32(lm_head: Tensor) -> bool:
+    """Whether the sampled logits need an fp32 copy of this LM head: a 16-bit one on CUDA where torch.mm
+    cannot give 16-bit operands an fp32 output."""
+    half = lm_head.dtype in (torch.float16, torch.bfloat16)
+    return lm_head.is_cuda and half and not mm_fp32_out(lm_head.dtype)
+
+
 def _layout(model) -> tuple:  # (activation dtype, matmul dtype, device) of a decode copy of `model`
     p = next(model.parameters())
     return p.dtype, torch.bfloat16 if getattr(model, "autocast_bf16", False) else p.dtype, p.device
@@ -228,12 +265,14 @@ def decode(w: DecodeWeights, cache, tok: Tensor, pos: Tensor, n: int, span: int,
 
 
 def decode_hidden(w: DecodeWeights, cache, tok: Tensor, pos: Tensor, n: int, span: int,
-                  backend: str | None = None) -> Tensor:
+                  backend: str | None = None, active: Tensor | None = None) -> Tensor:
     """Rows [0, n) of the cache each take one token: tok (n,) at positions pos (n,), attending
     to cache positions [0, span) up to their own. Their k, v are written at pos. -> the final
     norm's output (n, H), what the LM head reads. No host sync, static shapes: a CUDA graph can
     hold it. `backend`: the kernels' ("triton" on CUDA when importable, else "torch"; tests force
-    "triton" on a CPU under TRITON_INTERPRET)."""
+    "triton" on a CPU under TRITON_INTERPRET). `active` (n,) bool: rows not decoding (finished, in a
+    tool call, a bucket's free slots) attend over their first key only, not their stale lengths (their
+    outputs are dropped; what they write at pos is written again before it is read)."""
     a = w.args
     kb = "triton" if use_triton(tok, backend, "decode") else "torch"
     slot = torch.arange(n, device=tok.device)
@@ -243,8 +282,10 @@ def decode_hidden(w: DecodeWeights, cache, tok: Tensor, pos: Tensor, n: int, spa
     # mask built once a step, not once a layer. q is in the matmuls' dtype
     kernel = ("flash" if tok.is_cuda and _flash(w.mm_dtype)
               else "triton" if kb == "triton" and cache.k.dtype == w.mm_dtype else None)
-    bias = None if kernel else _key_bias(pos, span)  # (n, 1, 1, span)
-    length = (pos + 1).to(torch.int32) if kernel == "flash" else pos + 1  # keys each row reads, its own included
+    # keys each row reads, its own included (a row not decoding: its first only)
+    length = pos + 1 if active is None else torch.where(active, pos + 1, 1)
+    bias = None if kernel else _key_bias(length - 1, span)  # (n, 1, 1, span)
+    length = length.to(torch.int32) if kernel == "flash" else length
     x, res = w.embed[tok], None  # (n, H); res: the residual stream
     for i in range(a.n_layers):
         q, res = _qkv(w, i, x, res, cos, sin, cache, slot, pos, kb)  # (n, nh, D); k, v now cached at pos
@@ -254,8 +295,8 @@ def decode_hidden(w: DecodeWeights, cache, tok: Tensor, pos: Tensor, n: int, spa
     return y
 
 
-def _qkv(w: DecodeWeights, i: int, x: Tensor, res: Tensor | None, cos: Tensor, sin: Tensor, cache, slot: Tensor,
-         pos: Tensor, kb: str) -> tuple[Tensor, Tensor]:
+def _qkv(w: DecodeWeights, i: int, x: Tensor, res: Tensor | None, cos: Tensor, sin: Tensor, cache,
+         slot: Tensor, pos: Tensor, kb: str) -> tuple[Tensor, Tensor]:
     """Layer i up to attention: add+RMSNorm, the QKV GEMM, q/k norms and rotary, k and v written at
     (slot, pos). x (n, H), the residual stream res -> q (n, nh, D) and the new residual."""
     a = w.args
@@ -276,21 +317,24 @@ def _o_mlp(w: DecodeWeights, i: int, o: Tensor, res: Tensor, kb: str) -> tuple[T
 
 
 @torch.no_grad()
-def extend(w: DecodeWeights, cache, ids: Tensor, pos: Tensor, valid: Tensor, slots: Tensor) -> Tensor:
+def extend(w: DecodeWeights, cache, ids: Tensor, pos: Tensor, valid: Tensor, slots: Tensor,
+           real: Tensor | None = None, span: int | None = None) -> Tensor:
     """Rows continuing their history with several tokens each (a tool's observation), through the
     decode weights (on a CPU, oneDNN's packed GEMMs instead of the model's F.linear: a few dozen rows
     at a time, where torch's GEMM reads the weights slowest). ids, pos, valid (B, T): the tokens, their
     positions and which are real in a padded batch; slots (B,) the rows' cache slots. Real tokens' k, v
     are written at pos; each attends to its row's keys up to its own. -> the LM head's logits (B, V) at
     each row's last real token, in fp32 as Transformer.forward's `output_index` gives them. CPU only
-    (the torch references of the decode kernels)."""
+    (the torch references of the decode kernels). `real` (N,), the real tokens' flat indices in (B, T)
+    row-major, and `span`, the keys read (the last real position + 1): the caller's, from its host lists
+    (computed here from `valid` without them: host reads)."""
     a, (B, T) = w.args, ids.shape
-    idx = valid.reshape(-1).nonzero().squeeze(1)  # (N,) the real tokens, row-major
+    idx = valid.reshape(-1).nonzero().squeeze(1) if real is None else real  # (N,) the real tokens, row-major
     p = pos.reshape(-1)[idx]
     freqs = p[:, None].float() * w.inv_freq  # (N, D/2)
     cos, sin = freqs.cos(), freqs.sin()
     slot = slots[:, None].expand(B, T).reshape(-1)[idx]  # (N,)
-    span = int(pos.masked_fill(~valid, 0).max()) + 1
+    span = int(pos.masked_fill(~valid, 0).max()) + 1 if span is None else span
     keys = torch.arange(span, device=ids.device)
     hidden_keys = ~(keys <= pos[..., None])[:, None]  # (B, 1, T, span): later than the query's own position
     bias = torch.zeros(B, 1, T, span, device=ids.device).masked_fill_(hidden_keys, float("-inf"))
@@ -298,7 +342,8 @@ def extend(w: DecodeWeights, cache, ids: Tensor, pos: Tensor, valid: Tensor, slo
     nh, nkv, D = a.n_heads, a.n_kv_heads, a.head_dim
     for i in range(a.n_layers):
         q, res = _qkv(w, i, x, res, cos, sin, cache, slot, p, "torch")  # (N, nh, D)
-        qp = q.new_zeros(B * T, nh, D).index_copy_(0, idx, q).view(B, T, nh, D).transpose(1, 2)  # (B, nh, T, D)
+        # (B, nh, T, D)
+        qp = q.new_zeros(B * T, nh, D).index_copy_(0, idx, q).view(B, T, nh, D).transpose(1, 2)
         k, v = (c[i][slots, :span].transpose(1, 2).float() for c in (cache.k, cache.v))  # (B, nkv, span, D)
         o = F.scaled_dot_product_attention(qp.float(), k, v, attn_mask=bias, enable_gqa=nh != nkv)
         x, res = _o_mlp(w, i, o.transpose(1, 2).reshape(B * T, nh * D)[idx].to(q.dtype), res, "torch")
@@ -328,12 +373,13 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, slot: Tensor, length: Tensor, span:
     n = len(q)
     if kernel == "flash":
         return flash_attn_with_kvcache(q[:, None], k[:n], v[:n], cache_seqlens=length, causal=True)[:, 0]
-    if kernel == "triton":  # the cache up to span (a view): the kernel splits the keys a row can have, not all S
+    if kernel == "triton":  # the cache up to span (a view): the kernel splits a row's keys, not all S
         return decode_attention(q, k[:, :span], v[:, :span], slot, length, backend="triton")
     nh, nkv, D = q.shape[1], k.shape[2], q.shape[2]
     k, v = k[:n, :span].transpose(1, 2), v[:n, :span].transpose(1, 2)  # (n, nkv, span, D): contiguous on CPU
-    # CPU: fp32 attention (its bf16 kernels are the slower ones there; see Attention.forward). The G = nh / nkv
-    # query heads of a KV head are one query block over its keys: one (G, span) score block per row and KV
-    # head, not G single-query ones, and no K/V copies (SDPA's enable_gqa repeats them)
-    y = F.scaled_dot_product_attention(q.float().view(n, nkv, nh // nkv, D), k.float(), v.float(), attn_mask=bias)
+    # CPU: fp32 attention (its bf16 kernels are the slower ones there; see Attention.forward). The
+    # G = nh / nkv query heads of a KV head are one query block over its keys: one (G, span) score block
+    # per row and KV head, not G single-query ones, and no K/V copies (SDPA's enable_gqa repeats them)
+    y = F.scaled_dot_product_attention(q.float().view(n, nkv, nh // nkv, D), k.float(), v.float(),
+                                       attn_mask=bias)
     return y.reshape(n, nh, D).to(q.dtype)

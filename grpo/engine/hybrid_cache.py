@@ -5,7 +5,7 @@ float32 as the chunked form computes it.
 
 The state is where a row is now, not a history: a slot's state can be forked (copied) only at the
 position it holds. So a prompt is forked into its n samples' slots right after its prefill
-(grpo/engine/prefill.py prefills again rather than fork a live row that has decoded past its prompt), and
+(grpo/engine/scheduler.py prefills again rather than fork a live row that has decoded past its prompt), and
 continue_from prefills each cut on its own. The hook the model's layers call: the attention layers'
 `update` (their layer index mapped to the KV cache's), and the linear layers' `linear_read` (the rows'
 (window, state), and which tokens are real) and `linear_write`.
@@ -25,9 +25,11 @@ class HybridCache(KVCache):
         self.lin = {l: i for i, l in enumerate(l for l, t in enumerate(kinds) if t == "linear_attention")}
         super().__init__(replace(args, n_layers=len(self.attn)), slots, max_seq_len, dtype, device)
         la = args.linear
-        self.conv = torch.zeros(len(self.lin), slots, la.conv_kernel - 1, la.conv_dim, dtype=dtype, device=device)
+        self.conv = torch.zeros(len(self.lin), slots, la.conv_kernel - 1, la.conv_dim, dtype=dtype,
+                                device=device)
+        # fp32 (a float64 model: float64)
         self.state = torch.zeros(len(self.lin), slots, la.v_heads, la.k_dim, la.v_dim, device=device,
-                                 dtype=torch.promote_types(dtype, torch.float32))  # fp32 (float64 for a float64 model)
+                                 dtype=torch.promote_types(dtype, torch.float32))
         self.valid = None  # rows mode: (B, T) bool, the real tokens of a padded batch (None: all)
 
     @staticmethod
@@ -37,14 +39,16 @@ class HybridCache(KVCache):
         n_attn = args.layer_types.count("full_attention")
         la = args.linear
         state = (la.conv_kernel - 1) * la.conv_dim * dtype.itemsize + la.v_heads * la.k_dim * la.v_dim * 4
-        return KVCache.slot_bytes(replace(args, n_layers=n_attn), max_seq_len, dtype) + (args.n_layers - n_attn) * state
+        attn = KVCache.slot_bytes(replace(args, n_layers=n_attn), max_seq_len, dtype)
+        return attn + (args.n_layers - n_attn) * state
 
     def packed(self, slot: Tensor, pos: Tensor):
         super().packed(slot, pos)
         self.token_slot, self.valid = slot, None  # a document's state goes to the slot of its first token
 
-    def rows(self, rows, start: Tensor, T: int, span: int, valid: Tensor | None = None):
-        super().rows(rows, start, T, span, valid)
+    def rows(self, rows, start: Tensor, T: int, span: int, valid: Tensor | None = None,
+             real: tuple[Tensor, Tensor] | None = None):
+        super().rows(rows, start, T, span, valid, real)
         self.valid = valid
 
     def update(self, layer: int, k: Tensor, v: Tensor):

@@ -28,7 +28,8 @@ class KVCache:
             self.k = torch.zeros(L, slots, nkv, max_seq_len, D, dtype=dtype, device=device).transpose(2, 3)
             self.v = torch.zeros(L, slots, nkv, max_seq_len, D, dtype=dtype, device=device).transpose(2, 3)
         else:  # the layout flash-attn's KV-cache kernel reads; our Triton kernels take either (strides)
-            self.k = torch.zeros(L, slots, max_seq_len, nkv, D, dtype=dtype, device=device)  # (L, slots, S, nkv, D)
+            # (L, slots, S, nkv, D)
+            self.k = torch.zeros(L, slots, max_seq_len, nkv, D, dtype=dtype, device=device)
             self.v = torch.zeros(L, slots, max_seq_len, nkv, D, dtype=dtype, device=device)
         self.slots, self.max_seq_len = slots, max_seq_len
         self.read = None  # (rows, span, mask) in `rows` mode; None in `packed` mode
@@ -44,13 +45,18 @@ class KVCache:
         self.w_b, self.w_t = torch.zeros_like(pos), torch.arange(len(pos), device=pos.device)
         self.read = None
 
-    def rows(self, rows, start: Tensor, T: int, span: int, valid: Tensor | None = None):
+    def rows(self, rows, start: Tensor, T: int, span: int, valid: Tensor | None = None,
+             real: tuple[Tensor, Tensor] | None = None):
         """The next forward is (B, T) tokens continuing rows `rows` (a slice of slots, a view,
         or an index tensor, a gather) from positions `start` (B,); keys [0, span) are read.
-        `valid` (B, T) bool marks real tokens in a padded batch; the rest are not stored."""
+        `valid` (B, T) bool marks real tokens in a padded batch; the rest are not stored. `real`:
+        valid's (row, column) indices, where the caller has them on the host (else valid.nonzero(), a
+        host sync)."""
         B = len(start)
         q_pos = start[:, None] + torch.arange(T, device=start.device)  # (B, T)
-        if valid is not None:
+        if real is not None:
+            b, t = real
+        elif valid is not None:
             b, t = valid.nonzero(as_tuple=True)
         else:
             b = torch.arange(B, device=start.device).repeat_interleave(T)

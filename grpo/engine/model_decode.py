@@ -12,6 +12,8 @@ cache's padded writes read their count back to the host): the sampler decodes ea
 import torch
 from torch import Tensor
 
+from grpo.engine.decode import needs_head32
+
 
 class ModelDecode:
     head = None  # no packed LM-head blocks (DecodeWeights' packed mode)
@@ -24,8 +26,13 @@ class ModelDecode:
         return True
 
     def refresh(self, model):
-        """The model's tensors as they are now (under FSDP2, those gathered for this call)."""
+        """The model's tensors as they are now (under FSDP2, those gathered for this call); the LM head
+        in fp32 once per call where the logits need it (grpo/engine/decode.py's DecodeWeights.logits_head)."""
         self.model, self.lm_head = model, model.lm_head.weight
+        self.head32 = self.lm_head.float() if needs_head32(self.lm_head) else None
+
+    def logits_head(self, y: Tensor) -> tuple[Tensor, Tensor]:  # as DecodeWeights.logits_head
+        return (self.lm_head, y) if self.head32 is None else (self.head32, y.to(self.lm_head.dtype))
 
     def hidden(self, cache, tok: Tensor, pos: Tensor, n: int, span: int, active: Tensor) -> Tensor:
         """Rows [0, n) of the cache each take token tok (n,) at position pos (n,), reading keys

@@ -18,15 +18,16 @@ class SamplingParams:
     tool_stop_token_ids: list[int] = field(default_factory=list)  # end a turn with a tool call
     tool_stop_strings: list[str] = field(default_factory=list)
     max_turns: int = 8              # assistant turns; one more tool call ends the row with "turns"
-    max_turn_tokens: int = 0        # tokens one assistant turn may sample (ends the row: "length"); 0 = no limit
+    max_turn_tokens: int = 0        # tokens one assistant turn may sample (then "length"); 0 = no limit
     seed: int | None = None         # None = drawn from torch's global generator
-    kept_set: bool = True           # filtered: log-probs over the kept set, renormalised (False: the full vocabulary)
+    kept_set: bool = True           # filtered: log-probs over the kept set, renormalised (False: all of V)
 
     def __post_init__(self):
         checks = [(self.n >= 1, "n >= 1"), (self.temperature >= 0, "temperature >= 0"),
                   (0 < self.top_p <= 1, "0 < top_p <= 1"), (self.top_k >= 0, "top_k >= 0"),
                   (0 <= self.min_p < 1, "0 <= min_p < 1"), (self.max_tokens >= 1, "max_tokens >= 1"),
-                  (self.max_turns >= 1, "max_turns >= 1"), (self.max_turn_tokens >= 0, "max_turn_tokens >= 0")]
+                  (self.max_turns >= 1, "max_turns >= 1"),
+                  (self.max_turn_tokens >= 0, "max_turn_tokens >= 0")]
         for ok, what in checks:
             if not ok:
                 raise ValueError(f"SamplingParams needs {what}: got {self}")
@@ -38,7 +39,8 @@ class Completion:
     sample_index: int
     token_ids: list[int] = field(default_factory=list)  # after the prompt: sampled and injected
     loss_mask: list[int] = field(default_factory=list)  # 1 on sampled tokens, 0 on injected ones
-    logprobs: list[float] = field(default_factory=list)  # log softmax(logits / T) over the kept set, 0 on injected
+    # log softmax(logits / T) over the kept set, 0 on injected
+    logprobs: list[float] = field(default_factory=list)
     finish_reason: str = ""         # "stop" | "length" | "turns" | "error" (bad request or tool failure)
     num_turns: int = 1
     error: str | None = None
@@ -53,6 +55,9 @@ class Row(Completion):  # a request in flight: a Completion plus where it lives
         self.doc = doc  # prompts of one document are prefixes of each other: their KV is shared
         self.slot, self.turn_start, self.in_tool = -1, 0, False
         self.epoch = 0  # bumped when the row stops decoding: a window launched before then is not its
+        # a token sampled on device after a tool observation, not read back yet: the host takes it with
+        # the next window's tokens (the decode state's column 0), so a tool turn needs no host sync
+        self.lead = False
 
 
 @dataclass
@@ -68,12 +73,15 @@ class Call:
     unadmitted: list[int]           # per prompt: samples still waiting (its logits are kept till 0)
     members: dict                   # document -> [(prompt index, prompt length)]
     bar: object = None              # progress bar (or a do-nothing one)
-    waiting: deque = field(default_factory=deque)  # Row not yet in a slot, in queue order (Sampler._start)
+    waiting: deque = field(default_factory=deque)  # Row not yet in a slot, in queue order (Scheduler.start)
     live: dict = field(default_factory=dict)       # slot -> Row, decoding or in a tool call
     pending: dict = field(default_factory=dict)    # tool future -> Row
     prompt_logits: dict = field(default_factory=dict)  # prompt index -> (V,) logits of its last token
     in_flight: tuple | None = None  # pipelined: the launched window whose tokens are not taken yet
-    launched: int = 0               # windows launched (their host buffers alternate)
+
+    @property
+    def busy(self) -> bool:  # a row waits, decodes, runs a tool, or has tokens in flight
+        return bool(self.waiting or self.live or self.pending or self.in_flight)
 
 
 def turn_limit(call: Call, s: Row) -> int:

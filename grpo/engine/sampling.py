@@ -39,8 +39,8 @@ from grpo import kernels
 from grpo.engine.cpu import packed_linear
 
 # the hash, one definition for the sampler and for the Triton kernel's reference
-from grpo.kernels.reference import (GOLDEN, MASK32, gumbel, int32_bits, log_exp_noise, mix32, noise_seed,  # noqa: F401
-                                    weyl_bits)
+from grpo.kernels.reference import (GOLDEN, MASK32, gumbel, int32_bits, log_exp_noise, mix32,  # noqa: F401
+                                    noise_seed, weyl_bits)
 from grpo.models.model import lm_logits
 
 
@@ -89,8 +89,10 @@ def kept_threshold(z: Tensor, keep: Tensor) -> Tensor:
 
 def kept_logprobs(z: Tensor, tokens: Tensor, threshold: Tensor) -> Tensor:
     """(B, V) z, (B,) tokens and thresholds -> (B,) log-probs of the tokens over {z >= threshold}
-    plus the token itself, renormalised: the trainer's own mask (grpo.kernels.logprobs.kept), on the full logits."""
-    return z.gather(-1, tokens[:, None])[:, 0] - kernels.logprobs.kept(z.clone(), tokens, threshold, 0).logsumexp(-1)
+    plus the token itself, renormalised: the trainer's own mask (grpo.kernels.logprobs.kept), on the full
+    logits."""
+    kept = kernels.logprobs.kept(z.clone(), tokens, threshold, 0)  # (B, V): -inf outside the kept set
+    return z.gather(-1, tokens[:, None])[:, 0] - kept.logsumexp(-1)
 
 
 def sample(logits: Tensor, key: Tensor, step: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
@@ -131,8 +133,8 @@ def sample(logits: Tensor, key: Tensor, step: Tensor, temperature: float, top_k:
 HEAD_CHUNK = 2048  # LM-head rows per step of sample_hidden's loop: a (48 x 2048) fp32 block stays in cache
 
 
-def sample_hidden(hidden: Tensor, weight: Tensor, key: Tensor, step: Tensor, temperature: float, top_k: int = 0,
-                  top_p: float = 1.0, min_p: float = 0.0, chunk: int = HEAD_CHUNK,
+def sample_hidden(hidden: Tensor, weight: Tensor, key: Tensor, step: Tensor, temperature: float,
+                  top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, chunk: int = HEAD_CHUNK,
                   packed: list | None = None, kept_set: bool = True, return_threshold: bool = False):
     """sample(hidden @ weight.T, ...) from the last hidden states (B, H) and the LM head (V, H): the
     same tokens. On a CPU with no filter set the vocabulary goes `chunk` rows at a time, each chunk's
@@ -140,15 +142,16 @@ def sample_hidden(hidden: Tensor, weight: Tensor, key: Tensor, step: Tensor, tem
     logits exist (SmolLM2, 48 rows, one thread: LM head and sampling 61 ms a step against 80). The
     race's winner is the best chunk winner (the first on a tie, as argmax); the log-sum-exp combines
     the chunks', so a log-prob may differ from sample()'s in its last bits, a token never. `packed`: the
-    LM head's `chunk`-row blocks packed for oneDNN (grpo.engine.cpu.pack; grpo.engine.decode's packed mode), the same
-    logits to fp32 rounding from a faster GEMM."""
+    LM head's `chunk`-row blocks packed for oneDNN (grpo.engine.cpu.pack; grpo.engine.decode's packed mode),
+    the same logits to fp32 rounding from a faster GEMM."""
     assert packed is None or chunk == HEAD_CHUNK, "packed LM-head blocks are HEAD_CHUNK rows each"
     filtered = top_k > 0 or top_p < 1.0 or min_p > 0.0
     if filtered or kernels.gpu(hidden):  # fp32 logits (V of them a row) from the LM head's dtype
         return sample(lm_logits(hidden, weight), key, step, temperature, top_k, top_p, min_p, kept_set,
                       return_threshold)
     hidden, V = hidden.to(weight.dtype), weight.shape[0]
-    if temperature > 0.0:  # the noise's inputs once a step, not once a chunk: the seeds' and the vocabulary's bits
+    # the noise's inputs once a step, not once a chunk: the seeds' and the vocabulary's bits
+    if temperature > 0.0:
         seed32, weyl = int32_bits(noise_seed(key, step)), weyl_bits(0, V, hidden.device)
     best, where, picked, lse = [], [], [], []  # per chunk: (B,) best score, its token, that token's z, lse(z)
     for start in range(0, V, chunk):

@@ -1,6 +1,7 @@
 """The device side of a decode window: the per-slot decode state, one decode step over the occupied
 slots (no host sync), the batch and key buckets a graphed window decodes, and a window's CUDA graph.
-grpo/engine/sampler.py runs the windows; grpo/engine/decode.py is the forward over the resident decode weights."""
+grpo/engine/runner.py runs the windows; grpo/engine/decode.py is the forward over the resident decode
+weights."""
 import time
 
 import torch
@@ -15,34 +16,40 @@ from grpo.engine.sampling import sample_hidden
 class DecodeState:
     """Per-slot decode state on device: the next token to feed (at `pos`, not yet cached),
     tokens so far (the RNG counter), the row's max_tokens (the request's, capped by the cache),
-    and whether it is decoding; the call's stop ids (V,) and the window's outputs. It lives as
-    long as the cache, so CUDA graphs that read it replay in every call."""
+    and whether it is decoding; the call's stop ids (V,) and the window's outputs, (slots, 1 + window):
+    column 0 the token sampled outside the window since the last one (after a tool observation: the
+    host reads it with this window's tokens, not on its own), columns 1.. the window's steps. It lives
+    as long as the cache, so CUDA graphs that read it replay in every call."""
     def __init__(self, slots: int, window: int, vocab: int, device):
         z = lambda dtype=torch.int64: torch.zeros(slots, dtype=dtype, device=device)
         self.tok, self.pos, self.ntok, self.max_tokens, self.key = z(), z(), z(), z(), z()
         self.active = z(torch.bool)
         self.is_stop = torch.zeros(vocab, dtype=torch.bool, device=device)  # stop and tool-stop ids
-        self.out_tok = torch.zeros(slots, window, dtype=torch.int64, device=device)  # (slots, window)
-        self.out_lp = torch.zeros(slots, window, device=device)
-        self.out_thr = torch.zeros(slots, window, device=device)  # the kept sets' thresholds (grpo/engine/sampling.py)
-        self.out_ok = torch.zeros(slots, window, dtype=torch.bool, device=device)
+        self.out_tok = torch.zeros(slots, 1 + window, dtype=torch.int64, device=device)  # (slots, 1 + window)
+        self.out_lp = torch.zeros(slots, 1 + window, device=device)
+        # the kept sets' thresholds (grpo/engine/sampling.py)
+        self.out_thr = torch.zeros(slots, 1 + window, device=device)
+        self.out_ok = torch.zeros(slots, 1 + window, dtype=torch.bool, device=device)
 
 
-def decode_step(weights: DecodeWeights, cache: KVCache, state: DecodeState, params: SamplingParams, num_slots: int,
-                cache_len: int, column: int):
+def decode_step(weights: DecodeWeights, cache: KVCache, state: DecodeState, params: SamplingParams,
+                num_slots: int, cache_len: int, column: int):
     """One token for slots [0, num_slots): feed each row's last token (attending to cache
-    positions [0, cache_len)), sample the next, record it in window column `column`, and retire
-    rows that hit a stop id or their max_tokens. No host sync."""
-    st, p, rows = state, params, slice(0, num_slots)
+    positions [0, cache_len); a row not decoding, to its first key only), sample the next, record
+    it in window column `column` (the outputs' column 1 + column), and retire rows that hit a stop
+    id or their max_tokens. No host sync."""
+    st, p, rows, out = state, params, slice(0, num_slots), 1 + column
     active, pos = st.active[rows], st.pos[rows]
     if isinstance(weights, ModelDecode):  # a hybrid model: its own forward; inactive rows hold their state
         y = weights.hidden(cache, st.tok[rows], pos, num_slots, cache_len, active)  # (num_slots, H)
     else:
-        y = decode_hidden(weights, cache, st.tok[rows], pos, num_slots, cache_len)  # (num_slots, H)
-    tok, lp, thr = sample_hidden(y, weights.lm_head, st.key[rows], st.ntok[rows], p.temperature, p.top_k, p.top_p,
+        y = decode_hidden(weights, cache, st.tok[rows], pos, num_slots, cache_len,
+                          active=active)  # (num_slots, H)
+    head, y = weights.logits_head(y)
+    tok, lp, thr = sample_hidden(y, head, st.key[rows], st.ntok[rows], p.temperature, p.top_k, p.top_p,
                                  p.min_p, packed=weights.head, kept_set=p.kept_set, return_threshold=True)
-    st.out_tok[rows, column], st.out_lp[rows, column], st.out_ok[rows, column] = tok, lp, active
-    st.out_thr[rows, column] = thr
+    st.out_tok[rows, out], st.out_lp[rows, out], st.out_ok[rows, out] = tok, lp, active
+    st.out_thr[rows, out] = thr
     st.tok[rows] = torch.where(active, tok, st.tok[rows])
     st.pos[rows] += active
     st.ntok[rows] += active

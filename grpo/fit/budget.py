@@ -37,7 +37,8 @@ class RunBudget:
 
     def __post_init__(self):
         if min(self.run_budget_min, self.time_budget_min, self.min_eval_questions, self.min_rl_steps) < 0:
-            raise ValueError(f"{self}: the time budgets, min_eval_questions and min_rl_steps must not be negative")
+            raise ValueError(f"{self}: the time budgets, min_eval_questions and min_rl_steps "
+                             "must not be negative")
 
     @classmethod
     def of(cls, cfg) -> "RunBudget | None":
@@ -69,7 +70,8 @@ def probe(model, sampler, prompt: list[int], rows: int, k: int = 8, train_tokens
         sampler.generate([prompt], params)  # warm-up, untimed: the same call, so the same cache and graphs
         decode_s = timed(lambda: sampler.generate([prompt], params)) / (k * rows)
         sampler.release()
-    ids = torch.tensor([(prompt * (1 + train_tokens // max(len(prompt), 1)))[:train_tokens]], device=dist.device())
+    ids = torch.tensor([(prompt * (1 + train_tokens // max(len(prompt), 1)))[:train_tokens]],
+                       device=dist.device())
     model.train()
     step = lambda: model(ids, labels=ids).sum().backward()  # noqa: E731
     step()  # warm-up, untimed

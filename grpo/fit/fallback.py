@@ -44,9 +44,11 @@ def way_around(e: BaseException) -> str | None:
         triton = os.path.dirname(importlib.util.find_spec("triton").origin) if HAS_TRITON else None
         if triton and any(f.startswith(triton + os.sep) for f in files):
             return ("grpo: this failed inside Triton. --kernels torch runs grpo.kernels' PyTorch references "
-                    "instead (slower, the same results); please report it with your GPU, torch and triton versions")
+                    "instead (slower, the same results); "
+                    "please report it with your GPU, torch and triton versions")
         if any(f.endswith(os.path.join("torch", "cuda", "graphs.py")) for f in files):
-            return "grpo: this failed capturing a CUDA graph. --cuda_graphs false decodes without graphs (slower)"
+            return ("grpo: this failed capturing a CUDA graph. "
+                    "--cuda_graphs false decodes without graphs (slower)")
     except Exception:  # the hint must never hide the failure it is about
         pass
     return None
@@ -56,7 +58,9 @@ def add_arguments(p: argparse.ArgumentParser, flag, default_note: str = ""):
     """--kernels and --cuda_graphs on a command line (`flag`: its true/false parser). Unset, they
     are None: kernels_of takes None as "auto", and a sampler's cuda_graphs is `value is not False`."""
     p.add_argument("--kernels", choices=CHOICES["kernels"], default=None,
-                   help="auto = grpo.kernels' Triton kernels on CUDA; torch = their PyTorch references (slower; "
-                        f"the way around a kernel that fails on your GPU); default auto{default_note}")
+                   help="auto = grpo.kernels' Triton kernels on CUDA; torch = their PyTorch references "
+                        "(slower; the way around a kernel that fails on your GPU); "
+                        f"default auto{default_note}")
     p.add_argument("--cuda_graphs", type=flag, default=None, metavar="{true,false}",
-                   help=f"GPU: decode windows as CUDA graphs; false = eager (slower); default true{default_note}")
+                   help="GPU: decode windows as CUDA graphs; false = eager (slower); "
+                        f"default true{default_note}")

@@ -49,10 +49,11 @@ KNOWN = {
 KNOWN["Qwen/Qwen3-4B"] = KNOWN["Qwen/Qwen3-4B-Instruct-2507"]
 # Qwen3.5's hybrid model (its VLM checkpoint's text_config): 18 Gated DeltaNet and 6 attention layers
 KNOWN["Qwen/Qwen3.5-0.8B"] = dict(
-    model_type="qwen3_5_text", vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
-    num_attention_heads=8, num_key_value_heads=2, head_dim=256, full_attention_interval=4, linear_num_key_heads=16,
-    linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-    tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25))
+    model_type="qwen3_5_text", vocab_size=248320, hidden_size=1024, intermediate_size=3584,
+    num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+    full_attention_interval=4, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=True,
+    rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25))
 # the GPUs a plan knows by name: what each reports as its memory (nvidia-smi's total, GiB)
 GPU_MEMORY_GIB = {"B200": 179.0, "H200": 140.4, "H100": 79.6, "A100-80": 80.0, "A100-40": 40.0,
                   "RTX 6000 Ada": 48.0, "L40S": 45.0, "L4": 22.5}
@@ -75,15 +76,19 @@ def model_config(model_path: str) -> dict:
 
 def counts(args) -> dict:
     """Parameters by part: one block's linear weights, its biases and norms, the root (embedding, LM head
-    when untied, final norm), the whole model, and the LoRA adapters of all seven linear layers per rank r=1."""
+    when untied, final norm), the whole model, and the LoRA adapters of all seven linear layers per
+    rank r=1."""
     if args.hybrid:  # Qwen3.5: two kinds of layer
         return hybrid_counts(args)
-    H, F, L, qd, kd = args.dim, args.ffn_dim, args.n_layers, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    H, F, L, qd, kd = (args.dim, args.ffn_dim, args.n_layers, args.n_heads * args.head_dim,
+                       args.n_kv_heads * args.head_dim)
     linear = H * qd + 2 * H * kd + qd * H + 3 * H * F        # q, k, v, o, gate, up, down
     small = 2 * H + (qd + 2 * kd) * args.qkv_bias + 2 * args.head_dim * args.qk_norm
     root = args.vocab_size * H * (1 if args.tie_embeddings else 2) + H
-    lora = (H + qd) + 2 * (H + kd) + (qd + H) + 2 * (H + F) + (F + H)  # r x (in + out) per adapted layer, r = 1
-    return dict(linear=linear, block=linear + small, root=root, total=L * (linear + small) + root, lora=L * lora)
+    # r x (in + out) per adapted layer, r = 1
+    lora = (H + qd) + 2 * (H + kd) + (qd + H) + 2 * (H + F) + (F + H)
+    return dict(linear=linear, block=linear + small, root=root, total=L * (linear + small) + root,
+                lora=L * lora)
 
 
 def _lora_targets(cfg) -> tuple:
@@ -92,14 +97,14 @@ def _lora_targets(cfg) -> tuple:
 
 
 def act_bytes_per_token(args, c: int, lora_dropout: bool = False, lean_mlp: bool = True) -> int:
-    """Bytes autograd keeps per token and layer in grpo/models/model.py's Block at compute width c (fp32: exactly
-    what tests/test_backward.py counts). Each RMSNorm keeps its input and its output (the next layer's
-    input), c each (the normalized value is recomputed in its backward); Qwen3's q and k norms their input
-    over qd + kd channels (rotary after them keeps nothing of its input); q, k and v as attention reads
-    them (qd + 2kd), attention's output and its o_proj input copy (2qd), gate and up (2F), and where the
-    MLP's lean backward is off (under CPU autocast, or a LoRA down projection) silu(gate) and the product
-    too (4F); fp32 statistics (each norm's rsqrt, attention's log-sum-exp per head). Under LoRA dropout
-    each adapted layer keeps its dropped-out input and mask: 5H + qd + F channels, c + 1 bytes."""
+    """Bytes autograd keeps per token and layer in grpo/models/model.py's Block at compute width c (fp32:
+    exactly what tests/test_backward.py counts). Each RMSNorm keeps its input and its output (the next
+    layer's input), c each (the normalized value is recomputed in its backward); Qwen3's q and k norms their
+    input over qd + kd channels (rotary after them keeps nothing of its input); q, k and v as attention
+    reads them (qd + 2kd), attention's output and its o_proj input copy (2qd), gate and up (2F), and where
+    the MLP's lean backward is off (under CPU autocast, or a LoRA down projection) silu(gate) and the
+    product too (4F); fp32 statistics (each norm's rsqrt, attention's log-sum-exp per head). Under LoRA
+    dropout each adapted layer keeps its dropped-out input and mask: 5H + qd + F channels, c + 1 bytes."""
     if args.hybrid:  # Qwen3.5: the mean over its two kinds of layer (LoRA dropout's inputs not counted)
         return hybrid_act_bytes(args, c, lean_mlp)
     H, F, qd, kd = args.dim, args.ffn_dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
@@ -110,33 +115,38 @@ def act_bytes_per_token(args, c: int, lora_dropout: bool = False, lean_mlp: bool
 
 
 def hybrid_counts(args) -> dict:
-    """counts() of a Qwen3.5 hybrid model (grpo/models/qwen35.py): attention layers whose q_proj is twice as wide
-    (the output gate), linear layers with five projections, a depthwise conv and per-head parameters
-    (grpo/models/deltanet.py). `linear` is the mean over layers; `block` the larger kind (FSDP gathers whole blocks)."""
+    """counts() of a Qwen3.5 hybrid model (grpo/models/qwen35.py): attention layers whose q_proj is
+    twice as wide (the output gate), linear layers with five projections, a depthwise conv and
+    per-head parameters (grpo/models/deltanet.py). `linear` is the mean over layers; `block` the
+    larger kind (FSDP gathers whole blocks)."""
     H, F, L, V, la = args.dim, args.ffn_dim, args.n_layers, args.vocab_size, args.linear
-    qd, kd, C, vd, Hv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, la.conv_dim, la.v_heads * la.v_dim, la.v_heads
+    qd, kd, C, vd, Hv = (args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, la.conv_dim,
+                         la.v_heads * la.v_dim, la.v_heads)
     n_attn = args.layer_types.count("full_attention")
     n_lin = L - n_attn
-    attn, lin = 3 * H * qd + 2 * H * kd, H * C + 2 * H * vd + 2 * H * Hv  # q (with gate), k, v, o; qkv, z, out, b, a
+    # q (with gate), k, v, o; qkv, z, out, b, a
+    attn, lin = 3 * H * qd + 2 * H * kd, H * C + 2 * H * vd + 2 * H * Hv
     small_attn, small_lin = 2 * H + 2 * args.head_dim, 2 * H + C * la.conv_kernel + 2 * Hv + la.v_dim
     linear = n_attn * attn + n_lin * lin + 3 * L * H * F
     root = V * H * (1 if args.tie_embeddings else 2) + H
-    lora = (n_attn * ((H + 2 * qd) + 2 * (H + kd) + (qd + H)) + n_lin * ((H + C) + 2 * (H + vd) + 2 * (H + Hv))
+    lora = (n_attn * ((H + 2 * qd) + 2 * (H + kd) + (qd + H))
+            + n_lin * ((H + C) + 2 * (H + vd) + 2 * (H + Hv))
             + L * (2 * (H + F) + (F + H)))  # r x (in + out) of every linear layer, r = 1
     block = max(attn + small_attn, lin + small_lin) + 3 * H * F
-    return dict(linear=linear // L, block=block, root=root, total=linear + n_attn * small_attn + n_lin * small_lin + root,
-                lora=lora)
+    return dict(linear=linear // L, block=block, root=root,
+                total=linear + n_attn * small_attn + n_lin * small_lin + root, lora=lora)
 
 
 def hybrid_act_bytes(args, c: int, lean_mlp: bool = True) -> int:
     """act_bytes_per_token of a Qwen3.5 hybrid model: the mean over its layers of what autograd keeps a token.
-    Both kinds: two (1 + w) RMSNorms (input, its fp32 product, the linears' input: 3H each and a statistic) and
-    the MLP (2F, or 4F without the lean backward). An attention layer: q_proj's output with the gate (2qd), q and
-    k before and after their norms (qd + 2kd + kd), SDPA's q, k, v and output (2qd + 2kd), the gate's sigmoid and
-    the gated output twice (3qd); statistics per head. A linear layer (grpo/models/deltanet.py's chunked form, C_c = its
-    chunk size): the conv's input and output and SiLU's (3C), the gated norm's five (Hv, Dv) tensors and
-    out_proj's input (6 vd), and in fp32 for each value head the chunk's five (C_c x C_c) matrices (5 C_c a token),
-    nine Dk- and four Dv-wide tensors, four scalars and a state per chunk (Dk Dv / C_c). Measured in
+    Both kinds: two (1 + w) RMSNorms (input, its fp32 product, the linears' input: 3H each and a
+    statistic) and the MLP (2F, or 4F without the lean backward). An attention layer: q_proj's output
+    with the gate (2qd), q and k before and after their norms (qd + 2kd + kd), SDPA's q, k, v and
+    output (2qd + 2kd), the gate's sigmoid and the gated output twice (3qd); statistics per head. A
+    linear layer (grpo/models/deltanet.py's chunked form, C_c = its chunk size): the conv's input and
+    output and SiLU's (3C), the gated norm's five (Hv, Dv) tensors and out_proj's input (6 vd), and in
+    fp32 for each value head the chunk's five (C_c x C_c) matrices (5 C_c a token), nine Dk- and four
+    Dv-wide tensors, four scalars and a state per chunk (Dk Dv / C_c). Measured in
     tests/test_qwen35.py; the rule's part (fp32 whatever c) is most of it at Qwen3.5's shapes."""
     H, F, L, la = args.dim, args.ffn_dim, args.n_layers, args.linear
     qd, kd, C, vd, Hv, Cc = (args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, la.conv_dim,
@@ -172,7 +182,8 @@ class Plan:
     def summary(self) -> str:
         phase, peak = self.peak
         room = (self.memory - peak) / GIB
-        verdict = f"fits, with {room:.1f} GiB to spare" if room >= 0 else f"does not fit ({-room:.1f} GiB over)"
+        verdict = (f"fits, with {room:.1f} GiB to spare" if room >= 0
+                   else f"does not fit ({-room:.1f} GiB over)")
         return (f"memory plan: peak {peak / GIB:.1f} GiB per rank ({phase}) of {self.memory / GIB:.1f} GiB, "
                 f"{self.world} rank(s): {verdict}")
 
@@ -196,18 +207,20 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
     c = compute_bytes(cfg, device)
     H, V, L = args.dim, args.vocab_size, args.n_layers
     # CPU autocast_bf16 ("auto" counted as on: the bound either way, a bf16 decode copy plus autocast's casts
-    # weigh what an fp32 copy does): the decode copy's matmul weights in bf16, and autocast's bf16 casts of the
-    # blocks' weights, cached through each sampler call and each forward + backward
+    # weigh what an fp32 copy does): the decode copy's matmul weights in bf16, and autocast's bf16
+    # casts of the blocks' weights, cached through each sampler call and each forward + backward
     autocast = not gpu and str(cfg.autocast_bf16).lower() in ("true", "1", "auto")
     casts = [("autocast's bf16 weight casts", 2 * L * n["linear"], "2 x the blocks' linear weights")] if (
         autocast and not cfg.use_peft) else []  # a LoRA base stored in bf16 needs none
     fsdp = gpu or W > 1                                           # one CPU process runs without FSDP
     state, notes = [], []
-    if cfg.use_peft:  # the frozen base in the compute dtype, bf16 under CPU autocast (grpo.models.lora.cast_base)
+    # the frozen base in the compute dtype, bf16 under CPU autocast (grpo.models.lora.cast_base)
+    if cfg.use_peft:
         trained = n["lora"] * cfg.lora_r
         base = 2 if autocast else c
         state.append(("frozen base, sharded", base * n["total"] // W, f"{base} x parameters / ranks"))
-        state.append(("LoRA adapters, fp32 master", 4 * trained // W, "4 x r x (in + out) x 7 x layers / ranks"))
+        state.append(("LoRA adapters, fp32 master", 4 * trained // W,
+                      "4 x r x (in + out) x 7 x layers / ranks"))
     else:
         trained = n["total"]
         state.append(("master weights, fp32, sharded", 4 * trained // W, "4 x parameters / ranks"))
@@ -223,9 +236,9 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
     fixed = [("CUDA context", int(CUDA_CONTEXT), "stated")] if gpu else [
         ("runtime (Python, torch, transformers)", int(CPU_RUNTIME), "stated: measured resident size")]
 
-    # the sampler (grpo.engine.decode.DecodeWeights): a copy of every weight, its matmuls in their dtype (bf16 under
-    # autocast); on a CPU in the weights' own dtype the GEMMs' weights and the LM head, packed for oneDNN (the
-    # norms and the embedding read in place)
+    # the sampler (grpo.engine.decode.DecodeWeights): a copy of every weight, its matmuls in their
+    # dtype (bf16 under autocast); on a CPU in the weights' own dtype the GEMMs' weights and the LM
+    # head, packed for oneDNN (the norms and the embedding read in place)
     mm = 2 if (gpu or autocast or c == 2) else 4
     packed = not gpu and mm == c
     bias = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim * args.qkv_bias  # stored with the matmuls
@@ -238,24 +251,29 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
 
     def sampling(rows: int, length: int) -> list:
         S, slot = slot_bytes(args, length, kv_bytes)
-        if gpu:  # the sampler's default budget: half of what is free when build() makes it (no AdamW state yet)
+        # the sampler's default budget: half of what is free when build() makes it (no AdamW state yet)
+        if gpu:
             loaded = sum(b for name, b, _ in state + fixed if not name.startswith("AdamW"))
             budget = int(cfg.kv_budget_gb * GIB) or (memory - loaded - gathered) // 2
             slots = max(1, min(cfg.gen_batch, budget // slot))     # gen_batch slots, within the budget
         else:  # eager decode: the call's rows, within the budget (2 GiB by default on a CPU)
             slots = max(1, min(cfg.gen_batch, rows, (int(cfg.kv_budget_gb * GIB) or 2 * GIB) // slot))
         prefill = (8192 if gpu else 2048) * (3 * H + args.n_heads * args.head_dim + 3 * args.ffn_dim) * c
-        terms = [("KV cache", slots * slot, f"{slots} slots x {S} positions x 2 x layers x kv heads x head dim x {kv_bytes} B"),
-                 ("decode copy of the weights", decode_copy, "the blocks' GEMM weights and the LM head, packed for oneDNN" if packed
+        terms = [("KV cache", slots * slot,
+                  f"{slots} slots x {S} positions x 2 x layers x kv heads x head dim x {kv_bytes} B"),
+                 ("decode copy of the weights", decode_copy,
+                  "the blocks' GEMM weights and the LM head, packed for oneDNN" if packed
                   else "every weight once, matmuls in their dtype"),
                  ("sampler workspace", slots * V * 4 * 2 + prefill,
                   "fp32 logits and noise of a step (slots x V x 8) + a prefill chunk's activations")]
         if gathered:
-            terms.insert(0, ("gathered weights (FSDP, compute dtype)", gathered, "compute bytes x parameters"))
+            terms.insert(0, ("gathered weights (FSDP, compute dtype)", gathered,
+                             "compute bytes x parameters"))
         return terms + casts
 
     rows = max(1, cfg.prompts_per_step * cfg.num_generations // W)
-    phases = {"rollouts": fixed + state + sampling(rows, cfg.max_prompt_length + cfg.max_completion_length) + extra}
+    phases = {"rollouts": fixed + state + sampling(rows, cfg.max_prompt_length + cfg.max_completion_length)
+              + extra}
     eval_len = getattr(cfg, "eval_max_completion_length", 0) or cfg.max_completion_length
     eval_rows = max(1, getattr(cfg, "eval_limit", 0) * max(1, getattr(cfg, "eval_n", 1)) // W)
     if getattr(cfg, "eval_limit", 0):
@@ -266,31 +284,38 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
     lora_down = cfg.use_peft and "down_proj" in _lora_targets(cfg)  # then the MLP runs LoRA's forward
     per_layer = act_bytes_per_token(args, c, cfg.use_peft and cfg.lora_dropout > 0,
                                     lean_mlp=not (lora_down or autocast))
-    if cfg.gradient_checkpointing:  # each block keeps its input; one block's activations live in its recompute
-        acts, formula = T * (L * H * c + per_layer), f"{T} tokens x (layers x H x {c} B + one block's {per_layer} B)"
+    # each block keeps its input; one block's activations live in its recompute
+    if cfg.gradient_checkpointing:
+        acts, formula = (T * (L * H * c + per_layer),
+                         f"{T} tokens x (layers x H x {c} B + one block's {per_layer} B)")
     else:
         acts, formula = T * L * per_layer, f"{T} tokens x layers x {per_layer} B a token and layer"
     chunk = min(V, max(256, (2**26 if gpu else 2**23) // max(T, 1) // 256 * 256))  # grpo.kernels' vocab chunk
     update = [("gradients, fp32, sharded", 4 * trained // W, "4 x trained parameters / ranks"),
               ("activations of one micro-batch", acts, formula),
-              ("log-probs' vocabulary chunk", 2 * T * chunk * 4, f"logits and their gradient, {T} x {chunk} fp32"),
-              ("root's input and output", T * H * (c + 4) + T * 4 * 3, "embedding out, final norm out, per-token stats"),
-              ("a layer's backward temporaries", 4 * T * args.ffn_dim * c, f"4 x {T} tokens x F x {c} B: the MLP's")]
-    if fsdp:  # two blocks gathered at a time (prefetch), the root kept through backward, their unreduced grads
+              ("log-probs' vocabulary chunk", 2 * T * chunk * 4,
+               f"logits and their gradient, {T} x {chunk} fp32"),
+              ("root's input and output", T * H * (c + 4) + T * 4 * 3,
+               "embedding out, final norm out, per-token stats"),
+              ("a layer's backward temporaries", 4 * T * args.ffn_dim * c,
+               f"4 x {T} tokens x F x {c} B: the MLP's")]
+    # two blocks gathered at a time (prefetch), the root kept through backward, their unreduced grads
+    if fsdp:
         update.append(("FSDP's gathered blocks, root and their grads", 2 * c * (2 * n["block"] + n["root"]),
                        "2 x compute bytes x (2 blocks + root)"))
-    if gpu and cfg.keep_kv_cache:  # kept through the update, so CUDA graphs survive it (their pool: the workspace)
+    # kept through the update, so CUDA graphs survive it (their pool: the workspace)
+    if gpu and cfg.keep_kv_cache:
         update += [t for t in sampling(rows, cfg.max_prompt_length + cfg.max_completion_length)
                    if t[0] in ("KV cache", "decode copy of the weights", "sampler workspace")]
     phases["update"] = fixed + state + update + casts + extra
     # the optimizer step, after the last micro-batch's backward (its activations freed): the gradients and
     # AdamW's temporary. On CUDA AdamW's default (foreach) holds sqrt(exp_avg_sq) of every trained parameter
-    # at once (torch.optim.adam._multi_tensor_adam's exp_avg_sq_sqrt): 4 bytes a trained parameter, measured
-    # 77.7 GiB against a plan without it of 72.1 (the 3B calculator full fine-tune, one H100). Counted, not
-    # avoided: fused=True would not hold it and foreach=False would hold one tensor's worth, but the trainer
-    # keeps torch's default, the implementation its GPU runs were measured with (fused under FSDP2's DTensor
-    # parameters has not run on a GPU here). On a CPU AdamW runs per tensor (no foreach there):
-    # sqrt(exp_avg_sq) and its quotient, two temporaries the size of the largest trained tensor
+    # at once (torch.optim.adam._multi_tensor_adam's exp_avg_sq_sqrt): 4 bytes a trained parameter, the
+    # step that decides whether the 3B calculator's full fine-tune fits one H100 (bench/RESULTS.md has the
+    # figures). Counted, not avoided: fused=True would not hold it and foreach=False would hold one tensor's
+    # worth, but the trainer keeps torch's default, the implementation its GPU runs were measured with (fused
+    # under FSDP2's DTensor parameters has not run on a GPU here). On a CPU AdamW runs per tensor (no foreach
+    # there): sqrt(exp_avg_sq) and its quotient, two temporaries the size of the largest trained tensor
     if gpu:
         temp, formula = 4 * trained // W, "4 x trained parameters / ranks (foreach: all tensors at once)"
     else:
@@ -308,7 +333,8 @@ def memory_plan(args, cfg, world: int = 1, device: str = "cuda", memory_gib: flo
              "bytes x parameters, on every rank")]
     if cfg.beta > 0 and not cfg.use_peft and 4 * n["total"] // W + ref * n["total"] > load[0][1]:
         load = [("master weights, fp32, sharded", 4 * n["total"] // W, "4 x parameters / ranks"),
-                ("the KL reference as loaded, before sharding", ref * n["total"], f"{ref} x parameters, on every rank")]
+                ("the KL reference as loaded, before sharding", ref * n["total"],
+                 f"{ref} x parameters, on every rank")]
     phases = {"load": fixed + load + extra, **phases}
     if not gpu:
         notes.append("CPU: the sampler's cache and decode copy are freed after each rollout (release())")
@@ -322,13 +348,14 @@ def compute_bytes(cfg, device: str) -> int:
 
 def slot_bytes(args, length: int, c: int) -> tuple[int, int]:
     """(positions, bytes) of one sampler row of `length` tokens: rounded up to 64 positions as the sampler
-    sizes it (Sampler._start), k and v of every layer at c bytes (KVCache.slot_bytes)."""
+    sizes it (Scheduler.start), k and v of every layer at c bytes (KVCache.slot_bytes)."""
     import torch
 
     from grpo.engine.hybrid_cache import HybridCache
     from grpo.engine.kv_cache import KVCache
     S = -(-length // 64) * 64
-    cache = HybridCache if args.hybrid else KVCache  # a hybrid model's rows also hold the linear layers' state
+    # a hybrid model's rows also hold the linear layers' state
+    cache = HybridCache if args.hybrid else KVCache
     return S, cache.slot_bytes(args, S, torch.bfloat16 if c == 2 else torch.float32)
 
 
@@ -384,7 +411,8 @@ def size(args, cfg, world: int, device: str, memory_gib: float | None, extra: li
     if not free:
         return {}
     longest = cfg.max_prompt_length + cfg.max_completion_length
-    eval_len = cfg.max_prompt_length + (getattr(cfg, "eval_max_completion_length", 0) or cfg.max_completion_length)
+    eval_len = cfg.max_prompt_length + (getattr(cfg, "eval_max_completion_length", 0)
+                                        or cfg.max_completion_length)
     c = compute_bytes(cfg, device)
     slot, eval_slot = slot_bytes(args, longest, c)[1], slot_bytes(args, eval_len, c)[1]
     rows = max(cfg.prompts_per_step * cfg.num_generations // world,
@@ -394,7 +422,8 @@ def size(args, cfg, world: int, device: str, memory_gib: float | None, extra: li
         held = int(cfg.kv_budget_gb * GIB) // slot
         batches = [g for g in batches if g <= held] or [max(1, min(held, GEN_BATCHES[-1]))]
     micro = [m for m in MICRO_BATCHES if m >= longest] or [-(-longest // 1024) * 1024]
-    updates = [(False, m) for m in micro if m >= FAST_MICRO_BATCH] + [(True, m) for m in micro]  # (checkpointing, tokens)
+    # (checkpointing, tokens)
+    updates = [(False, m) for m in micro if m >= FAST_MICRO_BATCH] + [(True, m) for m in micro]
     if "gen_batch" not in free:
         batches = [cfg.gen_batch]
     if "gradient_checkpointing" not in free:
@@ -408,7 +437,8 @@ def size(args, cfg, world: int, device: str, memory_gib: float | None, extra: li
         return {k: values[k] for k in free}
 
     def fits(g: int, update: tuple) -> bool:
-        return memory_plan(args, dataclasses.replace(cfg, **sized(g, update)), world, device, memory_gib, extra).fits
+        return memory_plan(args, dataclasses.replace(cfg, **sized(g, update)), world, device, memory_gib,
+                           extra).fits
 
     floor = next((u for u in reversed(updates) if u[1] >= FAST_MICRO_BATCH), updates[-1])
     g = next((g for g in batches if fits(g, floor)), None) or next(
@@ -416,7 +446,8 @@ def size(args, cfg, world: int, device: str, memory_gib: float | None, extra: li
     return sized(g, next((u for u in updates if fits(g, u)), updates[-1]))
 
 
-def what_fits(args, cfg, world: int, device: str, memory_gib: float | None, extra: list = ()) -> list[tuple[str, int, bool]]:
+def what_fits(args, cfg, world: int, device: str, memory_gib: float | None,
+              extra: list = ()) -> list[tuple[str, int, bool]]:
     """Changes that lower the peak, each with its new peak and whether it fits: more GPUs, gradient
     checkpointing, a smaller micro-batch or gen_batch, LoRA, and keep_kv_cache false. A change that does not
     lower the peak is never offered. Where no change alone fits, the combinations that fit follow ("a + b"),
@@ -449,7 +480,8 @@ def what_fits(args, cfg, world: int, device: str, memory_gib: float | None, extr
 
 def fixes_text(fixes: list) -> str:
     """what_fits' answer as lines: the changes alone, then the combinations that fit where none alone does."""
-    line = lambda what, peak, fits: f"  {what}: peak {peak / GIB:.1f} GiB{'  fits' if fits else ''}"  # noqa: E731
+    line = lambda what, peak, fits: (  # noqa: E731
+        f"  {what}: peak {peak / GIB:.1f} GiB{'  fits' if fits else ''}")
     alone, together = [f for f in fixes if " + " not in f[0]], [f for f in fixes if " + " in f[0]]
     lines = ["what would fit (each change alone):"] + [line(*f) for f in alone]
     if together:

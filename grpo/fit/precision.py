@@ -2,9 +2,9 @@
 under torch.autocast).
 
 Only the CPU has the choice: on CUDA the blocks compute in bf16 (FSDP's MixedPrecisionPolicy)
-and this is not asked. A CPU with native bf16 (AVX512-BF16, AMX) runs bf16 matmuls ~2.8-4x
-faster than fp32 (this measurement, on the machines it has run on); one without it (AVX2 only:
-most laptops and many cloud VMs) emulates them, 5-6x slower. The CPU flags alone do not say
+and this is not asked. A CPU with native bf16 (AVX512-BF16, AMX) runs bf16 matmuls several times
+faster than fp32; one without it (AVX2 only: most laptops and many cloud VMs) emulates them,
+several times slower (docs/cpu.md and bench/RESULTS.md have the figures). The CPU flags alone do not say
 which a given PyTorch build and machine will do, so `autocast_bf16 = "auto"` times a few
 matmuls of the model's own shapes (well under a second) and picks bf16 only where it beats fp32
 by `MARGIN`. "true" and "false" force the choice.
@@ -51,7 +51,8 @@ def choose(setting, rates_fn, margin: float = MARGIN) -> tuple[bool, str]:
     if setting not in SETTINGS:
         raise ValueError(f"autocast_bf16={setting!r}, expected one of {', '.join(SETTINGS)}")
     if setting != "auto":
-        return setting == "true", f"autocast_bf16={setting} (forced): {'bf16' if setting == 'true' else 'fp32'} matmuls"
+        return setting == "true", (f"autocast_bf16={setting} (forced): "
+                                   f"{'bf16' if setting == 'true' else 'fp32'} matmuls")
     rates = rates_fn()
     fp32, bf16 = rates["float32"], rates["bfloat16"]
     use = bf16 > margin * fp32

@@ -75,14 +75,16 @@ def preflight(cfg, model, sampler, optimizer, device, plan: Plan) -> dict:
     V, G = model.args.vocab_size, cfg.num_generations
     rows = max(1, cfg.prompts_per_step * G // dist.world_size())
     g = torch.Generator().manual_seed(cfg.seed)
-    prompts = [torch.randint(0, V, (cfg.max_prompt_length,), generator=g).tolist() for _ in range(max(1, rows // G))]
+    prompts = [torch.randint(0, V, (cfg.max_prompt_length,), generator=g).tolist()
+               for _ in range(max(1, rows // G))]
     rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     training = model.training
     model.eval()
     reset_peak(device)
     with dist.gathered(model):
-        sampler.generate(prompts, SamplingParams(n=G, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                                 min_p=cfg.min_p, max_tokens=cfg.max_completion_length,
+        sampler.generate(prompts, SamplingParams(n=G, temperature=cfg.temperature, top_p=cfg.top_p,
+                                                 top_k=cfg.top_k, min_p=cfg.min_p,
+                                                 max_tokens=cfg.max_completion_length,
                                                  stop_token_ids=[], seed=cfg.seed))
     measured = {"rollouts": peak_bytes(device)}
     if device.type == "cpu" or not cfg.keep_kv_cache:  # as a step releases them
@@ -91,7 +93,8 @@ def preflight(cfg, model, sampler, optimizer, device, plan: Plan) -> dict:
     ids = torch.randint(0, V, (max(cfg.micro_batch_tokens // longest, 1), longest), generator=g).to(device)
     model.train()
     reset_peak(device)
-    logprobs, _ = model(ids, labels=ids, temperature=cfg.temperature, return_entropy=True)  # entropy: no gradient
+    # entropy: no gradient
+    logprobs, _ = model(ids, labels=ids, temperature=cfg.temperature, return_entropy=True)
     logprobs.float().sum().backward()
     measured["update"] = peak_bytes(device)
     del logprobs

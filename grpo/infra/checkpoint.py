@@ -80,7 +80,8 @@ class Checkpointer:
         dist.barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINED)
         with one_process_quiet():
-            dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))  # DCP fsyncs its files
+            # DCP fsyncs its files
+            dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
         torch.save(_rng_state(), tmp / f"rng_{dist.rank()}.pt")
         _fsync(tmp / f"rng_{dist.rank()}.pt")
         dist.barrier()  # every rank's files are on disk
@@ -205,7 +206,8 @@ def open_run_dir(out_dir: str, config: dict, resume: bool, meta: dict) -> None:
     history = out / "config_history.jsonl"
     if resume and record.exists() and not history.exists():  # a run from before the history: keep its record
         history.write_text(json.dumps(read_json(record)) + "\n")
-    with open(history, "a" if resume else "w") as f:  # a fresh run: what a never-started one left is overwritten
+    # a fresh run: what a never-started one left is overwritten
+    with open(history, "a" if resume else "w") as f:
         f.write(json.dumps({**config, "_meta": meta}) + "\n")
     record.write_text(json.dumps({**config, "_meta": meta}, indent=2) + "\n")
 
@@ -215,7 +217,8 @@ def one_process_quiet():
     """DCP warns on every save and load without torch.distributed ("assuming the intent is to save in
     a single process"): that is the intent of a one-process run, so not a warning worth a line each."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore",
+                                message="torch.distributed is disabled, unavailable or uninitialized")
         yield
 
 

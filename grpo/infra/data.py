@@ -7,8 +7,8 @@ an optional config and split, `name[:config[:split]]`:
     load_examples("my_questions.csv", question_field="prompt_text")
 Every example is its row plus `question` (text) and `answer` (text, or None when the row has
 none and `prepare` computes it). A `prompt` column of chat messages (TRL's conversational form)
-stays as given, and `question` is its last user message. `prepare(example) -> example` applies a task's own rules (GSM8K's
-'#### 72' answers: grpo.envs.tasks). Every error is one line naming the file and line (or row).
+stays as given, and `question` is its last user message. `prepare(example) -> example` applies a task's own
+rules (GSM8K's '#### 72' answers: grpo.envs.tasks). Every error is one line naming the file and line (or row).
 """
 import csv
 import json

@@ -277,7 +277,8 @@ def fail_together(fn):
                 raise
             _handled.set()
             error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
-            error += "".join(f" ({n.strip()[:300]})" for n in getattr(e, "__notes__", []))  # e.g. grpo.fit.fallback's
+            # e.g. grpo.fit.fallback's
+            error += "".join(f" ({n.strip()[:300]})" for n in getattr(e, "__notes__", []))
             try:  # the first one posted wins
                 first = _failure_store().compare_set("failed", "", f"rank {rank()}: {error}").decode()
             except Exception:

@@ -1,6 +1,7 @@
 """Any saved checkpoint as a Hugging Face folder that `transformers` loads, or as a PEFT adapter.
 
-    python -m grpo.cli.export runs/NAME/checkpoints/step_000040 OUT_DIR [--model_path BASE] [--push_to_hub REPO]
+    python -m grpo.cli.export runs/NAME/checkpoints/step_000040 OUT_DIR [--model_path BASE] \\
+        [--push_to_hub REPO]
     python -m grpo.cli.export runs/NAME/checkpoints/step_000040 OUT_DIR --adapter      # a LoRA run's adapters
 
 A checkpoint (grpo/infra/checkpoint.py) holds the trained weights and the optimizer as DCP shards;
@@ -56,10 +57,12 @@ def load_checkpoint(checkpoint: str, model_path: str, dtype: torch.dtype = torch
     if not (path / ".metadata").exists():
         raise SystemExit(f"error: {path} is not a complete checkpoint (no .metadata): pass a "
                          "runs/NAME/checkpoints/step_NNNNNN folder")
-    adapters = [k for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata if k.endswith(".lora_A")]
+    adapters = [k for k in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+                if k.endswith(".lora_A")]
     if adapters and lora is None:
-        raise SystemExit(f"error: {path} holds LoRA adapters, and no run config.json beside its checkpoints folder "
-                         "gives their settings (use_peft, lora_r, ...): export from the run's own folder")
+        raise SystemExit(f"error: {path} holds LoRA adapters, and no run config.json beside its checkpoints "
+                         "folder gives their settings (use_peft, lora_r, ...): "
+                         "export from the run's own folder")
     model = Transformer.from_pretrained(model_path, dtype=dtype, device="cpu")
     if lora is not None:
         add_lora(model, lora)
@@ -84,7 +87,8 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("out_dir", help="the Hugging Face folder to write")
     p.add_argument("--model_path", help="the base model (default: model_path in the run's config.json)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="weights on disk; auto: float32 for a full fine-tune, the base's dtype for a LoRA merge")
+                   help="weights on disk; auto: float32 for a full fine-tune, "
+                        "the base's dtype for a LoRA merge")
     p.add_argument("--adapter", action="store_true",
                    help="a LoRA run: write its adapters as a PEFT folder instead of the merged model")
     p.add_argument("--push_to_hub", metavar="REPO",

@@ -25,18 +25,21 @@ def step_metrics(trajs, rewards, advantages, flat, update: dict, t_gen: float, t
     terms = list(dict.fromkeys(k for t in trajs for k in t.rewards))
     nan = float("nan")  # a term that does not apply (None): left out of its mean, as TRL's nanmean
     per_seq = torch.tensor([[len(t.completion_ids), t.finish_reason == "length", t.num_turns]
-                            + [nan if t.rewards.get(k) is None else t.rewards[k] for k in terms] for t in trajs],
+                            + [nan if t.rewards.get(k) is None else t.rewards[k] for k in terms]
+                            for t in trajs],
                            dtype=torch.float64)  # (N, 3 + terms)
     A = sequence_advantages(advantages, len(trajs))
     per_seq = dist.all_gather_cat(torch.cat([rewards[:, None].double().cpu(), A[:, None].cpu(), per_seq], 1))
     rewards, advantages, lengths, truncated, turns = per_seq[:, :5].T
     flat = dist.all_gather_cat(torch.as_tensor(flat, dtype=torch.float64))  # (groups,)
     G = max(len(rewards) // max(len(flat), 1), 1)
-    scored = rewards[~rewards.isnan()]  # unscorable (NaN): left out of the reward's mean and std, as TRL's nanmean
+    # unscorable (NaN): left out of the reward's mean and std, as TRL's nanmean
+    scored = rewards[~rewards.isnan()]
     out = {
         "reward/mean": scored.mean().item() if len(scored) else 0.0,
         "reward/std": scored.std().item() if len(scored) > 1 else 0.0,
-        # completions every reward term was None for, and groups an infinite reward zeroed (grpo.loss.group_advantages)
+        # completions every reward term was None for, and groups an infinite reward zeroed
+        # (grpo.loss.group_advantages)
         "reward/unscorable": float(rewards.isnan().sum()),
         "reward/infinite_groups": float(rewards.isinf().view(-1, G).any(1).sum()),
         "advantage/mean": advantages.mean().item(), "advantage/abs_mean": advantages.abs().mean().item(),
@@ -59,7 +62,8 @@ def step_metrics(trajs, rewards, advantages, flat, update: dict, t_gen: float, t
 
 # our metric -> TRL GRPOTrainer's name for it (logged under both: a TRL user's dashboards find theirs)
 TRL_ALIASES = {"reward/mean": "reward", "flat_groups": "frac_reward_zero_std",
-               "completion/len": "completions/mean_length", "completion/truncated": "completions/clipped_ratio",
+               "completion/len": "completions/mean_length",
+               "completion/truncated": "completions/clipped_ratio",
                "clip_low": "clip_ratio/low_mean", "clip_high": "clip_ratio/high_mean", "lr": "learning_rate",
                "sampler_gap": "sampling/sampling_logp_difference/mean",
                "is_weight": "sampling/importance_sampling_ratio/mean"}
@@ -148,7 +152,8 @@ class Logger:
         rows = [f"| completion | reward | {' | '.join(terms)} | advantage | finish |",
                 "|" + " --- |" * (len(terms) + 4)]
         rows += [f"| {cell(r['completion'][-600:])} | {r['reward']:.3f} | "
-                 + " | ".join("n/a" if r["rewards"].get(k) is None else f"{r['rewards'][k]:.3f}" for k in terms)
+                 + " | ".join("n/a" if r["rewards"].get(k) is None else f"{r['rewards'][k]:.3f}"
+                              for k in terms)
                  + f" | {r['advantage']:+.3f} | {r['finish_reason']} |" for r in records[:shown]]
         if self.tb is not None:
             self.tb.add_text("rollouts", "\n".join(rows), step)

@@ -40,7 +40,8 @@ def open_trackers(cfg, resumed: bool) -> list:
     """Rank 0: the trackers of cfg.report_to beyond TensorBoard (which grpo.infra.metrics.Logger writes),
     each with log(metrics, step) and close()."""
     out, run_name = [], os.path.basename(os.path.abspath(cfg.output_dir))
-    config = {k: v for k, v in dataclasses.asdict(cfg).items() if isinstance(v, (str, int, float, bool, type(None)))}
+    config = {k: v for k, v in dataclasses.asdict(cfg).items()
+              if isinstance(v, (str, int, float, bool, type(None)))}
     names = reporters(cfg.report_to)
     if "wandb" in names:
         import wandb

@@ -75,9 +75,10 @@ def run_hf(ref, tok, env, examples, G, max_tokens, seed, plans=None) -> list[tup
         if plans:  # each row's planned length for this turn, forced
             cap = [plans[r][turn] for r in rows]
         else:  # the budget left: the completion so far is what the template adds after the first prompt
-            cap = [max_tokens - (len(prompts[b]) - len(first[r // G]) if turn else 0) for b, r in enumerate(rows)]
-            # a row whose observation used up the budget ends there, its turn counted, as in grpo.engine.sampler
-            # ("length"); turn 0 has one prompt per question for G rows and a full budget
+            cap = [max_tokens - (len(prompts[b]) - len(first[r // G]) if turn else 0)
+                   for b, r in enumerate(rows)]
+            # a row whose observation used up the budget ends there, its turn counted, as in
+            # grpo.engine.sampler ("length"); turn 0 has one prompt per question for G rows and a full budget
             if turn:
                 for r, c in zip(rows, cap):
                     turns[r] += c <= 0
@@ -90,8 +91,8 @@ def run_hf(ref, tok, env, examples, G, max_tokens, seed, plans=None) -> list[tup
         attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
         kw = (dict(logits_processor=transformers.LogitsProcessorList([PlannedEOS(cap, L, eos)])) if plans
               else dict(stop_strings=env.stop_strings, tokenizer=tok))
-        out = ref.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                           max_new_tokens=max(cap), num_return_sequences=G if turn == 0 else 1,
+        out = ref.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0,
+                           top_p=1.0, max_new_tokens=max(cap), num_return_sequences=G if turn == 0 else 1,
                            eos_token_id=eos, pad_token_id=eos, **kw)  # (B * copies, L + new)
         go_on = []
         for b, r in enumerate(rows):
@@ -105,7 +106,8 @@ def run_hf(ref, tok, env, examples, G, max_tokens, seed, plans=None) -> list[tup
                 stop in text and turn + 1 < env.max_turns and n < cap[b])
             if more:
                 obs = env.step(TOOL_CALL if plans else text)
-                convs[r] += [{"role": "assistant", "content": text}, {"role": env.observation_role, "content": obs}]
+                convs[r] += [{"role": "assistant", "content": text},
+                             {"role": env.observation_role, "content": obs}]
                 go_on.append(r)
         rows, turn = go_on, turn + 1
     return list(zip(sampled, turns))

@@ -23,8 +23,8 @@ class OpCount(TorchDispatchMode):
     allocations. `host_syncs`: ops that make the host wait for the device (a CUDA graph cannot
     hold them): a value read, or an output sized by the values."""
     FREE = {"empty", "empty_strided", "empty_like", "new_empty", "_unsafe_view", "lift_fresh", "detach"}
-    SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
-             "repeat_interleave", "bincount", "histc"}
+    SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim",
+             "unique_consecutive", "repeat_interleave", "bincount", "histc"}
 
     def __init__(self):
         super().__init__()
@@ -67,7 +67,8 @@ def step_count(config: dict, B: int, layers: int, way: str, arch: int) -> dict:
         count.paused = False
         return tok, lp
 
-    def model_decode(w, cache, tok, pos, n, span):  # the decode of 2026-11-30: the model's forward over the cache
+    # the decode before grpo.engine.decode (a row of bench/RESULTS.md): the model's forward over the cache
+    def model_decode(w, cache, tok, pos, n, span, **kw):  # kw: decode_hidden's `active`
         cache.rows(slice(0, n), pos, 1, span)
         return model(tok[:, None], pos[:, None], cache=cache)[:, 0]
 
@@ -77,10 +78,11 @@ def step_count(config: dict, B: int, layers: int, way: str, arch: int) -> dict:
             stack.enter_context(kernels.references())
         if way == "model":  # the model's forward gives logits, and the sampler samples them
             stack.enter_context(mock.patch.object(window, "decode_hidden", model_decode))
-            stack.enter_context(mock.patch.object(window, "sample_hidden",
-                                                  lambda logits, weight, *a, packed=None, **kw: sample(logits, *a, **kw)))
+            stack.enter_context(mock.patch.object(
+                window, "sample_hidden",
+                lambda logits, weight, *a, packed=None, **kw: sample(logits, *a, **kw)))
         stack.enter_context(mock.patch.object(kernels, "fused_sample", sample_kernel))
         with count:
-            decode_step(sampler.weights, sampler.cache, st, SamplingParams(temperature=1.0, stop_token_ids=[]), B,
-                        PLEN + 1, 0)
+            decode_step(sampler.weights, sampler.cache, st,
+                        SamplingParams(temperature=1.0, stop_token_ids=[]), B, PLEN + 1, 0)
     return dict(launches=len(launches), ops=count.ops, host_syncs=count.host_syncs)

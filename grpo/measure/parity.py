@@ -67,15 +67,16 @@ def kept_reference(z: Tensor, top_k: int, top_p: float) -> tuple[Tensor, Tensor]
     near = (before - top_p).abs() < 1e-5 if top_p < 1.0 else torch.zeros_like(keep_sorted)
     last = srt.masked_fill(~keep_sorted, float("inf")).amin(-1, keepdim=True)  # the smallest kept value
     keep = z >= last
-    edge = torch.zeros_like(keep).scatter(-1, idx, near) | ((z - last).abs() <= 1e-6 * last.abs().clamp(min=1))
+    edge = (torch.zeros_like(keep).scatter(-1, idx, near)
+            | ((z - last).abs() <= 1e-6 * last.abs().clamp(min=1)))
     return keep, edge
 
 
 @torch.no_grad()
 def sample_reference(logits: Tensor, key: Tensor, step: Tensor, temperature: float, top_k: int = 0,
                      top_p: float = 1.0) -> dict:
-    """grpo.engine.sampling's rule in float64 from the same noise: (B, V) logits -> tokens, log-probs over the kept
-    set, the kept set and its edge (kept_reference), and each row's two best perturbed scores' gap."""
+    """grpo.engine.sampling's rule in float64 from the same noise: (B, V) logits -> tokens, log-probs over the
+    kept set, the kept set and its edge (kept_reference), and each row's two best perturbed scores' gap."""
     z = logits.double() / temperature
     keep, edge = kept_reference(z, top_k, top_p)
     score = (z + gumbel(key, step, z.shape[-1]).double()).masked_fill(~keep, float("-inf"))
@@ -88,9 +89,10 @@ def sample_reference(logits: Tensor, key: Tensor, step: Tensor, temperature: flo
 
 def sampling_errors(tokens: Tensor, logprobs: Tensor, threshold: Tensor | None, logits: Tensor,
                     temperature: float, ref: dict) -> dict:
-    """The sampler's draw against sample_reference's: rows whose token differs off a tie (SCORE_TIE relative to
-    the top score), kept-set entries that differ off the set's edge (the sampler's set: its threshold on its
-    fp32 z, plus the token), and the largest log-prob error over the rows with the same token and kept set."""
+    """The sampler's draw against sample_reference's: rows whose token differs off a tie (SCORE_TIE
+    relative to the top score), kept-set entries that differ off the set's edge (the sampler's set:
+    its threshold on its fp32 z, plus the token), and the largest log-prob error over the rows with
+    the same token and kept set."""
     same = tokens == ref["tokens"]
     tie = ref["gap"] <= SCORE_TIE * ref["top"].abs().clamp(min=1)
     out = dict(token_rows_off_tie=int((~same & ~tie).sum()), token_rows_at_tie=int((~same & tie).sum()))

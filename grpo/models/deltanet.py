@@ -54,7 +54,8 @@ def causal_conv1d(x: Tensor, weight: Tensor, window: Tensor | None = None,
     if window is None:
         window = x.new_zeros(B, K - 1, C)
     xs = torch.cat([window.to(x.dtype), x], 1)  # (B, K-1+T, C)
-    if T == 1:  # decode: one output a channel, a K-term dot product (F.conv1d's setup costs ~20x that on a CPU)
+    # decode: one output a channel, a K-term dot product (F.conv1d's setup costs ~20x that on a CPU)
+    if T == 1:
         y = F.silu((xs * weight.t().to(x.dtype)).sum(1, keepdim=True))
     else:
         y = F.silu(F.conv1d(xs.transpose(1, 2), weight[:, None].to(x.dtype), groups=C)).transpose(1, 2)
@@ -74,7 +75,8 @@ def gated_delta_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     through token i) and D_ij = exp(G_i - G_j) for j <= i (0 above the diagonal):
         delta_i + beta_i sum_{j<i} D_ij (k_i.k_j) delta_j = beta_i (v_i - e^{G_i} S^T k_i)
     i.e. (I + A) delta = U - W S, solved once per chunk for both right-hand sides; then
-        o_i = e^{G_i} S^T q_i + sum_{j<=i} D_ij (q_i.k_j) delta_j,   S' = e^{G_C} S + sum_j e^{G_C - G_j} k_j delta_j^T."""
+        o_i = e^{G_i} S^T q_i + sum_{j<=i} D_ij (q_i.k_j) delta_j,
+        S' = e^{G_C} S + sum_j e^{G_C - G_j} k_j delta_j^T."""
     B, T, H, Dk = k.shape
     Dv, C = v.shape[-1], min(chunk_size, max(T, 1))  # a shorter sequence is one chunk of its own length
     pad = -T % C  # padded tokens: beta 0, g 0, so they write nothing and decay nothing
@@ -98,8 +100,10 @@ def gated_delta_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     kb = k * beta[..., None]
     A = (kb @ k.transpose(-1, -2) * D).tril(-1)  # strictly lower: the earlier deltas token i's corrects
     I_A = A + torch.eye(C, device=q.device)
-    U = torch.linalg.solve_triangular(I_A, v * beta[..., None], upper=False, unitriangular=True)  # (.., C, Dv)
-    W = torch.linalg.solve_triangular(I_A, kb * G.exp()[..., None], upper=False, unitriangular=True)  # (.., C, Dk)
+    U = torch.linalg.solve_triangular(I_A, v * beta[..., None], upper=False,
+                                      unitriangular=True)  # (.., C, Dv)
+    W = torch.linalg.solve_triangular(I_A, kb * G.exp()[..., None], upper=False,
+                                      unitriangular=True)  # (.., C, Dk)
     scores = q @ k.transpose(-1, -2) * D  # (B, H, N, C, C) within the chunk, causal
     q_read = q * G.exp()[..., None]  # reads the chunk's starting state
     k_write = k * logD[..., -1, :, None].exp()  # writes, decayed to the chunk's end: e^{G_C - G_j}
@@ -186,7 +190,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: Tensor, cache=None, varlen=None) -> Tensor:
         if varlen is not None and not isinstance(varlen, tuple):
             raise NotImplementedError("share_prompt is not supported for Qwen3.5's hybrid models "
-                                      "(a linear layer would need each completion to start from the prompt's state)")
+                                      "(a linear layer would need each completion to start from the "
+                                      "prompt's state)")
         B, T, _ = x.shape
         qkv = self.in_proj_qkv(x)  # (B, T, C)
         z = self.in_proj_z(x).view(B, T, self.la.v_heads, self.la.v_dim)
@@ -223,8 +228,8 @@ class GatedDeltaNet(nn.Module):
             cache.linear_write(self.layer_idx, torch.cat(windows), torch.cat(states), slots)
         return torch.cat(outs, 1).view(B, T, *outs[0].shape[2:])
 
-    def mix(self, qkv: Tensor, g: Tensor, beta: Tensor, window: Tensor | None = None, state: Tensor | None = None,
-            lengths: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def mix(self, qkv: Tensor, g: Tensor, beta: Tensor, window: Tensor | None = None,
+            state: Tensor | None = None, lengths: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """The convolution and the delta rule from (window, state) (None: a sequence's start).
         qkv (B, T, C), g, beta (B, T, Hv) -> o (B, T, Hv, Dv) fp32, the new window and state.
         One token from a state takes the recurrent step; more take the chunked form."""

@@ -48,9 +48,10 @@ class LoraSettings:
 
 
 def settings_of(cfg) -> LoraSettings:
-    """A Config's LoRA fields (use_peft, lora_r, lora_alpha, lora_dropout, lora_target_modules, use_rslora)."""
-    return LoraSettings(cfg.lora_r, float(cfg.lora_alpha), cfg.lora_dropout, parse_targets(cfg.lora_target_modules),
-                        cfg.use_rslora)
+    """A Config's LoRA fields (use_peft, lora_r, lora_alpha, lora_dropout, lora_target_modules,
+    use_rslora)."""
+    return LoraSettings(cfg.lora_r, float(cfg.lora_alpha), cfg.lora_dropout,
+                        parse_targets(cfg.lora_target_modules), cfg.use_rslora)
 
 
 class LoRALinear(nn.Module):
@@ -73,7 +74,8 @@ class LoRALinear(nn.Module):
             return y
         h = F.dropout(x, self.dropout, self.training) if self.dropout else x
         # in the adapters' dtype: fp32 beside a bf16 base outside FSDP (which otherwise casts both for us)
-        delta = F.linear(F.linear(h.to(self.lora_A.dtype), self.lora_A), self.lora_B)  # (..., r) between: cheap
+        # (..., r) between: cheap
+        delta = F.linear(F.linear(h.to(self.lora_A.dtype), self.lora_A), self.lora_B)
         return y + self.scale * delta.to(y.dtype)
 
 
@@ -85,8 +87,8 @@ def add_lora(model, settings: LoraSettings, seed: int = 0):
     model.requires_grad_(False)
     for parent, name in block_linears(model):
         if name in settings.targets:
-            setattr(parent, name, LoRALinear(getattr(parent, name), settings.r, settings.scale, settings.dropout,
-                                             generator))
+            setattr(parent, name, LoRALinear(getattr(parent, name), settings.r, settings.scale,
+                                             settings.dropout, generator))
     model.lora = settings  # save_pretrained merges, the trainer writes the adapter folder
     return model
 
@@ -96,8 +98,8 @@ def cast_base(model, dtype: torch.dtype):
     """The blocks' frozen linear weights (and biases) stored in `dtype`, the dtype their matmuls run
     in: a CPU under autocast_bf16. Autocast caches a weight's bf16 cast only for a weight that requires
     grad, so a frozen fp32 one would be cast anew in every forward: each of the sampler's prefills
-    and tool turns, and each micro-batch (measured on the CPU default: the warm-start 2:35 -> 2:10 min,
-    a 100-question eval 93 -> 80 s). Same matmul inputs, half the bytes."""
+    and tool turns, and each micro-batch (docs/runs.md has the figures: the CPU default's LoRA
+    warm-start and evals ran faster). Same matmul inputs, half the bytes."""
     for parent, name in block_linears(model):
         m = getattr(parent, name)
         m.weight = nn.Parameter(m.weight.to(dtype), requires_grad=False)
@@ -109,7 +111,8 @@ def block_linears(model):
     """(parent module, name) of each linear layer of every block: attention's four (a Qwen3.5 linear
     layer's five instead) and the MLP's three."""
     for block in model.layers:
-        mixer = (block.self_attn, ATTENTION) if hasattr(block, "self_attn") else (block.linear_attn, LINEAR_ATTENTION)
+        mixer = ((block.self_attn, ATTENTION) if hasattr(block, "self_attn")
+                 else (block.linear_attn, LINEAR_ATTENTION))
         for parent, names in (mixer, (block.mlp, MLP)):
             for name in names:
                 yield parent, name
@@ -194,7 +197,8 @@ def save_adapter(path, state: dict, settings: LoraSettings, base_model: str = ""
     from safetensors.torch import save_file
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    weights = {PEFT_PREFIX + k + ".weight": v.detach().float().contiguous() for k, v in state.items() if is_adapter_key(k)}
+    weights = {PEFT_PREFIX + k + ".weight": v.detach().float().contiguous()
+               for k, v in state.items() if is_adapter_key(k)}
     if not weights:
         raise ValueError("save_adapter: the state dict holds no adapters (a model without add_lora?)")
     save_file(weights, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
@@ -236,8 +240,8 @@ def adapter_settings(path) -> LoraSettings:
     path = Path(path)
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if not (path / name).is_file():
-            raise FileNotFoundError(f"adapter_path {path}: no {name} (a PEFT LoRA folder holds {ADAPTER_CONFIG} "
-                                    f"and {ADAPTER_WEIGHTS})")
+            raise FileNotFoundError(f"adapter_path {path}: no {name} "
+                                    f"(a PEFT LoRA folder holds {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
     cfg = json.loads((path / ADAPTER_CONFIG).read_text())
     if cfg.get("peft_type") != "LORA":
         raise ValueError(f"adapter_path {path}: peft_type {cfg.get('peft_type')!r}, only LORA is supported")
@@ -275,5 +279,6 @@ def load_adapter(model, state: dict, source: str = "adapter"):
                          f"{extra[:3]}): the same base model, r and target modules?")
     for k, p in params.items():
         if tuple(state[k].shape) != tuple(p.shape):
-            raise ValueError(f"{source}: {k} has shape {tuple(state[k].shape)}, the model's is {tuple(p.shape)}")
+            raise ValueError(f"{source}: {k} has shape {tuple(state[k].shape)}, "
+                             f"the model's is {tuple(p.shape)}")
         p.copy_(state[k])

@@ -59,7 +59,8 @@ class ModelArgs:
     qk_norm: bool               # Qwen3
     tie_embeddings: bool
     # Qwen3.5's hybrid models (grpo/models/qwen35.py): each layer's "linear_attention" | "full_attention",
-    # the rotated channels of a head (0 = all), and the linear layers' shapes (grpo.models.deltanet.LinearArgs)
+    # the rotated channels of a head (0 = all), and the linear layers' shapes
+    # (grpo.models.deltanet.LinearArgs)
     layer_types: tuple | None = None
     rotary_dim: int = 0
     linear: object = None
@@ -235,15 +236,16 @@ class Attention(nn.Module):
         gqa = self.n_kv_heads != self.n_heads
         if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
             # autocast_bf16 on a CPU: the matmuls in bf16, attention in fp32. Its bf16 kernels are
-            # the slower ones there (decode, batch 128 x 113 keys: 13 ms a layer against 3 ms, with
-            # the fp32 cache cast to bf16 on every call; training fwd+bwd at T 100: 2.5 vs 1.1 ms)
+            # the slower ones there, in decode (the fp32 cache cast to bf16 on every call) and in
+            # training's forward and backward (bench/RESULTS.md has the figures)
             with torch.autocast("cpu", enabled=False):
                 y = self._attend(q.float(), k.float(), v.float(), mask, cache, varlen, gqa)
         else:
             y = self._attend(q, k, v, mask, cache, varlen, gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cache, varlen, gqa: bool) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cache, varlen,
+                gqa: bool) -> Tensor:
         """q (B, nh, T, D), k, v (B, nkv, T, D), rotary applied -> (B, nh, T, D)."""
         cache_mask = None
         if cache is not None:
@@ -296,7 +298,8 @@ class MLP(nn.Module):  # SwiGLU
         gate, up = self.gate_proj(x), self.up_proj(x)
         d = self.down_proj  # a LoRA down projection, or one with hooks, runs its own forward
         lean = (type(d) is nn.Linear and d.bias is None and not d._forward_hooks and not d._forward_pre_hooks
-                and gate.requires_grad and torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type))
+                and gate.requires_grad and torch.is_grad_enabled()
+                and not torch.is_autocast_enabled(x.device.type))
         return _SwiGLUDown.apply(gate, up, d.weight) if lean else d(F.silu(gate) * up)
 
 
@@ -347,7 +350,8 @@ class Transformer(nn.Module):
         self.config = dict(config)  # the HF config.json, written back by save_pretrained
         self.args = args = ModelArgs.from_hf(config)
         block, norm = Block, RMSNorm
-        if args.hybrid:  # Qwen3.5: Gated DeltaNet and gated-attention blocks, (1 + w) norms (grpo/models/qwen35.py)
+        # Qwen3.5: Gated DeltaNet and gated-attention blocks, (1 + w) norms (grpo/models/qwen35.py)
+        if args.hybrid:
             from grpo.models.qwen35 import CenteredRMSNorm, HybridBlock, text_config
             self.config, block, norm = text_config(self.config), HybridBlock, CenteredRMSNorm
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
@@ -364,7 +368,7 @@ class Transformer(nn.Module):
         # bf16 matmuls inside the blocks under torch.autocast (config autocast_bf16): the weights,
         # the residual stream, the final norm and the LM head stay fp32, so log-probs keep fp32's
         # precision (the LM head's two gradient matmuls take bf16); on CPUs with AVX512-BF16 a bf16
-        # matmul runs ~2.8-4x the fp32 one (grpo/fit/precision.py)
+        # matmul runs several times faster than the fp32 one (grpo/fit/precision.py)
         self.autocast_bf16 = False
         self.lora = None  # grpo.models.lora.LoraSettings once add_lora gave the blocks adapters
 
@@ -452,7 +456,8 @@ class Transformer(nn.Module):
                                  f"{type(e).__name__}: {str(e)[:200]})") from None
             with f:
                 for key in f.keys():
-                    name = key.removeprefix("model.").removeprefix("language_model.")  # Qwen3.5's VLM nests it
+                    # Qwen3.5's VLM nests it
+                    name = key.removeprefix("model.").removeprefix("language_model.")
                     if name not in expected:
                         if (name == "lm_head.weight" and model.args.tie_embeddings or "rotary_emb" in name
                                 or name.startswith(("visual.", "mtp."))):
@@ -491,9 +496,11 @@ class Transformer(nn.Module):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = state_dict if state_dict is not None else self.state_dict()
-        if self.lora is not None:  # adapters merged: transformers loads a plain model (grpo.models.lora.save_adapter: PEFT's)
+        # adapters merged: transformers loads a plain model (grpo.models.lora.save_adapter: PEFT's)
+        if self.lora is not None:
             from grpo.models.lora import merged_state
-            state = merged_state(state, self.lora, dtype)  # summed in fp32, rounded once to `dtype` (default W's)
+            # summed in fp32, rounded once to `dtype` (default W's)
+            state = merged_state(state, self.lora, dtype)
         if dtype is not None:
             state = {k: v.to(dtype) for k, v in state.items()}
         state = {"model." + k if k != "lm_head.weight" else k: v.detach().contiguous()

@@ -20,16 +20,17 @@ class SharedPrompts:
                          # tokens, then its own segment causally
 
     def to(self, device) -> "SharedPrompts":
-        return SharedPrompts(*(t.to(device) for t in (self.prompt, self.segment, self.segment_row, self.mask)))
+        return SharedPrompts(*(t.to(device)
+                               for t in (self.prompt, self.segment, self.segment_row, self.mask)))
 
 
 def shared_prompt_attention(q: Tensor, k: Tensor, v: Tensor, sp: SharedPrompts, gqa: bool) -> Tensor:
     """Each completion attends to its prompt and to itself, never to its siblings: the prompts in
     one causal SDPA call, the segments in one masked call over (prompt + segment) keys, so the
     work is that of one row per sequence minus the repeated prompts. A dense (L x L) tree mask
-    instead ran SDPA's math kernel over every pair of tokens in a row: bench/shared_prompt.py
-    (SmolLM2, 8 x G=6, CPU) measured its update 1.08x faster than one row per sequence, this one
-    1.34x. q (R, nh, L, D), k, v (R, nkv, L, D) -> (R, nh, L, D)."""
+    instead ran SDPA's math kernel over every pair of tokens in a row, which ate most of the savings
+    (bench/shared_prompt.py; bench/RESULTS.md has the figures). q (R, nh, L, D), k, v (R, nkv, L, D)
+    -> (R, nh, L, D)."""
     R, nh, L, D = q.shape
     flat = lambda t: torch.cat([t.transpose(1, 2).reshape(R * L, t.shape[1], D),  # noqa: E731
                                 t.new_zeros(1, t.shape[1], D)])                    # (R*L + 1, heads, D)

@@ -1,4 +1,5 @@
-"""Qwen3.5's hybrid decoder blocks (the dense text models, e.g. Qwen3.5-0.8B), for grpo.models.model.Transformer.
+"""Qwen3.5's hybrid decoder blocks (the dense text models, e.g. Qwen3.5-0.8B), for
+grpo.models.model.Transformer.
 
 Qwen3.5 differs from Qwen3 in four places, read from config.json:
   - layer_types: most layers mix tokens with Gated DeltaNet (grpo/models/deltanet.py: linear attention,
@@ -58,10 +59,12 @@ def hybrid_args(cfg: dict, model_args):
     la = LinearArgs(cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_key_head_dim"],
                     cfg["linear_value_head_dim"], cfg.get("linear_conv_kernel_dim", 4))
     if la.v_heads % la.k_heads:
-        raise ValueError(f"linear_num_value_heads={la.v_heads} is not a multiple of linear_num_key_heads={la.k_heads}")
+        raise ValueError(f"linear_num_value_heads={la.v_heads} is not a multiple of "
+                         f"linear_num_key_heads={la.k_heads}")
     rotary_dim = int(head_dim * partial)
     if n_heads % n_kv or rotary_dim % 2:
-        raise ValueError(f"unsupported attention shape: {n_heads} heads, {n_kv} kv heads, rotary dim {rotary_dim}")
+        raise ValueError(f"unsupported attention shape: {n_heads} heads, {n_kv} kv heads, "
+                         f"rotary dim {rotary_dim}")
     return model_args(
         model_type=cfg["model_type"], vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=L,
         n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, ffn_dim=cfg["intermediate_size"],
@@ -79,7 +82,8 @@ class CenteredRMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         xf = fp32(x)
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + fp32(self.weight))).type_as(x)
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+                * (1.0 + fp32(self.weight))).type_as(x)
 
 
 class GatedAttention(nn.Module):
