@@ -131,17 +131,40 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return x.dtype if x.is_cuda else torch.promote_types(x.dtype, torch.float32)
 
 
+_MM_FP32_OUT: dict = {}  # 16-bit dtype -> whether torch.mm gives its CUDA operands an fp32 output
+
+
+def mm_fp32_out(dtype: torch.dtype) -> bool:
+    """Whether torch.mm takes out_dtype=torch.float32 for `dtype` operands on CUDA (newer PyTorch), tried
+    once: without it scaled_logits multiplies fp32 copies of both operands (said once, not hidden in every
+    call; the sampler then keeps one fp32 copy of its LM head per call: grpo.engine.decode)."""
+    if dtype not in _MM_FP32_OUT:
+        try:
+            a = torch.ones(1, 1, dtype=dtype, device="cuda")
+            _MM_FP32_OUT[dtype] = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        except (TypeError, RuntimeError) as e:  # older PyTorch: no out_dtype
+            _no_fp32_out(dtype, e)
+    return _MM_FP32_OUT[dtype]
+
+
+def _no_fp32_out(dtype: torch.dtype, error: Exception):  # said once, as grpo.kernels' other fallbacks
+    _MM_FP32_OUT[dtype] = False
+    print(f"grpo.kernels: torch.mm(out_dtype=torch.float32) failed for {dtype} ({type(error).__name__}: "
+          f"{error}): fp32 logits from fp32 copies of the operands from now on (slower, more memory)")
+
+
 def scaled_logits(h: Tensor, w: Tensor, inv_T: float = 1.0) -> Tensor:
     """(N, H) @ (C, H).T / T -> (N, C), fp32 for half inputs: bf16 logits would be rounded by up
     to |z| 2^-9, a few percent on exp(z - lse) for z ~ 20 (cuBLAS accumulates in fp32 either way).
     Half products are exact in fp32, so the upcast fallback gives cuBLAS's numbers."""
     if h.dtype in (torch.bfloat16, torch.float16):
         z = None
-        if h.is_cuda:
+        if h.is_cuda and _MM_FP32_OUT.get(h.dtype, True):  # a failure is not tried again
             try:
                 z = torch.mm(h, w.T, out_dtype=torch.float32)
-            except (TypeError, RuntimeError):  # older PyTorch: no out_dtype
-                pass
+                _MM_FP32_OUT[h.dtype] = True
+            except (TypeError, RuntimeError) as e:  # older PyTorch: no out_dtype
+                _no_fp32_out(h.dtype, e)
         z = h.float() @ w.float().T if z is None else z
     else:
         z = h @ w.T
