@@ -112,7 +112,8 @@ class DecodeWeights:
 
     def _refresh_head32(self):
         """head32: an fp32 copy of a 16-bit LM head on CUDA where torch.mm cannot give it fp32 logits
-        (grpo.kernels.logprobs.mm_fp32_out), refreshed in place (at a fixed address, for the graphs); else None."""
+        (grpo.kernels.logprobs.mm_fp32_out), refreshed in place (at a fixed address, for the graphs);
+        else None."""
         w = self.lm_head
         if not needs_head32(w):
             self.head32 = None
