@@ -10,11 +10,14 @@ from interpret import SHARD_ENV
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under SHARD_ENV=k/n (tests/interpret.py's children), every n-th test from the k-th."""
+    """Under SHARD_ENV=k/n (tests/interpret.py's children), the k-th of n shares of the tests, dealt out
+    0, 1, .., n-1, then n-1, .., 0, and so on: a parameter that alternates (a small and a large
+    vocabulary) falls into every share alike."""
     if os.environ.get(SHARD_ENV):
         k, n = map(int, os.environ[SHARD_ENV].split("/"))
-        config.hook.pytest_deselected(items=[x for i, x in enumerate(items) if i % n != k])
-        items[:] = items[k::n]
+        share = [i % n if i // n % 2 == 0 else n - 1 - i % n for i in range(len(items))]
+        config.hook.pytest_deselected(items=[x for x, s in zip(items, share) if s != k])
+        items[:] = [x for x, s in zip(items, share) if s == k]
 
 
 def pytest_configure(config):

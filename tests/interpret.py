@@ -31,7 +31,7 @@ def rerun_under_interpreter(path: str, slow: bool = True):
     @pytest.mark.skipif(INTERPRET, reason="already under the interpreter")
     @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
     def test_under_interpreter():
-        env = {**os.environ, "TRITON_INTERPRET": "1", **({"OMP_NUM_THREADS": "1"} if shards > 1 else {})}
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
         command = [sys.executable, "-m", "pytest", path, "-q", "-p", "no:cacheprovider"]
         outs = at_once(*(lambda k=k: subprocess.run(command, capture_output=True, text=True, env={
             **env, **({SHARD_ENV: f"{k}/{shards}"} if shards > 1 else {})}) for k in range(shards)))
