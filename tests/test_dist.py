@@ -349,7 +349,7 @@ def test_warm_start_splits_its_batch_over_ranks(toy, tmp_path):
     """Each rank renders and trains on half of every warm-start batch (it ran all of it on every
     rank: twice the compute for the same gradient), and the weights are one process's."""
     sft = dict(model_path=toy, sft_steps=2, sft_batch=4, max_steps=0, eval_limit=0)
-    one, two = launch(1, tmp_path / "one", **sft), launch(2, tmp_path / "two", **sft)
+    one, two = at_once(lambda: launch(1, tmp_path / "one", **sft), lambda: launch(2, tmp_path / "two", **sft))
     assert "rank 0: 8 gold trajectories" in one
     assert "rank 0: 4 gold trajectories" in two and "rank 1: 4 gold trajectories" in two
     w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")

@@ -172,7 +172,8 @@ def test_retool_recipe_two_steps(tmp_path, smollm2_path):
     cmd = [sys.executable, str(ROOT / "recipes" / "retool_qwen3_4b.py"), *tiny_flags(model, out),
            f"--train_data={train_data}", "--question_field=problem", "--answer_field=answer",
            f"--eval_data={DATA / 'aime' / 'aime24.jsonl'}", "--eval_n=2", "--max_prompt_length=512",
-           "--gradient_checkpointing=false", "--steps_per_generation=2"]  # 2 prompts: one group a step
+           "--gradient_checkpointing=false", "--steps_per_generation=2",  # 2 prompts: one group a step
+           "--eval_max_completion_length=24"]  # the random model rarely ends a turn: 16,384 would fill its cache
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=ONE_THREAD)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     check_run(out, "qwen3", eval_rows=8)
