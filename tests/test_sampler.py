@@ -114,7 +114,7 @@ def solutions(smol):
     return [p + c.token_ids for p, c in zip(prompts[1:4], sols)], [len(p) for p in prompts[1:4]]
 
 
-@pytest.mark.slow  # ~15 s each
+@pytest.mark.slow  # ~10 s each
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_forked_continuations_equal_fresh_prefills(smol, solutions, one_thread, temperature):
     """ProcessGRPO's primitive (the sampler's one way to reuse a prefix): continue_from prefills
@@ -126,14 +126,14 @@ def test_forked_continuations_equal_fresh_prefills(smol, solutions, one_thread, 
     model, (seqs, P) = smol[0], solutions
     cuts = [[P[0], P[0] + 9, P[0] + 23], [P[1] + 31, P[1] + 2], [P[2] + 40, P[2] + 17, P[2] + 5]]  # any order
     prefixes = [x[:c] for x, cs in zip(seqs, cuts) for c in cs]
-    p = SamplingParams(n=4, temperature=temperature, max_tokens=24, seed=11)
+    p = SamplingParams(n=2, temperature=temperature, max_tokens=16, seed=11)  # 16 rows
     fresh = Sampler(model)
     expected = fresh.generate(prefixes, p)
     assert fresh.tokens_prefilled == sum(map(len, prefixes))
     for gen_batch in (64, 9):
         sampler = Sampler(model, gen_batch=gen_batch)
         out = sampler.continue_from(seqs, cuts, p)
-        assert [(c.prompt_index, c.sample_index) for c in out] == [divmod(k, 4) for k in range(len(out))]
+        assert [(c.prompt_index, c.sample_index) for c in out] == [divmod(k, 2) for k in range(len(out))]
         for c, e in zip(out, expected):
             where = (gen_batch, c.prompt_index, c.sample_index)
             assert (c.token_ids, c.finish_reason) == (e.token_ids, e.finish_reason), where
@@ -143,7 +143,7 @@ def test_forked_continuations_equal_fresh_prefills(smol, solutions, one_thread, 
         if gen_batch == 64:
             assert sampler.tokens_prefilled == once
         assert once <= sampler.tokens_prefilled < fresh.tokens_prefilled
-    assert len({tuple(c.token_ids) for c in expected}) > (1 if temperature == 0 else 20)  # not all alike
+    assert len({tuple(c.token_ids) for c in expected}) > (1 if temperature == 0 else 10)  # not all alike
 
 
 # ----------------------------------------------------------------------------- tiny models
