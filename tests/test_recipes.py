@@ -72,9 +72,10 @@ def make_tiny_chat_model(path: Path, family: str, smollm2_path: str, chat_templa
 
 
 def tiny_flags(model: str, out: Path) -> list[str]:
+    # the random model rarely ends a turn: a recipe's own eval budget (6,500 or 16,384 tokens) fills its cache
     return [f"--model_path={model}", f"--output_dir={out}", "--max_steps=2", "--prompts_per_step=2", "--num_generations=2",
             "--max_completion_length=24", "--eval_limit=4", "--profile=none", "--dtype=float32", "--gen_batch=8",
-            "--save_steps=2"]
+            "--save_steps=2", "--eval_max_completion_length=24"]
 
 
 def check_run(out: Path, family: str, eval_rows: int = 4):
@@ -172,8 +173,7 @@ def test_retool_recipe_two_steps(tmp_path, smollm2_path):
     cmd = [sys.executable, str(ROOT / "recipes" / "retool_qwen3_4b.py"), *tiny_flags(model, out),
            f"--train_data={train_data}", "--question_field=problem", "--answer_field=answer",
            f"--eval_data={DATA / 'aime' / 'aime24.jsonl'}", "--eval_n=2", "--max_prompt_length=512",
-           "--gradient_checkpointing=false", "--steps_per_generation=2",  # 2 prompts: one group a step
-           "--eval_max_completion_length=24"]  # the random model rarely ends a turn: 16,384 would fill its cache
+           "--gradient_checkpointing=false", "--steps_per_generation=2"]  # 2 prompts: one group a step
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=ONE_THREAD)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     check_run(out, "qwen3", eval_rows=8)
