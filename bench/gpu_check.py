@@ -119,7 +119,7 @@ import sampler as bench_sampler  # noqa: E402
 import step as bench_step  # noqa: E402
 
 from grpo.infra import dist  # noqa: E402
-from grpo.models import model as model_module  # noqa: E402
+from grpo.models import layers as layers_module  # noqa: E402
 from grpo.config import Config  # noqa: E402
 from grpo.kernels import add_rmsnorm, decode_attention, fused_sample, linear_logprobs, qkv_rope_write, silu_mul  # noqa: E402
 from grpo.kernels.cases import SHAPES as DECODE_SHAPES  # noqa: E402
@@ -225,7 +225,7 @@ def fused_paths(kernels: bool = True, flash: bool = True):
     names no backend (log-probs, loss, the decode step's layers, sampling) takes its PyTorch
     reference (grpo.kernels.references); without `flash`, the model's prefill and the decode step
     do not take flash-attn (a module global each, set at import, so cleared meanwhile)."""
-    mods = [(model_module, "flash_attn_varlen_func"), (decode_module, "flash_attn_with_kvcache")]
+    mods = [(layers_module, "flash_attn_varlen_func"), (decode_module, "flash_attn_with_kvcache")]
     saved = [getattr(m, name) for m, name in mods]
     for m, name in mods:
         setattr(m, name, getattr(m, name) if flash else None)

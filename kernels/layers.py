@@ -12,7 +12,7 @@ one decoder layer, fused so a decode step launches fewer kernels (eager PyTorch:
   split over KV blocks (flash-decoding) with an online softmax in fp32, then a combine kernel:
   no (B, S) gather of the slot's keys, no mask tensor, no repeat of the KV heads.
 Each has a PyTorch reference in kernels/reference.py (the `backend="torch"` path) with the
-model's rounding steps (grpo/models/model.py: RMSNorm, apply_rope, KVCache.update), which the
+model's rounding steps (grpo/models/layers.py: RMSNorm, apply_rope; KVCache.update), which the
 kernels reproduce: fp32 math inside, rounded to the activation dtype where the model rounds.
 Inference only: no autograd (the sampler's forward runs without a graph).
 """

@@ -105,10 +105,10 @@ def sample_ref(logits: Tensor, key: Tensor, step: Tensor, temperature: float) ->
     return tokens, z.gather(-1, tokens[:, None])[:, 0] - z.logsumexp(-1)
 
 # -----------------------------------------------------------------------------
-# decode layers: grpo/models/model.py's eager ops, one decode token per row; inference only
+# decode layers: grpo/models/layers.py's eager ops, one decode token per row; inference only
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """grpo.models.model.RMSNorm: normalize in fp32, round to x's dtype, scale; returned in x's dtype."""
+    """grpo.models.layers.RMSNorm: normalize in fp32, round to x's dtype, scale; returned in x's dtype."""
     xf = x.float()
     return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)).to(x.dtype)
 
@@ -126,7 +126,7 @@ def silu_mul_ref(gu: Tensor) -> Tensor:
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """grpo.models.model.apply_rope ("rotate half"): x (..., D), cos, sin (..., D/2), in fp32."""
+    """grpo.models.layers.apply_rope ("rotate half"): x (..., D), cos, sin (..., D/2), in fp32."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 

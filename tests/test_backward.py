@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from test_model import CASES
 
 from grpo.fit.memory import act_bytes_per_token
-from grpo.models.model import Transformer, _RMSNormFn, _SwiGLUDown, rms_norm
+from grpo.models.layers import _RMSNormFn, _SwiGLUDown, rms_norm
+from grpo.models.model import Transformer
 
 
 def test_rms_norm_gradients_against_finite_differences():

@@ -379,12 +379,13 @@ def test_a_used_folder_is_refused_on_every_rank(straight, toy):
 ROPE_DTYPES = r'''
 import torch, torch.distributed as tdist
 import grpo.models.model as gm
+import grpo.models.layers as layers
 from grpo.infra import dist
 from toy import make_toy_dir
 import sys, pathlib
 tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
-seen, rope = [], gm.apply_rope
-gm.apply_rope = lambda x, cos, sin: seen.append((x.dtype, cos.dtype, torch.is_grad_enabled())) or rope(x, cos, sin)
+seen, rope = [], layers.apply_rope
+layers.apply_rope = lambda x, cos, sin: seen.append((x.dtype, cos.dtype, torch.is_grad_enabled())) or rope(x, cos, sin)
 grads = []
 for ckpt in (False, True):
     model = dist.shard(gm.Transformer.from_pretrained(make_toy_dir(pathlib.Path(sys.argv[1]) / str(ckpt))),

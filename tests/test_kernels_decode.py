@@ -18,7 +18,7 @@ from grpo.kernels.layers import add_rmsnorm, decode_attention, qkv_rope_write, s
 from grpo.kernels.reference import (add_rmsnorm_ref, decode_attention_ref, qkv_rope_write_ref, sample_ref,
                                     silu_mul_ref)
 from grpo.kernels.sampling import fused_sample
-from grpo.models.model import RMSNorm, apply_rope
+from grpo.models.layers import RMSNorm, apply_rope
 
 test_decode_kernels_under_interpreter = rerun_under_interpreter(__file__)
 

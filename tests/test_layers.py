@@ -127,8 +127,8 @@ def wing_of(module: str) -> str | None:
     return parts[1] if parts[1] in WINGS else "story"
 
 
-def module_of(path: Path) -> str:
-    parts = ("grpo", *path.relative_to(ROOT / "grpo").with_suffix("").parts)
+def module_of(path: Path, package: Path = ROOT / "grpo") -> str:
+    parts = ("grpo", *path.relative_to(package).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -144,8 +144,20 @@ def wing_arrows(paths) -> dict[tuple[str, str], list[str]]:
     return arrows
 
 
+def module_arrows(paths, package: Path = ROOT / "grpo") -> dict[tuple[str, str], list[str]]:
+    """(from module, to module) among the package's own files, function-level imports included; `grpo`
+    itself (its __init__.py, a face that hands names on lazily) is left out, as in wing_arrows."""
+    known = {module_of(p, package) for p in paths} - {"grpo"}
+    arrows = {}
+    for path in paths:
+        source = module_of(path, package)
+        for target in imports_and_calls(path)[0] & known - {source}:
+            arrows.setdefault((source, target), []).append(f"{source} -> {target}")
+    return arrows
+
+
 def circle(arrows) -> list[str]:
-    """A circle among the wings' arrows, or []."""
+    """A circle among the arrows (wings' or modules'), or []."""
     graph = {}
     for a, b in arrows:
         graph.setdefault(a, set()).add(b)
@@ -191,6 +203,12 @@ def test_the_wings_draw_no_circle():
     assert circle(wing_arrows(ALL_GRPO)) == []
 
 
+def test_the_modules_draw_no_circle():
+    """Inside a wing too: no two files import each other, even from inside a function (a lazy import that
+    hides a circle from Python still ties the two files together for a reader)."""
+    assert circle(module_arrows(ALL_GRPO)) == []
+
+
 def test_the_wing_checks_catch_an_arrow_up_and_a_circle(tmp_path):
     """The checks themselves, on files written here: an engine module that imports the trainer is an
     arrow up, and two wings that import each other are a circle."""
@@ -202,6 +220,12 @@ def test_the_wing_checks_catch_an_arrow_up_and_a_circle(tmp_path):
     assert circle({("engine", "story"): [], ("story", "engine"): []}) in (["engine", "story", "engine"],
                                                                           ["story", "engine", "story"])
     assert circle({("story", "engine"): [], ("engine", "models"): []}) == []
+    models = tmp_path / "grpo" / "models"  # two files of one wing, one import lazy: a module circle
+    models.mkdir()
+    (models / "model.py").write_text("def f():\n    from grpo.models.qwen35 import HybridBlock\n")
+    (models / "qwen35.py").write_text("from grpo.models.model import MLP\n")
+    arrows = module_arrows(sorted(models.glob("*.py")), tmp_path / "grpo")
+    assert sorted(circle(arrows)) == ["grpo.models.model", "grpo.models.model", "grpo.models.qwen35"]
 
 # ----------------------------------------------------------------------------- tests <-> bench
 

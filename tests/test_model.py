@@ -224,7 +224,7 @@ def test_per_document_attention_equals_the_document_mask(n_kv):
     import torch.nn.functional as F
 
     from grpo.models.model import Transformer as M
-    from grpo.models.model import doc_mask, per_document_attention
+    from grpo.models.layers import doc_mask, per_document_attention
     g = torch.Generator().manual_seed(0)
     pos = torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0, 1, 2, 3, 4]])
     B, T, nh, D = *pos.shape, 6, 8

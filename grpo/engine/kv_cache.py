@@ -8,9 +8,9 @@ uses, and a prompt shared by n samples is copied into n slots (`fork`) rather th
 referenced; both are small next to the weights at the sizes grpo trains.
 
 For the model's own forward (prefills and tool observations; decode steps write through
-grpo/engine/decode.py) it speaks the model's hook (grpo/models/model.py, Attention.forward): `update(layer, k,
-v)` stores this forward's keys and values and returns what to attend over. Before each forward
-the sampler says where the new tokens go: `packed` (a prefill of fresh prompts packed in one
+grpo/engine/decode.py) it speaks the model's hook (grpo/models/layers.py, Attention.forward):
+`update(layer, k, v)` stores this forward's keys and values and returns what to attend over. Before
+each forward the sampler says where the new tokens go: `packed` (a prefill of fresh prompts packed in one
 row: attend to the new k, v under the model's own document mask) or `rows` (rows that continue
 their history: an injected tool observation).
 """

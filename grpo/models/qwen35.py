@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo.models.deltanet import GatedDeltaNet, LinearArgs, fp32
-from grpo.models.model import MLP, Attention, apply_rope
+from grpo.models.layers import MLP, Attention, apply_rope
 
 
 def text_config(cfg: dict) -> dict:
