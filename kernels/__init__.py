@@ -43,5 +43,6 @@ else:
     from .sampling import fused_sample
     from .target import HAS_TRITON, compile_for, gpu, references, use_triton
 
-    __all__ = ["linear_logprobs", "scaled_logits", "grpo_token_loss", "group_advantages", "fused_sample", "add_rmsnorm", "silu_mul",
-               "qkv_rope_write", "decode_attention", "HAS_TRITON", "compile_for", "gpu", "references", "use_triton"]
+    __all__ = ["linear_logprobs", "scaled_logits", "grpo_token_loss", "group_advantages", "fused_sample",
+               "add_rmsnorm", "silu_mul", "qkv_rope_write", "decode_attention", "HAS_TRITON", "compile_for",
+               "gpu", "references", "use_triton"]

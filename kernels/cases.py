@@ -121,7 +121,8 @@ def sweep(dtype: torch.dtype, iters: int, reps: int, dev: str = "cuda") -> list[
                         us = 1e3 * time_ms(lambda: call("triton"), iters, reps)
                     rows.append(dict(r, us=us, speed=1e3 * base / us, error=""))
                 except OutOfResources as e:  # e.g. 136 KB of shared memory on an RTX 6000 Ada
-                    rows.append(dict(r, us=float("nan"), speed=float("nan"), error=str(e).splitlines()[0][:120]))
+                    rows.append(dict(r, us=float("nan"), speed=float("nan"),
+                                     error=str(e).splitlines()[0][:120]))
     return rows
 
 
@@ -192,7 +193,8 @@ def compile_rows(archs: list[int], dtypes=(torch.bfloat16, torch.float32)) -> li
                 seen.add(k.hash)
                 r = resources(k.asm["cubin"])
                 shared = k.metadata.shared
-                status = ("spills" if r["spill_bytes"] else "") + (" shared > max" if shared > SHARED_MAX[arch] else "")
+                status = (("spills" if r["spill_bytes"] else "")
+                          + (" shared > max" if shared > SHARED_MAX[arch] else ""))
                 rows.append(dict(arch=f"sm_{arch}", gpu=ARCHS[arch], model=model, dtype=str(dtype)[6:],
                                  case=name, kernel=kname,
                                  shape=shape, warps=k.metadata.num_warps, stages=k.metadata.num_stages,

@@ -118,7 +118,8 @@ def _token_loss_triton(logprobs, old_logprobs, advantages, loss_mask, ref_logpro
         float(eps_low), float(eps_high), float(delta or 0.0), float(dual_clip or 0.0),
         float(beta), float(tis_cap or 0.0), float(tau_pos), float(tau_neg), SURROGATE=SURROGATES[surrogate],
         HAS_DELTA=delta is not None, HAS_DUAL=dual_clip is not None, HAS_KL=has_kl, KL_RATIO=bool(kl_ratio),
-        HAS_TIS=has_tis, BLOCK=BLOCK, enable_fp_fusion=True,  # each launch says, as Triton 3.10 flips the default
+        HAS_TIS=has_tis, BLOCK=BLOCK,
+        enable_fp_fusion=True,  # each launch says, as Triton 3.10 flips the default
     )
     return loss.view(shape), dlp.view(shape)
 
@@ -158,5 +159,5 @@ def grpo_token_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
     assert triton is not None, "triton is not importable: use grpo.loss.token_loss"
     assert surrogate in SURROGATES, f"{surrogate=} not in {'|'.join(SURROGATES)}"
     return GRPOTokenLoss.apply(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs, sampler_logprobs,
-                               eps_low, eps_high, delta, dual_clip, beta, tis_cap, surrogate, tau_pos, tau_neg,
-                               kl_ratio)
+                               eps_low, eps_high, delta, dual_clip, beta, tis_cap, surrogate, tau_pos,
+                               tau_neg, kl_ratio)

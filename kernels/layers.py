@@ -219,11 +219,13 @@ def qkv_rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cac
     nh, nkv, D = n_heads, n_kv_heads, head_dim
     assert qkv.shape == (B, (nh + 2 * nkv) * D) and D % 2 == 0, f"{qkv.shape=} {nh=} {nkv=} {D=}"
     assert cos.shape == sin.shape == (B, D // 2), f"{cos.shape=} {sin.shape=}"
-    assert k_cache.shape[2:] == (nkv, D) and v_cache.shape == k_cache.shape, f"{k_cache.shape=} {v_cache.shape=}"
+    assert (k_cache.shape[2:] == (nkv, D)
+            and v_cache.shape == k_cache.shape), f"{k_cache.shape=} {v_cache.shape=}"
     assert (q_norm is None) == (k_norm is None), "q_norm and k_norm come together (Qwen3)"
     if not _use_triton(qkv, backend, "qkv_rope_write"):
         return qkv_rope_write_ref(qkv, cos, sin, k_cache, v_cache, slot, pos, nh, nkv, D, q_norm, k_norm, eps)
-    assert k_cache.stride(3) == 1 and v_cache.stride() == k_cache.stride(), "caches: rows of D contiguous, same layout"
+    assert (k_cache.stride(3) == 1
+            and v_cache.stride() == k_cache.stride()), "caches: rows of D contiguous, same layout"
     qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     q = torch.empty(B, nh, D, dtype=qkv.dtype, device=qkv.device)
@@ -314,7 +316,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor, 
     scale = D ** -0.5 if scale is None else scale
     if not _use_triton(q, backend, "decode_attention"):
         return decode_attention_ref(q, k_cache, v_cache, slot, length, scale)
-    assert k_cache.stride(3) == 1 and v_cache.stride() == k_cache.stride(), "caches: rows of D contiguous, same layout"
+    assert (k_cache.stride(3) == 1
+            and v_cache.stride() == k_cache.stride()), "caches: rows of D contiguous, same layout"
     q = q if q.stride(2) == 1 else q.contiguous()
     G = nh // nkv
     if gpu(q):

@@ -238,7 +238,8 @@ def _forward_triton(hidden, weight, labels, temperature, want_entropy, threshold
         N, V, H, v_per_split, 1.0 / temperature, hidden.stride(0), weight.stride(0),
         BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H,
         UPCAST=not gpu(hidden), KEPT=threshold is not None,
-        num_warps=warps, num_stages=stages, enable_fp_fusion=True,  # FMA, explicitly: Triton 3.10 flips the default
+        num_warps=warps, num_stages=stages,
+        enable_fp_fusion=True,  # FMA, explicitly: Triton 3.10 flips the default
     )
     lse_s, tgt_s, ez_s = stats                                 # (S, N) each
     lse = lse_s.logsumexp(0)
@@ -282,9 +283,9 @@ def _backward(hidden, weight, labels, lse, grad, temperature, chunk, dlogits, ne
     grad_h = torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device) if need_h else None
     grad_w = torch.empty_like(weight) if need_w else None
     for v0 in range(0, V, chunk):
-        w = weight[v0:v0 + chunk].to(dt)                      # (C, H)
-        z = scaled_logits(h, w, 1.0 / temperature)                  # (N, C) fp32+: the forward's logits / T
-        dz = dlogits(z, lse, labels, g, v0, threshold).to(gdt)           # (N, C), in the gradient matmuls' dtype
+        w = weight[v0:v0 + chunk].to(dt)                        # (C, H)
+        z = scaled_logits(h, w, 1.0 / temperature)              # (N, C) fp32+: the forward's logits / T
+        dz = dlogits(z, lse, labels, g, v0, threshold).to(gdt)  # (N, C), in the gradient matmuls' dtype
         if need_h:
             grad_h += dz @ w.to(gdt)
         if need_w:
@@ -299,9 +300,11 @@ class LinearLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, temperature, backend, return_entropy, chunk, lead, grad_dtype,
                 threshold):
         if backend == "triton":
-            lse, tgt, entropy = _forward_triton(hidden, weight, labels, temperature, return_entropy, threshold)
+            lse, tgt, entropy = _forward_triton(hidden, weight, labels, temperature, return_entropy,
+                                                threshold)
         else:
-            lse, tgt, entropy = _forward_torch(hidden, weight, labels, temperature, chunk, return_entropy, threshold)
+            lse, tgt, entropy = _forward_torch(hidden, weight, labels, temperature, chunk, return_entropy,
+                                               threshold)
         logprobs = torch.where(labels >= 0, tgt - lse, 0.0)
         ctx.save_for_backward(hidden, weight, labels, lse, threshold)
         ctx.temperature, ctx.backend, ctx.chunk, ctx.grad_dtype = temperature, backend, chunk, grad_dtype
@@ -330,15 +333,17 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature:
 
     hidden (..., H), weight (V, H), labels (...) int64 -> logprobs (...) fp32
     (and entropy (...) fp32, not differentiable, if return_entropy). Labels < 0: log-prob 0,
-    entropy 0, no gradient, and no LM-head work (prompt tokens are ~half of a GRPO batch). backend: "triton" | "torch" | None (triton on CUDA when importable).
+    entropy 0, no gradient, and no LM-head work (prompt tokens are ~half of a GRPO batch).
+    backend: "triton" | "torch" | None (triton on CUDA when importable).
     chunk_size: vocab columns per backward (and torch forward) chunk; None picks one.
     grad_dtype: the input dtype of the backward's two gradient matmuls (dz @ W, dz.T @ hidden);
     None = the forward's. threshold (...) fp32 or None: each token's log-prob (and entropy) over its
     kept set {v : z_v >= threshold} plus the label, renormalised (-inf: the whole vocabulary); the
-    sampler records it when top-k/top-p/min-p filter the vocabulary (grpo/engine/sampling.py). The CPU trainer under autocast_bf16 passes bf16: the forward and the
-    recompute stay fp32 (log-probs exact, matching the sampler's); the two matmuls run at bf16's
-    rate, with bf16's rounding of the gradients (normwise ~3e-3), as the blocks' own matmuls have
-    under autocast (the backward at 9,600 tokens of SmolLM2: 5.4 s instead of 9.6).
+    sampler records it when top-k/top-p/min-p filter the vocabulary (grpo/engine/sampling.py). The
+    CPU trainer under autocast_bf16 passes bf16: the forward and the recompute stay fp32 (log-probs
+    exact, matching the sampler's); the two matmuls run at bf16's rate, with bf16's rounding of the
+    gradients (normwise ~3e-3), as the blocks' own matmuls have under autocast (the backward at
+    9,600 tokens of SmolLM2: 5.4 s instead of 9.6).
     """
     backend = "triton" if use_triton(hidden, backend, "linear_logprobs") else "torch"
     lead = labels.shape
@@ -356,14 +361,16 @@ def linear_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature:
         if idx.numel() == 0:  # nothing to score: zeros, still attached to the graph
             zero = (hidden[:, 0] * 0 + weight[0, 0] * 0).float().reshape(lead)
             return (zero, zero.detach()) if return_entropy else zero
-        out = linear_logprobs(hidden[idx], weight, labels[idx], temperature, backend, return_entropy, chunk_size,
-                              grad_dtype, None if threshold is None else threshold[idx])
+        out = linear_logprobs(hidden[idx], weight, labels[idx], temperature, backend, return_entropy,
+                              chunk_size, grad_dtype, None if threshold is None else threshold[idx])
         lp, ent = out if return_entropy else (out, None)
-        place = lambda x: torch.zeros(len(labels), dtype=x.dtype, device=x.device).index_put((idx,), x).reshape(lead)
+        place = lambda x: (torch.zeros(len(labels), dtype=x.dtype, device=x.device)
+                           .index_put((idx,), x).reshape(lead))
         return (place(lp), place(ent)) if return_entropy else place(lp)
     hidden, labels = hidden.contiguous(), labels.contiguous()
     threshold = None if threshold is None else threshold.contiguous()
     chunk = chunk_size or _chunk_size(hidden.shape[0], V, gpu(hidden))
     logprobs, entropy = LinearLogprobs.apply(hidden, weight.contiguous(), labels, float(temperature),
-                                             backend, return_entropy, chunk, tuple(lead), grad_dtype, threshold)
+                                             backend, return_entropy, chunk, tuple(lead), grad_dtype,
+                                             threshold)
     return (logprobs, entropy) if return_entropy else logprobs

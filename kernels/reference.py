@@ -76,7 +76,8 @@ def log_exp_noise(seed32: Tensor, weyl32: Tensor) -> Tensor:
     return u.log_().neg_().log_()
 
 
-def weyl_bits(start: int, V: int, device) -> Tensor:  # (V,) int32: the Weyl terms of tokens [start, start + V)
+def weyl_bits(start: int, V: int, device) -> Tensor:
+    # (V,) int32: the Weyl terms of tokens [start, start + V)
     return int32_bits(torch.arange(start, start + V, device=device) * GOLDEN & MASK32)
 
 
@@ -132,8 +133,9 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def qkv_rope_write_ref(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor,
-                       pos: Tensor, n_heads: int, n_kv_heads: int, head_dim: int, q_norm: Tensor | None = None,
-                       k_norm: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+                       pos: Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
+                       q_norm: Tensor | None = None, k_norm: Tensor | None = None,
+                       eps: float = 1e-6) -> Tensor:
     """qkv (B, (nh + 2 nkv) D), cos, sin (B, D/2) -> q (B, nh, D) rotated; writes rotated k and
     raw v into k_cache, v_cache (slots, S, nkv, D) at [slot, pos] in the cache dtype."""
     B, D = qkv.shape[0], head_dim

@@ -58,7 +58,8 @@ if HAS_KERNEL:
     @triton.jit
     def _sample_partial_kernel(
         logits_ptr, key_ptr, step_ptr,           # (B, V) fp32/bf16, (B,) int64, (B,) int64
-        part_ptr, idx_ptr,                       # (4, B, S) fp32: best score, z at best, max, sum; (B, S) int32
+        part_ptr,                                # (4, B, S) fp32: best score, z at best, max, sum
+        idx_ptr,                                 # (B, S) int32
         B, V, v_per_split, t_scale, stride_l,
         GREEDY: tl.constexpr, RECIP: tl.constexpr, PRECISE_LOG: tl.constexpr, BLOCK_V: tl.constexpr,
     ):
@@ -202,7 +203,8 @@ def fused_sample(logits: Tensor, key: Tensor, step: Tensor, temperature: float,
     (temperature 0: greedy, with the temperature-1 log-prob). Inference only (no autograd).
     backend: "triton" | "torch" (kernels.reference.sample_ref) | None (triton on CUDA when importable).
     """
-    assert backend != "triton" or HAS_KERNEL, "backend='triton' but triton.language.extra.libdevice is not importable"
+    assert backend != "triton" or HAS_KERNEL, (
+        "backend='triton' but triton.language.extra.libdevice is not importable")
     backend = "triton" if use_triton(logits, backend, "fused_sample") and kernel_available() else "torch"
     assert logits.dim() == 2 and key.shape == step.shape == logits.shape[:1], \
         f"{logits.shape=} {key.shape=} {step.shape=}"

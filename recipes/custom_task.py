@@ -46,7 +46,8 @@ class CustomTask(Config):
     output_dir: str = "runs/custom_task"
     system_prompt: str = "Please reason step by step, and put your final answer within \\boxed{}."  # before
                                       # each question (not added to conversational prompts)
-    reward_funcs: str = ""            # comma-separated module:function, file.py:function or path/file.py:function
+    reward_funcs: str = ""            # comma-separated module:function, file.py:function or
+                                      # path/file.py:function
     reward_weights: str = ""          # comma-separated weights, one per function; empty = 1 each
     max_steps: int = 100
     learning_rate: float = 1e-6
@@ -59,7 +60,8 @@ def boxed_answer(prompts: list, completions: list, answer: list, **columns) -> l
     """1 when the last \\boxed{} is equivalent to the answer (math-verify), else 0; None (not
     applicable) for a row without an answer."""
     boxed = [last_boxed(completion_text(c)) for c in completions]
-    return [None if a is None else float(b is not None and is_equiv(b, str(a))) for b, a in zip(boxed, answer)]
+    return [None if a is None else float(b is not None and is_equiv(b, str(a)))
+            for b, a in zip(boxed, answer)]
 
 
 def boxed_format(prompts: list, completions: list, **columns) -> list[float]:
@@ -80,16 +82,19 @@ def eval_setup(cfg: CustomTask) -> tuple:
 
 def main(cls=CustomTask):
     cfg = parse_args(cls)
-    for field in ("train_data", "eval_data"):  # local files as absolute paths: config.json works from anywhere
+    # local files as absolute paths: config.json works from anywhere
+    for field in ("train_data", "eval_data"):
         if os.path.isfile(getattr(cfg, field)):
             setattr(cfg, field, os.path.abspath(getattr(cfg, field)))
     env, eval_examples = eval_setup(cfg)
     cfg.reward_funcs = portable_names(cfg.reward_funcs)  # config.json: found again by grpo.cli.eval --run
     names = list(env.funcs)
     try:
-        weights = [float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights else [1.0] * len(names)
+        weights = ([float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights
+                   else [1.0] * len(names))
     except ValueError:
-        raise SystemExit(f"error: --reward_weights={cfg.reward_weights!r}: expected comma-separated numbers") from None
+        raise SystemExit(f"error: --reward_weights={cfg.reward_weights!r}: "
+                         "expected comma-separated numbers") from None
     if len(weights) != len(names):
         raise SystemExit(f"error: {len(weights)} --reward_weights for {len(names)} --reward_funcs")
     train_examples = load(cfg, cfg.train_data)

@@ -2,8 +2,8 @@
 (model card: cmpatino/qwen-grpo-r5).
 
     torchrun --nproc_per_node=1 recipes/gsm8k_qwen3_06b.py --model_path=/models/Qwen3-0.6B
-    python -m grpo.cli.eval --model_path runs/gsm8k_qwen3_06b/export --task gsm8k --shots 10 --enable_thinking 0 \
-        --max_completion_length 768
+    python -m grpo.cli.eval --model_path runs/gsm8k_qwen3_06b/export --task gsm8k --shots 10 \
+        --enable_thinking 0 --max_completion_length 768
 
 Data: the Hugging Face openai/gsm8k (train and test splits of config main), fetched once by the
 optional `datasets` library. Offline, pass local files with the same columns (JSONL, CSV or
@@ -19,7 +19,8 @@ weights: r2, 77 steps at lr 3e-6, G = 8, temperature 1.0; r4, from r2, lr 2e-6, 
 One run here covers them from the base model: 250 steps at G = 16, lr 3e-6 after 10 warm-up steps
 and temperature 1.1, between the stages' values, so that one command reproduces the result. The
 card's own path is three commands, each from the last one's export:
-    python recipes/gsm8k_qwen3_06b.py --max_steps 77 --num_generations 8 --temperature 1.0 --output_dir runs/gsm8k_r2
+    python recipes/gsm8k_qwen3_06b.py --max_steps 77 --num_generations 8 --temperature 1.0 \
+        --output_dir runs/gsm8k_r2
     python recipes/gsm8k_qwen3_06b.py --model_path runs/gsm8k_r2/export --max_steps 100 --learning_rate 2e-6 \
         --temperature 1.0 --seed 1 --output_dir runs/gsm8k_r4
     python recipes/gsm8k_qwen3_06b.py --model_path runs/gsm8k_r4/export --max_steps 74 --learning_rate 2e-6 \
@@ -78,7 +79,8 @@ class GSM8KQwen3(Config):
 def load(cfg: GSM8KQwen3, source: str) -> list[dict]:
     # the usual failure is a missing file or no network: one line, saying what to pass
     return load_or_exit(source, "gsm8k recipe", " (--train_data=FILE --eval_data=FILE)",
-                        question_field=cfg.question_field, answer_field=cfg.answer_field, prepare=gsm8k_example)
+                        question_field=cfg.question_field, answer_field=cfg.answer_field,
+                        prepare=gsm8k_example)
 
 
 def eval_setup(cfg: GSM8KQwen3, train_set: list[dict] | None = None) -> tuple:

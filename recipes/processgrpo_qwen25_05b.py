@@ -4,15 +4,19 @@ zaydsyed/TactLM-Math-ProcessGRPO-Qwen2.5-0.5B).
 
     torchrun --nproc_per_node=1 recipes/processgrpo_qwen25_05b.py
     # the controls, on the same filtered problems, data order and settings (no second filter pass):
-    torchrun --nproc_per_node=1 recipes/processgrpo_qwen25_05b.py --credit=outcome --filter_solve_rate=false \\
-        --train_data=runs/processgrpo_qwen25_05b/train_filtered.jsonl --output_dir=runs/processgrpo_outcome
-    torchrun ... --credit=shuffled --filter_solve_rate=false --train_data=runs/processgrpo_qwen25_05b/train_filtered.jsonl ...
+    torchrun --nproc_per_node=1 recipes/processgrpo_qwen25_05b.py --credit=outcome \\
+        --filter_solve_rate=false --train_data=runs/processgrpo_qwen25_05b/train_filtered.jsonl \\
+        --output_dir=runs/processgrpo_outcome
+    torchrun ... --credit=shuffled --filter_solve_rate=false \\
+        --train_data=runs/processgrpo_qwen25_05b/train_filtered.jsonl ...
     # the benchmark: the 700 fresh multi-step problems, by operation count, paired gain over the base
     python -m grpo.envs.processgrpo --model_path runs/processgrpo_qwen25_05b/export \\
         --base Qwen/Qwen2.5-0.5B-Instruct
     # the card's other columns (its prompt, exact numbers, greedy, 3,072 tokens); GSM8K through the line above
-    python -m grpo.cli.eval --model_path runs/processgrpo_qwen25_05b/export --task svamp --max_completion_length 3072
-    #   ... --task gsm_symbolic, --task math500_numeric;  python -m grpo.envs.processgrpo ... --data openai/gsm8k:main:test
+    python -m grpo.cli.eval --model_path runs/processgrpo_qwen25_05b/export --task svamp \\
+        --max_completion_length 3072
+    #   ... --task gsm_symbolic, --task math500_numeric;
+    #   python -m grpo.envs.processgrpo ... --data openai/gsm8k:main:test
 
 Reference (one A100, one seed): mean validation accuracy over training 0.498 (process) vs 0.455
 (final-answer only) vs 0.465 (shuffled credit); checkpoint at step 280, chosen by validation
@@ -103,7 +107,8 @@ Where this differs from the card, all of it:
 | --- | --- | --- | --- |
 | loss, batch, lr | Dr. GRPO, 8 x 8, 1e-6 | same | |
 | K, progress weight, token cap | 16, 3, 3,072 | same | |
-| data | MATH, GSM8K, NuminaMath, generator; 8,478 filtered | no NuminaMath; filtered here | subset unstated; set not public |
+| data | MATH, GSM8K, NuminaMath, generator | no NuminaMath | subset unstated |
+| filtered problems | 8,478 | filtered here | set not public |
 | answer-key check | blind solver + second solver | the datasets' keys | |
 | steps | paragraphs | paragraphs, else lines | keeps per-step credit through the card's drift |
 | continuations | unstated | T 1, <= 1,024 tokens, <= 8 boundaries | |
@@ -141,7 +146,8 @@ class ProcessGRPOQwen(Config):
     model_path: str = "Qwen/Qwen2.5-0.5B-Instruct"  # a local HF folder, or a hub id fetched once
     output_dir: str = "runs/processgrpo_qwen25_05b"
     train_data: str = TRAIN_SOURCES   # comma-separated: files, dataset ids, multistep:train:N
-    eval_data: str = VALIDATION_SOURCES  # checkpoint choice: held-out GSM8K + MATH, not the benchmark's generator
+    eval_data: str = VALIDATION_SOURCES  # checkpoint choice: held-out GSM8K + MATH,
+                                      # not the benchmark's generator
     credit: str = "process"           # process | outcome (final-answer only) | shuffled (control)
     num_continuations: int = 16       # K: continuations of the frozen copy per step boundary
     progress_weight: float = 3.0      # token advantage = A + weight x its step's progress

@@ -2,9 +2,11 @@
 interpreter, in its own native tool-call format (ReTool, arXiv 2504.11536; the reference run's
 model card: BillyWang1/qwen3-4b-instruct-2507-retool-grpo).
 
-    torchrun --nproc_per_node=8 recipes/retool_qwen3_4b.py --model_path=/models/Qwen3-4B-Instruct-2507 --resume
+    torchrun --nproc_per_node=8 recipes/retool_qwen3_4b.py --model_path=/models/Qwen3-4B-Instruct-2507 \\
+        --resume
     python -m grpo.cli.eval --model_path runs/retool_qwen3_4b/export --task aime25 --tool code_interpreter \\
-        --eval_n 16 --eval_temperature 1.0 --max_completion_length 16384 --enable_thinking 0  # and aime24, math500
+        --eval_n 16 --eval_temperature 1.0 --max_completion_length 16384 \\
+        --enable_thinking 0  # and aime24, math500
 
 Reference (slime: Megatron training on 2 B200 + SGLang rollouts on 6): AIME 2024 0.581, AIME
 2025 0.498 (mean of 16 samples), MATH-500 0.956, with the interpreter at a 16k-token budget,
@@ -14,8 +16,8 @@ another length). Settings as the card: 64 prompts x 16 samples
 per rollout, lr 1e-6 constant, no KL, seed 42, reward +-1 on the final \\boxed{} (grpo.envs.retool),
 max response 8,192 tokens in training and 16,384 in eval (`eval_max_completion_length`, also the
 in-training AIME eval's, with the run's 16 tool turns: a row of the eval holds twice the KV, 2.3
-GiB, so half as many rows fit and a long answer costs twice the decode), the card's system prompt. Here the same
-GPUs sample and train, and a tool call runs in the sandbox while the other rows keep decoding.
+GiB, so half as many rows fit and a long answer costs twice the decode), the card's system prompt.
+Here the same GPUs sample and train, and a tool call runs in the sandbox while the other rows keep decoding.
 As the card, 4 optimizer steps per rollout (`steps_per_generation`: mini-batches of 16 prompts x
 16 samples, a global batch of 256; the old log-probs are the rollout's). The dataset's prompts
 carry DAPO's instruction to end on an "Answer: $Answer" line, which fights the \\boxed{} reward:
@@ -103,7 +105,8 @@ class ReToolQwen3(Config):
     beta: float = 0.0
     loss_type: str = "grpo"
     epsilon_high: float = 0.28        # slime's ReTool example (eps-clip-high): the card gives none
-    micro_batch_tokens: int = 16384   # holds one 512 + 8,192-token sequence on any device (the plan sizes the rest)
+    micro_batch_tokens: int = 16384   # holds one 512 + 8,192-token sequence on any device
+                                      # (the plan sizes the rest)
     weight_decay: float = 0.1         # slime's, as above
     adam_beta2: float = 0.98          # slime's, as above
     max_prompt_length: int = 512
@@ -136,7 +139,8 @@ def main(cls=ReToolQwen3, make_env=None) -> dict:
                      prepare=dapo_example)  # the problem alone: no "Answer: $Answer" instruction
     if cfg.max_steps == 0:  # one epoch, from the rows there are (the card's 271: 17,398 // 64)
         cfg.max_steps = epoch_steps(len(train_set), cfg.prompts_per_step)
-        print(f"max_steps={cfg.max_steps}: one epoch of {len(train_set)} problems at {cfg.prompts_per_step} a step")
+        print(f"max_steps={cfg.max_steps}: one epoch of {len(train_set)} problems "
+              f"at {cfg.prompts_per_step} a step")
     env, eval_set = eval_setup(cfg)
     return train(cfg, make_env(cfg) if make_env else env, train_set, eval_set, reward_weights=REWARD_WEIGHTS)
 

@@ -1,9 +1,13 @@
-"""The package's line length: no line of grpo/ over 110 characters (comments and docstrings too: the
-field comments of grpo/config.py are --help's text, and grpo/flags.py joins their continuation lines)."""
+"""The line length: no line of grpo/, recipes/ or kernels/ over 110 characters (comments and docstrings
+too: the field comments of grpo/config.py and of each recipe's class are --help's text, and grpo/flags.py
+joins their continuation lines)."""
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINE = 110
+FOLDERS = ("grpo", "recipes", "kernels")  # the package, the recipes a user forks, the Triton kernels
 
 
 def long_lines(folder: Path, limit: int = MAX_LINE) -> list[str]:
@@ -12,8 +16,9 @@ def long_lines(folder: Path, limit: int = MAX_LINE) -> list[str]:
             for i, line in enumerate(p.read_text().splitlines(), 1) if len(line) > limit]
 
 
-def test_no_line_in_grpo_is_over_110_characters():
-    found = long_lines(ROOT / "grpo")
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_no_line_is_over_110_characters(folder):
+    found = long_lines(ROOT / folder)
     assert not found, f"{len(found)} lines over {MAX_LINE} characters:\n" + "\n".join(found)
 
 
