@@ -34,8 +34,8 @@ Data: the reference's CSVs work as they are (a question or prompt column, an exp
 The loaders read local files and dataset ids, not URLs: download them, then pass the files.
     https://raw.githubusercontent.com/Danau5tin/calculator_agent_rl/main/datasets/calculator_train.csv
         -> --train_data=calculator_train.csv (its 1,500 training questions)
-    https://raw.githubusercontent.com/Danau5tin/agentic_environments/qwen/examples/calculator_agent/\
-datasets/basic_calculations_eval.csv
+    https://github.com/Danau5tin/agentic_environments, branch qwen, file
+    examples/calculator_agent/datasets/basic_calculations_eval.csv
         -> --eval_data=basic_calculations_eval.csv (its 158 evaluation questions)
 Without them, questions are generated (grpo.envs.calculator_data). On a GPU the memory plan sizes the
 sampler's batch and KV budget, the micro-batch and gradient checkpointing at start
