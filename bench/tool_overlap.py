@@ -39,7 +39,7 @@ class Inline(cf.Executor):
 def run(model, tok, env, examples, params, inline: bool) -> tuple[float, list]:
     sampler = Sampler(model, tok, gen_batch=len(examples) * params.n)
     if inline:
-        sampler.pool = Inline()
+        sampler.scheduler.pool = Inline()
     t = time.perf_counter()
     trajs = rollout(sampler, tok, env, examples, params)
     return time.perf_counter() - t, trajs

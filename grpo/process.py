@@ -141,8 +141,8 @@ class ProcessCredit:
         from grpo.fit.memory import frozen_copy_terms
         s, args = self.sampler, self.sampler.model.args
         length = cfg.max_prompt_length + cfg.max_completion_length + self.max_continuation_tokens
-        return frozen_copy_terms(args, next(s.model.parameters()).element_size(), s.gen_batch, length,
-                                 s.kv_budget_bytes)
+        return frozen_copy_terms(args, next(s.model.parameters()).element_size(), s.runner.gen_batch, length,
+                                 s.runner.kv_budget_bytes)
 
     def __call__(self, trajs: list[Trajectory], advantages: torch.Tensor, step: int = 0) -> torch.Tensor:
         """(N,) outcome advantages -> (N, C_max) token advantages (0 past each completion)."""

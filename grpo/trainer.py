@@ -391,7 +391,7 @@ def evaluate_on_ranks(model, tokenizer, env, examples: list, cfg: Config, greedy
     share = -(-len(examples) // dist.world_size())
     lo, hi = min(dist.rank() * share, len(examples)), min((dist.rank() + 1) * share, len(examples))
     settings = run_eval_settings(cfg, greedy)
-    keep = sampler is not None and sampler.use_graphs and cfg.keep_kv_cache
+    keep = sampler is not None and sampler.runner.use_graphs and cfg.keep_kv_cache
     held = sampler.cache.max_seq_len if keep and sampler.cache is not None else None
     with dist.gathered(model):
         if sampler is not None and not keep:

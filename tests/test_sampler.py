@@ -256,7 +256,7 @@ def _mock_graphs(sampler, monkeypatch) -> list:
         return self.graphs[key]
 
     monkeypatch.setattr(Runner, "_graph", graph)
-    sampler.use_graphs = True
+    sampler.runner.use_graphs = True
     return captured
 
 

@@ -517,7 +517,8 @@ def test_eval_keeps_the_rollouts_graphs_where_they_are_kept(monkeypatch, graphs,
     again after each eval; with keep_kv_cache they stay, and the eval replays them."""
     import types
     calls = []
-    sampler = types.SimpleNamespace(use_graphs=graphs, cache=types.SimpleNamespace(max_seq_len=512),
+    sampler = types.SimpleNamespace(runner=types.SimpleNamespace(use_graphs=graphs),
+                                    cache=types.SimpleNamespace(max_seq_len=512),
                                     release=lambda: calls.append("release"))
 
     def evaluate(model, tokenizer, env, examples, sampler=None, **kw):

@@ -40,8 +40,9 @@ __all__ = ["Sampler", "SamplingParams", "Completion", "decode_step", "bucket", "
 
 
 class _Part:
-    """A sampler attribute that lives in one of its parts: Sampler.cache reads and writes Sampler.runner.cache
-    (the names callers, tests and benches use, kept where they were)."""
+    """A sampler attribute that lives in one of its parts: Sampler.cache reads and writes
+    Sampler.runner.cache. Only the model, the cache and decode weights callers inspect, and the cost
+    counters; the rest is reached through the parts (sampler.runner.use_graphs, sampler.scheduler.pool)."""
     def __init__(self, part: str):
         self.part = part
 
@@ -68,12 +69,9 @@ class Sampler:
     Counters since construction, for costs and benches: tokens_prefilled, capture_seconds,
     decode_steps, rows_decoded (rows x steps computed) and rows_live (of those, the ones that drew a
     token)."""
-    model, dtype, device, gen_batch, kv_budget_bytes = (_Part("runner") for _ in range(5))
-    window, prefill_tokens, use_graphs, buckets = (_Part("runner") for _ in range(4))
-    cache, state, weights, graphs = (_Part("runner") for _ in range(4))
+    model, cache, weights = (_Part("runner") for _ in range(3))
     tokens_prefilled, capture_seconds, decode_steps = (_Part("runner") for _ in range(3))
     rows_decoded, rows_live = _Part("runner"), _Part("runner")
-    tokenizer, pool, pipeline = (_Part("scheduler") for _ in range(3))
 
     def __init__(self, model, tokenizer=None, gen_batch: int = 64, max_seq_len: int | None = None,
                  kv_budget_bytes: int | None = None, prefill_tokens: int | None = None,
@@ -122,7 +120,7 @@ class Sampler:
         # during a call; the cache is dropped at its end, also when a caller's autocast encloses it.
         sched = self.scheduler
         try:
-            with torch.autocast(self.device.type, enabled=False):
+            with torch.autocast(self.runner.device.type, enabled=False):
                 while call.busy:
                     sched.admit(call)  # 1. waiting rows into free slots: prefill, forks, first tokens
                     sched.resume(call)  # 2. rows back from a tool call: the observation into the cache

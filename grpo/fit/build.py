@@ -132,9 +132,10 @@ def sampler_of(model: Transformer, tokenizer, cfg: Config) -> Sampler:
     with dist.gathered(model):
         sampler = Sampler(model, tokenizer, gen_batch=cfg.gen_batch, kv_budget_bytes=budget,
                           cuda_graphs=cfg.cuda_graphs)
-    row = KVCache.slot_bytes(model.args, cfg.max_prompt_length + cfg.max_completion_length, sampler.dtype)
-    if sampler.kv_budget_bytes < row:
-        raise ValueError(f"kv_budget_gb={cfg.kv_budget_gb}: {sampler.kv_budget_bytes / 2**30:.2f} GiB of KV "
+    runner = sampler.runner
+    row = KVCache.slot_bytes(model.args, cfg.max_prompt_length + cfg.max_completion_length, runner.dtype)
+    if runner.kv_budget_bytes < row:
+        raise ValueError(f"kv_budget_gb={cfg.kv_budget_gb}: {runner.kv_budget_bytes / 2**30:.2f} GiB of KV "
                          "cache holds no row of max_prompt_length + max_completion_length tokens "
                          f"({row / 2**30:.2f} GiB)")
     return sampler

@@ -56,7 +56,7 @@ def step_count(config: dict, B: int, layers: int, way: str, arch: int) -> dict:
     model = build(config, layers)
     sampler = Sampler(model, gen_batch=B, max_seq_len=PLEN + NEW, cuda_graphs=False)
     sampler.weights = DecodeWeights(model, mode="copy")  # the GPU's stacked copy, not a CPU's packed weights
-    st = sampler.state
+    st = sampler.runner.state
     st.tok[:B], st.pos[:B], st.active[:B], st.max_tokens[:B] = 1, PLEN, True, NEW
     count, real = OpCount(), kernels.fused_sample
 
