@@ -530,7 +530,7 @@ def lora_parity(name: str, device, sizes: dict, perturb: bool):
     with torch.no_grad(), dist.gathered(model):
         sampler = Sampler(model, gen_batch=2 * len(prompts), max_seq_len=plen + new)
         done = sampler.generate([list(p) for p in prompts], params)
-        sampler.scheduler.pool.shutdown()
+        sampler.close()
         trajs = [Trajectory(example={}, prompt_index=c.prompt_index, prompt_ids=list(prompts[c.prompt_index]),
                             completion_ids=c.token_ids, loss_mask=c.loss_mask, sampler_logprobs=c.logprobs,
                             finish_reason=c.finish_reason, num_turns=1) for c in done]
@@ -576,7 +576,7 @@ def greedy_case(name: str, device, sizes: dict, perturb: bool, dtype) -> list[di
         with dist.gathered(model), fused_paths(kernels=kernels, flash=flash):
             sampler = Sampler(model, gen_batch=P, max_seq_len=max(lengths) + new, cuda_graphs=graphs)
             out = [c.token_ids for c in sampler.generate(prompts, params)]
-            sampler.scheduler.pool.shutdown()
+            sampler.close()
             return out
 
     ref = run(False, False, prompts, kernels=False)  # eager decode, PyTorch ops and SDPA: the path CI runs on the CPU
@@ -635,7 +635,7 @@ def tool_gap_parity(name: str, device, sizes: dict, perturb: bool):
         with torch.no_grad(), dist.gathered(model):
             sampler = Sampler(model, gen_batch=P * n, max_seq_len=plen + max_tokens)
             done = sampler.generate(prompts, params, tool=lambda index, ids: answer)
-            sampler.scheduler.pool.shutdown()
+            sampler.close()
             del sampler
             trajs = [Trajectory(example={}, prompt_index=c.prompt_index, prompt_ids=prompts[c.prompt_index],
                                 completion_ids=c.token_ids, loss_mask=c.loss_mask, sampler_logprobs=c.logprobs,
@@ -754,7 +754,7 @@ def decode_figures(name: str, device, sizes: dict) -> list[dict]:
             if target_ms else row("figures", name, what, ms, shown=f"{ms:.2f}", note=note),
             row("figures", name, f"decode tokens/s, batch {B}, {plen} + {new} tokens", tps, shown=f"{tps:,.0f}")]
     kernels = kernels_per_step(sampler, B, plen) if device.type == "cuda" else None
-    sampler.scheduler.pool.shutdown()
+    sampler.close()
     if kernels is not None:
         rows.append(goal("figures", name, "kernels per decode step", kernels, f"{kernels}",
                          target_kernels is None or kernels <= target_kernels,
@@ -791,7 +791,7 @@ def preflight_figures(name: str, device, sizes: dict) -> list[dict]:
         sampler = Sampler(model, None, gen_batch=cfg.gen_batch, kv_budget_bytes=int(cfg.kv_budget_gb * GIB) or None)
     plan = memory_plan(model.args, cfg, 1, device.type)
     out = preflight(cfg, model, sampler, optimizer, device, plan)
-    sampler.scheduler.pool.shutdown()
+    sampler.close()
     sized = (f"gen_batch {cfg.gen_batch}, kv_budget_gb {cfg.kv_budget_gb:g}, micro_batch_tokens "
              f"{cfg.micro_batch_tokens}, checkpointing {cfg.gradient_checkpointing}; {B} x {G} rows of {plen} + {new}")
     return [goal("figures", name, f"preflight {phase}: measured peak / planned", got / want, f"{got / want:.0%}",
@@ -822,7 +822,7 @@ def rollout_figures(name: str, device, sizes: dict) -> list[dict]:
     out = []
     seconds = bench_sampler.timed(lambda: out.append(go()), device)
     steps, decoded, live = (a - b for a, b in zip((sampler.decode_steps, sampler.rows_decoded, sampler.rows_live), before))
-    sampler.scheduler.pool.shutdown()
+    sampler.close()
     done = out[0]
     sampled = sum(len(c.token_ids) for c in done)
     calls = sum(c.num_turns - 1 for c in done)

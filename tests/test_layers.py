@@ -151,7 +151,7 @@ def module_arrows(paths, package: Path = ROOT / "grpo") -> dict[tuple[str, str],
     arrows = {}
     for path in paths:
         source = module_of(path, package)
-        for target in imports_and_calls(path)[0] & known - {source}:
+        for target in imports_and_calls(path)[0] & (known - {source}):
             arrows.setdefault((source, target), []).append(f"{source} -> {target}")
     return arrows
 

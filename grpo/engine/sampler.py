@@ -86,6 +86,10 @@ class Sampler:
         """Free the KV cache, the graphs that read it and the resident decode weights (Runner.release)."""
         self.runner.release(weights)
 
+    def close(self):
+        """Stop the tool-call threads (a sampler that is done: it takes no tool call after this)."""
+        self.scheduler.pool.shutdown()
+
     @torch.no_grad()  # not inference_mode: under it autocast does not cache its weight casts (see _run)
     def generate(self, prompts: list[list[int]], params: SamplingParams, tool=None,
                  prompt_ids: list[int] | None = None, progress: bool = False) -> list[Completion]:
